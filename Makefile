@@ -1,0 +1,82 @@
+# accel-recipes: `make train` sets everything up and trains on a built-in example;
+# `make test` runs the test suite. RECIPE= picks the recipe, ARGS= passes flags through.
+#   make train RECIPE=template ARGS="--epochs 5"
+#   make train-8gpu RECIPE=template ARGS="--bs 512"
+#   make train-multinode NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, from a pinned pair known to work with torchvision/timm; override for your CUDA:
+#   make install TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cu126"
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+RECIPE ?= template
+ARGS ?=
+GPUS_PER_NODE ?= 8
+NNODES ?= 2
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+STAMP := $(VENV)/.installed
+
+SCRIPT = recipes/train_$(RECIPE).py
+
+# $(call launch,DEFAULT_CONFIG,EXTRA_LAUNCH_FLAGS): accelerate launch with CONFIG (or the default),
+# refusing a config file that does not exist before anything starts.
+define launch
+	@cfg="$(or $(CONFIG),$(1))"; test -f "$$cfg" || { echo "error: CONFIG=$$cfg: no such" \
+	  "accelerate config file; choose one of: $(wildcard accelerate_configs/*.yaml)" >&2; exit 2; }; \
+	set -x; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/accelerate launch --config_file "$$cfg" \
+	  $(2) $(SCRIPT) $(ARGS)
+endef
+
+.PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \
+        test lint format bench clean check-recipe
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[all]"
+	touch $(STAMP)
+
+check-recipe:
+	@test -f $(SCRIPT) || { echo "error: RECIPE=$(RECIPE): no file $(SCRIPT); choose one of:" \
+	  $(patsubst recipes/train_%.py,%,$(wildcard recipes/train_*.py)) >&2; exit 2; }
+
+# one process, on the GPU if there is one, else the CPU
+train: install check-recipe
+	$(BIN)/python $(SCRIPT) $(ARGS)
+
+# two CPU processes over gloo: the distributed code path without a GPU
+train-cpu: install check-recipe
+	$(call launch,accelerate_configs/cpu_2proc.yaml)
+
+train-1gpu train-2gpu train-4gpu train-8gpu: train-%gpu: install check-recipe
+	$(call launch,accelerate_configs/$*gpu.yaml)
+
+# run on every node, NODE_RANK=0 on the head node (MASTER_ADDR); see docs/multinode in README
+train-multinode: install check-recipe
+	$(call launch,accelerate_configs/multinode_2x8.yaml,--num_machines $(NNODES) \
+	  --num_processes $$(( $(NNODES) * $(GPUS_PER_NODE) )) --machine_rank $(NODE_RANK) \
+	  --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT))
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_overhead.py --out docs/BENCHMARKS.md
+
+clean:
+	rm -rf runs data/example .pytest_cache

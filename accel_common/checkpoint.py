@@ -1,0 +1,332 @@
+"""Checkpoints in two parts: resumable training state, and an exported model for plain PyTorch.
+
+Resumable state lives in `OUTPUT/checkpoints/step_N`: `accelerator.save_state` (model, optimizer,
+scheduler, grad scaler, each rank's RNG) plus `progress.json` (epoch, samples seen in it, optimizer
+step, batch plan). It is written to `step_N.tmp` and renamed only when complete, and
+`progress.json` is written last, so a crash mid-save never produces a "latest" that cannot load.
+
+The export is one safetensors file with clean keys (no `module.` / `_orig_mod.` prefixes) and a
+JSON beside it, loadable on any single device with `load_exported`. `convert_checkpoint` produces
+the same pair from foreign checkpoints (DDP / torch.compile / Accelerate folders) without ever
+unpickling arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from accel_common.batching import BatchPlan
+from accel_common.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+PROGRESS_FILE = "progress.json"
+MODEL_FILE = "model.safetensors"
+META_FILE = "model.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# Wrappers that training scripts put around a state dict, outermost first.
+STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
+# Prefixes added by DDP / DataParallel (`module.`), torch.compile (`_orig_mod.`) and Lightning-style
+# modules holding a DDP model (`model.module.`), in any nesting.
+WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
+
+
+@dataclass
+class TrainProgress:
+    """Where a run is: enough to resume at the exact sample, with any number of processes."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+
+    def batches_to_skip(self, plan: BatchPlan) -> int:
+        """Per-process micro-batches of the current epoch that were already trained on."""
+        per_round = plan.per_device_batch_size * plan.num_processes
+        if self.samples_in_epoch % per_round:
+            raise CheckpointError(
+                f"the checkpoint stopped {self.samples_in_epoch} samples into epoch {self.epoch},"
+                f" which is not a whole number of {per_round}-sample rounds with this launch's "
+                f"batch plan ({plan.describe()}); resume with the original number of processes"
+            )
+        return self.samples_in_epoch // per_round
+
+
+# --------------------------------------------------------------------------- resumable state
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step_{step}"
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints (renamed from .tmp, with progress.json), oldest first."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / PROGRESS_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: Path,
+    progress: TrainProgress,
+    *,
+    plan: BatchPlan,
+    keep_last: int = 2,
+) -> Path:
+    """Save resumable state for `progress.step`; every process must call this (collective)."""
+    final = checkpoint_dir(output_dir, progress.step)
+    tmp = final.with_name(final.name + ".tmp")
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # left by a crash during an earlier save
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's RNG file is in place
+    if accelerator.is_main_process:
+        record = {"progress": asdict(progress), "batch_plan": plan.as_dict()}
+        (tmp / PROGRESS_FILE).write_text(json.dumps(record, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """`latest` -> newest complete checkpoint (None if there is none yet), else a given path."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint folder")
+    if not (path / PROGRESS_FILE).is_file():
+        raise CheckpointError(
+            f"--resume {resume}: {PROGRESS_FILE} is missing, so this save never completed "
+            f"(or is not a checkpoint of this project); pick another folder under "
+            f"{Path(output_dir) / CHECKPOINTS} or use --resume latest"
+        )
+    return path
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, plan: BatchPlan) -> TrainProgress:
+    """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress.
+
+    The global batch must match the checkpoint's: the schedule's step count and the resume
+    position depend on it. The number of processes may change.
+    """
+    try:
+        record = json.loads((path / PROGRESS_FILE).read_text())
+        progress = TrainProgress(**record["progress"])
+        saved_global = int(record["batch_plan"]["global_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
+    if saved_global != plan.global_batch_size:
+        raise CheckpointError(
+            f"{path} was trained at global batch {saved_global}, this launch uses "
+            f"{plan.global_batch_size} ({plan.describe()}); pass --bs {saved_global} to resume"
+        )
+    progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # torch/safetensors raise many types for truncated or corrupt files
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated and cannot be loaded "
+            f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
+        ) from err
+    return progress
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _clean_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # clone() unties shared storage, which safetensors refuses to write.
+    return {key: tensor.detach().cpu().contiguous().clone() for key, tensor in state.items()}
+
+
+def write_export(
+    state: Mapping[str, torch.Tensor], out_dir: Path, metadata: dict[str, Any]
+) -> Path:
+    """Write model.safetensors + model.json to `out_dir`, each via a temporary name."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = out_dir / MODEL_FILE
+    tmp_model = out_dir / (MODEL_FILE + ".tmp")
+    save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
+    tmp_meta = out_dir / (META_FILE + ".tmp")
+    tmp_meta.write_text(json.dumps(metadata, indent=2, default=str))
+    os.replace(tmp_model, model_path)
+    os.replace(tmp_meta, out_dir / META_FILE)
+    return model_path
+
+
+def export_model(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    out_dir: Path,
+    *,
+    recipe: str,
+    config: dict[str, Any],
+    plan: BatchPlan,
+    step: int,
+    metrics: dict[str, float],
+) -> Path:
+    """Export the trained model; every process calls this (gathering shards is collective)."""
+    state = accelerator.get_state_dict(model)
+    path = Path(out_dir) / MODEL_FILE
+    if accelerator.is_main_process:
+        metadata = {
+            "recipe": recipe,
+            "config": config,
+            "batch_plan": plan.as_dict(),
+            "step": step,
+            "metrics": metrics,
+        }
+        path = write_export(state, out_dir, metadata)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def read_export_metadata(path: Path) -> dict[str, Any]:
+    """The JSON written beside an export (recipe, config, batch plan, step, metrics)."""
+    path = Path(path)
+    meta_path = path / META_FILE if path.is_dir() else path.with_name(META_FILE)
+    try:
+        return json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_path}: cannot read the export's metadata ({err})") from err
+
+
+def load_exported(
+    path: Path, model: torch.nn.Module, device: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Load an export (its folder or its .safetensors) strictly into `model`; return its JSON."""
+    path = Path(path)
+    model_path = path / MODEL_FILE if path.is_dir() else path
+    if not model_path.is_file():
+        raise CheckpointError(f"no exported model at {model_path}")
+    try:
+        state = load_file(str(model_path), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{model_path} does not fit this model (were the width/depth flags the same as in "
+            f"training? see {META_FILE} beside it): {err}"
+        ) from err
+    return read_export_metadata(model_path) if model_path.with_name(META_FILE).is_file() else {}
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove DDP/compile wrapper prefixes in any nesting, and compiled-submodule `_orig_mod.`."""
+    cleaned: dict[str, Any] = {}
+    for key, value in state.items():
+        new = key
+        while prefix := next((p for p in WRAPPER_PREFIXES if new.startswith(p)), None):
+            new = new[len(prefix) :]
+        new = new.replace("._orig_mod.", ".")
+        if new in cleaned:
+            raise CheckpointError(
+                f"removing wrapper prefixes maps two keys onto '{new}' (one of them is '{key}')"
+            )
+        cleaned[new] = value
+    return cleaned
+
+
+def unwrap_state_dict(obj: Any, source: str) -> dict[str, torch.Tensor]:
+    """Descend through `model_state` / `state_dict` / `model` wrappers to the tensors."""
+    while isinstance(obj, Mapping) and not all(torch.is_tensor(v) for v in obj.values()):
+        key = next((k for k in STATE_DICT_WRAPPERS if isinstance(obj.get(k), Mapping)), None)
+        if key is None:
+            keys = ", ".join(sorted(map(str, obj))[:12])
+            raise CheckpointError(
+                f"{source}: found no model weights; top-level keys are [{keys}] and none of "
+                f"{', '.join(STATE_DICT_WRAPPERS)} holds a state dict"
+            )
+        obj = obj[key]
+    if not isinstance(obj, Mapping) or not obj:
+        raise CheckpointError(f"{source}: contains no tensors")
+    return dict(obj)
+
+
+def _accelerate_folder_weights(folder: Path, model_index: int) -> Path:
+    suffix = "" if model_index == 0 else f"_{model_index}"
+    for name in (f"model{suffix}.safetensors", f"pytorch_model{suffix}.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    raise CheckpointError(
+        f"{folder}: no model{suffix}.safetensors or pytorch_model{suffix}.bin in this folder; "
+        "is it an accelerator.save_state checkpoint? (sharded FSDP/DeepSpeed states must be "
+        "merged first with `accelerate merge-weights`)"
+    )
+
+
+def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """Read weights from a .safetensors file, a torch.save file, or an Accelerate folder."""
+    source = Path(source)
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file or folder")
+    if source.is_dir():
+        source = _accelerate_folder_weights(source, model_index)
+    if source.suffix == ".safetensors":
+        try:
+            return load_file(str(source))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{source} is corrupt or truncated: {err}") from err
+    try:
+        obj = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:
+        if "weights_only" in str(err) or "Unsupported global" in str(err):
+            raise CheckpointError(
+                f"{source} holds pickled Python objects beyond tensors, and loading it would run "
+                "arbitrary code, so it was not loaded. If you trust it, re-save only the weights: "
+                "torch.save(model.state_dict(), 'weights.pt')"
+            ) from err
+        raise CheckpointError(
+            f"{source} is corrupt, truncated or not a PyTorch file: {err}"
+        ) from err
+    return unwrap_state_dict(obj, str(source))
+
+
+def convert_checkpoint(
+    source: Path,
+    out_dir: Path,
+    *,
+    recipe: str = "unknown",
+    model_index: int = 0,
+    force: bool = False,
+) -> Path:
+    """Turn a foreign checkpoint into the project's clean export (safetensors + JSON)."""
+    out_dir = Path(out_dir)
+    if (out_dir / MODEL_FILE).exists() and not force:
+        raise CheckpointError(f"{out_dir / MODEL_FILE} exists; pass --force to overwrite it")
+    state = read_state_dict(source, model_index)
+    metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
+    return write_export(state, out_dir, metadata)

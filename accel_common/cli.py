@@ -1,0 +1,152 @@
+"""`accel-recipes`: the batch/LR plan table, checkpoint conversion, new recipes, example data."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from accel_common.batching import BatchPlanError, plan_batch
+from accel_common.checkpoint import convert_checkpoint
+from accel_common.data import GENERATORS, make_data
+from accel_common.errors import RecipeError, exit_on_error
+from accel_common.lr import LRScaling, scale_lr
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Tools for the accel-recipes training recipes.",
+)
+console = Console()
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
+
+
+@app.command()
+@exit_on_error
+def plan(
+    ref_bs: int = typer.Option(..., help="Global batch the reference LR was tuned at."),
+    ref_lr: float = typer.Option(..., help="LR tuned at --ref-bs."),
+    per_device_bs: int = typer.Option(
+        None, help="Keep this per-GPU batch fixed; the global batch grows with the GPUs."
+    ),
+    bs: int = typer.Option(
+        None, help="Keep this global batch fixed; it is split over the GPUs (and accumulation)."
+    ),
+    grad_accum: int = typer.Option(1, help="Gradient accumulation steps."),
+    max_per_device_bs: int = typer.Option(
+        None, help="Per-GPU memory cap; larger per-GPU batches become accumulation."
+    ),
+    gpus: str = typer.Option("1,2,4,8,16", help="Comma-separated GPU (process) counts."),
+) -> None:
+    """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count."""
+    try:
+        counts = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise RecipeError(f"--gpus {gpus!r}: give comma-separated integers, e.g. 1,2,4,8") from None
+    scale_lr(ref_lr, ref_bs, ref_bs, LRScaling.none)  # validates --ref-lr and --ref-bs
+    keep = "per-GPU batch" if bs is None else "global batch"
+    table = Table(title=f"Batch and LR plan (reference: lr {ref_lr:g} at global batch {ref_bs})")
+    for column in ("GPUs", "global batch", "per-GPU batch", "accum", "linear LR", "sqrt LR"):
+        table.add_column(column, justify="right")
+    notes = []
+    for count in counts:
+        try:
+            row = plan_batch(
+                count,
+                global_batch_size=bs,
+                per_device_batch_size=per_device_bs,
+                grad_accum_steps=grad_accum,
+                max_per_device_batch_size=max_per_device_bs,
+                warn_small=False,
+            )
+        except BatchPlanError as err:
+            if bs is None or "cannot be split" not in str(err):
+                raise
+            table.add_row(str(count), str(bs), "-", "-", "-", "-")
+            notes.append(f"{count} GPUs: {err}")
+            continue
+        table.add_row(
+            str(count),
+            str(row.global_batch_size),
+            str(row.per_device_batch_size),
+            str(row.grad_accum_steps),
+            f"{scale_lr(ref_lr, ref_bs, row.global_batch_size, LRScaling.linear):.3g}",
+            f"{scale_lr(ref_lr, ref_bs, row.global_batch_size, LRScaling.sqrt):.3g}",
+        )
+    console.print(table)
+    console.print(
+        f"Keeping the {keep} fixed. Pass the numbers to a recipe as --bs GLOBAL "
+        f"--lr {ref_lr:g} --ref-bs {ref_bs} --lr-scaling linear|sqrt."
+    )
+    for note in notes:
+        console.print(f"[yellow]{note}[/yellow]")
+
+
+@app.command()
+@exit_on_error
+def convert(
+    source: Path = typer.Argument(
+        ..., help="A .safetensors/.pt/.pth/.bin file, or an accelerator.save_state folder."
+    ),
+    output: Path = typer.Argument(..., help="Folder to write model.safetensors + model.json into."),
+    recipe: str = typer.Option("unknown", help="Recipe name recorded in model.json."),
+    model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
+    force: bool = typer.Option(False, help="Overwrite an existing model.safetensors."),
+) -> None:
+    """Convert a DDP / torch.compile / Accelerate checkpoint into a clean single-file export.
+
+    Strips `module.`, `model.module.` and `_orig_mod.` prefixes in any nesting, unwraps
+    `model_state` / `state_dict` / `model` wrappers, and never unpickles arbitrary objects.
+    """
+    path = convert_checkpoint(source, output, recipe=recipe, model_index=model_index, force=force)
+    console.print(f"wrote {path} and {path.with_name('model.json')}")
+
+
+@app.command()
+@exit_on_error
+def new(
+    name: str = typer.Argument(..., help="Workload name: recipes/train_NAME.py is created."),
+    dest: Path = typer.Option(Path("recipes"), help="Folder to create the recipe in."),
+) -> None:
+    """Start a new recipe as a copy of the template (never overwrites)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise RecipeError(f"recipe name {name!r}: use lower-case letters, digits and _")
+    target = dest / f"train_{name}.py"
+    if target.exists():
+        raise RecipeError(f"{target} already exists; choose another name or delete it first")
+    if not TEMPLATE.is_file():
+        raise RecipeError(f"template not found at {TEMPLATE}; install the repo with pip -e")
+    text = TEMPLATE.read_text()
+    text = text.replace('RECIPE = "template"', f'RECIPE = "{name}"')
+    for old, new_text in (
+        ("runs/template", f"runs/{name}"),
+        ("data/example/template", f"data/example/{name}"),
+        ("train_template.py", target.name),
+    ):
+        text = text.replace(old, new_text)
+    dest.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    console.print(f"created {target}: replace the parts marked WORKLOAD, keep the loop's shape")
+
+
+@app.command("make-data")
+@exit_on_error
+def make_data_command(
+    workload: str = typer.Argument(..., help=f"One of: {', '.join(GENERATORS)}."),
+    out_dir: Path = typer.Argument(..., help="Folder to write the data set into."),
+    seed: int = typer.Option(0, help="Random seed of the generator."),
+    force: bool = typer.Option(False, help="Write into a non-empty folder."),
+) -> None:
+    """Write a small synthetic data set in the workload's original on-disk format."""
+    path = make_data(workload, out_dir, force=force, seed=seed)
+    console.print(f"wrote {workload} data to {path}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,64 @@
+"""What the main process shows: a start banner with the plan, one progress bar, epoch metrics."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from accel_common.batching import SMALL_PER_DEVICE_BATCH, BatchPlan
+
+
+def print_banner(
+    accelerator: Accelerator,
+    *,
+    recipe: str,
+    plan: BatchPlan,
+    lr_line: str,
+    total_steps: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """The plan users otherwise reconstruct from logs: world, device, precision, batch, LR."""
+    if not accelerator.is_main_process:
+        return
+    rows = {
+        "recipe": recipe,
+        "world size": f"{accelerator.num_processes} process(es), this one on {accelerator.device}",
+        "distributed": str(accelerator.distributed_type.value),
+        "mixed precision": accelerator.mixed_precision,
+        "batch": plan.describe(),
+        "learning rate": lr_line,
+        "optimizer steps": str(total_steps),
+        **{k: str(v) for k, v in (extra or {}).items()},
+    }
+    width = max(map(len, rows))
+    lines = [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]
+    if plan.per_device_batch_size < SMALL_PER_DEVICE_BATCH:
+        lines.append(
+            f"  warning: per-device batch {plan.per_device_batch_size} gives noisy gradients and an"
+            " idle device; raise --bs or use --per-device-bs"
+        )
+    print("\n".join(["", *lines, ""]), flush=True)
+
+
+def progress_bar(accelerator: Accelerator, *, total: int, initial: int, desc: str) -> tqdm:
+    """One bar for the whole job (main process only), counting optimizer steps."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=not accelerator.is_main_process,
+        file=sys.stdout,
+    )
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    return "  ".join(
+        f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+        for key, value in metrics.items()
+    )

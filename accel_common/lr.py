@@ -1,0 +1,114 @@
+"""Learning-rate scaling and schedules that count optimizer steps, not processes.
+
+Scaling: an LR tuned at a reference global batch (`--ref-bs`) is carried to the actual global
+batch by a rule: `none` keeps it, `linear` multiplies by the batch ratio (Goyal et al.), `sqrt` by
+its square root (gentler, often better for Adam).
+
+Schedules: the multiplier is a pure function of the optimizer step (one step = one update after
+gradient accumulation). Accelerate's prepared scheduler, by default, calls `step()` once per process
+on every optimizer step, so that a schedule written in single-process steps runs `num_processes`
+times faster. Recipes instead build their `Accelerator` with `step_scheduler_with_optimizer=False`
+and call `scheduler.step()` once per optimizer step (when `accelerator.sync_gradients` is true):
+the LR at step k is then the same on 1 process or 64, and checkpoint resume restores it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from accel_common.errors import ConfigError
+
+
+class LRScaling(str, Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class Decay(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+    exponential = "exponential"
+    onecycle = "onecycle"
+
+
+def scale_lr(ref_lr: float, ref_batch_size: int, global_batch_size: int, rule: LRScaling) -> float:
+    """LR for `global_batch_size`, given one tuned at `ref_batch_size`."""
+    if not ref_lr > 0 or not math.isfinite(ref_lr):
+        raise ConfigError(f"--lr must be a positive number, got {ref_lr}")
+    if ref_batch_size < 1:
+        raise ConfigError(f"--ref-bs must be a positive integer, got {ref_batch_size}")
+    ratio = global_batch_size / ref_batch_size
+    rule = LRScaling(rule)
+    if rule is LRScaling.linear:
+        return ref_lr * ratio
+    if rule is LRScaling.sqrt:
+        return ref_lr * math.sqrt(ratio)
+    return ref_lr
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Warmup then decay, as a multiplier of the peak LR at each optimizer step.
+
+    `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
+    per-step factor of exponential decay (1.0 keeps the LR constant after warmup). `onecycle`
+    follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the run when
+    `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
+    """
+
+    total_steps: int
+    warmup_steps: int = 0
+    decay: Decay = Decay.constant
+    min_lr_ratio: float = 0.0
+    gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ConfigError(
+                f"a schedule needs at least one optimizer step, got {self.total_steps} (is the "
+                "training set smaller than one global batch?)"
+            )
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ConfigError(
+                f"--warmup-steps must be between 0 and the run's {self.total_steps} optimizer "
+                f"steps, got {self.warmup_steps}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"--gamma must be in (0, 1], got {self.gamma}")
+
+    def multiplier(self, step: int) -> float:
+        """Fraction of the peak LR used for optimizer step `step` (0-based)."""
+        decay = Decay(self.decay)
+        warmup = self.warmup_steps
+        if decay is Decay.onecycle and warmup == 0:
+            warmup = max(1, int(0.3 * self.total_steps))
+        if step < warmup:
+            start = 0.04 if decay is Decay.onecycle else 0.0  # OneCycleLR starts at peak / 25
+            return start + (1.0 - start) * (step + 1) / warmup
+        if decay is Decay.constant:
+            return 1.0
+        if decay is Decay.exponential:
+            return self.gamma ** (step - warmup)
+        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: Schedule
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR driven by `schedule`; step it once per optimizer step (see module docstring)."""
+
+    # A plain function, not the bound method: LambdaLR then keeps it out of its state_dict, so
+    # checkpoints hold only numbers (last step, base LRs) and resume with whatever schedule is set.
+    def multiplier(step: int) -> float:
+        return schedule.multiplier(step)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -1,0 +1,169 @@
+"""The flags every recipe shares, declared once and added to each recipe's Typer command.
+
+A recipe writes only its workload's flags in its own signature and receives the shared ones as a
+`TrainArgs`:
+
+    @train_options(lr=2e-4, ref_bs=8, bs=8)      # this workload's defaults
+    def train(args: TrainArgs, hidden: int = typer.Option(64, help="...")) -> None: ...
+
+`--help` lists both. Flag names follow the original codebases (`--bs`, `--lr`, `--epochs`,
+`--workers`, `--wandb-project`, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from accel_common.lr import Decay, LRScaling
+from accel_common.tracking import ReportTo
+
+
+class MixedPrecision(str, Enum):
+    no = "no"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+@dataclass
+class TrainArgs:
+    """Shared training flags; see HELP for what each one means."""
+
+    data: Path | None = None
+    output_dir: Path = Path("runs/recipe")
+    epochs: int = 10
+    max_steps: int = 0
+    bs: int | None = None
+    per_device_bs: int | None = None
+    max_per_device_bs: int | None = None
+    grad_accum: int = 1
+    lr: float = 1e-3
+    ref_bs: int = 32
+    lr_scaling: LRScaling = LRScaling.linear
+    schedule: Decay = Decay.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    gamma: float = 1.0
+    weight_decay: float = 0.0
+    clip_grad: float = 0.0
+    mixed_precision: MixedPrecision | None = None
+    seed: int = 0
+    workers: int = 0
+    log_every: int = 10
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str | None = None
+    report_to: ReportTo = ReportTo.none
+    wandb_project: str | None = None
+    wandb_name: str | None = None
+    cpu: bool = False
+
+    def as_config(self) -> dict[str, Any]:
+        return {k: v.value if hasattr(v, "value") else v for k, v in asdict(self).items()}
+
+
+HELP = {
+    "data": "Data folder in the workload's original format. Omit it to generate (once) and train "
+    "on a small built-in example.",
+    "output_dir": "Where checkpoints, logs and the exported model go.",
+    "epochs": "Passes over the training set.",
+    "max_steps": "Stop after this many optimizer steps (0 = run all epochs).",
+    "bs": "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "
+    "Give this or --per-device-bs, not both.",
+    "per_device_bs": "Batch on EACH device per forward pass; the global batch grows with the "
+    "number of processes. Give this or --bs, not both.",
+    "max_per_device_bs": "Memory cap on the per-device batch: anything above it becomes gradient "
+    "accumulation, keeping the global batch.",
+    "grad_accum": "Micro-batches accumulated per optimizer step.",
+    "lr": "Peak learning rate at the reference global batch --ref-bs.",
+    "ref_bs": "Global batch that --lr was tuned for; --lr-scaling carries --lr from it to the "
+    "actual global batch.",
+    "lr_scaling": "How the LR follows the global batch: none, linear (x batch ratio) or sqrt.",
+    "schedule": "Decay after warmup: constant, cosine (to --min-lr-ratio), exponential (--gamma "
+    "per step) or onecycle.",
+    "warmup_steps": "Optimizer steps of linear warmup.",
+    "min_lr_ratio": "Floor of cosine decay, as a fraction of the peak LR.",
+    "gamma": "Per-step factor of exponential decay.",
+    "weight_decay": "AdamW weight decay.",
+    "clip_grad": "Clip the global gradient norm to this value (0 = off).",
+    "mixed_precision": "no, fp16 or bf16; default: the accelerate config / launcher's choice.",
+    "seed": "Seed for weights, shuffling and noise; the same on every process.",
+    "workers": "DataLoader worker processes per training process.",
+    "log_every": "Log loss, LR, grad norm and samples/s every N optimizer steps.",
+    "save_every": "Save resumable state every N optimizer steps (0 = only at the end).",
+    "keep_last": "Resumable checkpoints to keep (older ones are deleted).",
+    "resume": "Resume from 'latest' (newest complete checkpoint in --output-dir, if any) or a "
+    "checkpoint folder.",
+    "report_to": "Trackers besides metrics.jsonl: none, wandb, tensorboard or all.",
+    "wandb_project": "wandb project (default: accel-recipes-<recipe>).",
+    "wandb_name": "wandb run name.",
+    "cpu": "Train on the CPU even if an accelerator is present.",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def train_options(
+    *, default_bs: int | None = None, default_per_device_bs: int | None = None, **defaults: Any
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the TrainArgs flags (with this recipe's `defaults`) to a Typer command.
+
+    The batch default is given apart (`default_bs` = global, or `default_per_device_bs`) because it
+    applies only when the user passes neither --bs nor --per-device-bs.
+    """
+    hints = typing.get_type_hints(TrainArgs)
+    unknown = set(defaults) - set(HELP) | ({"bs", "per_device_bs"} & set(defaults))
+    if unknown:
+        raise TypeError(f"train_options got unknown defaults: {sorted(unknown)}")
+    if (default_bs is None) == (default_per_device_bs is None):
+        raise TypeError("give train_options exactly one of default_bs, default_per_device_bs")
+    default_note = (
+        f" Default when neither is given: --bs {default_bs}."
+        if default_bs is not None
+        else f" Default when neither is given: --per-device-bs {default_per_device_bs}."
+    )
+    helps = {
+        **HELP,
+        "bs": HELP["bs"] + default_note,
+        "per_device_bs": HELP["per_device_bs"] + default_note,
+    }
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
+        shared = [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=typer.Option(
+                    defaults.get(f.name, f.default), _flag(f.name), help=helps[f.name]
+                ),
+                annotation=hints[f.name],
+            )
+            for f in fields(TrainArgs)
+        ]
+        names = [f.name for f in fields(TrainArgs)]
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            args = TrainArgs(**{name: kwargs.pop(name) for name in names})
+            if args.bs is None and args.per_device_bs is None:
+                args.bs, args.per_device_bs = default_bs, default_per_device_bs
+            return fn(args, **kwargs)
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # type: ignore[attr-defined]
+        return command
+
+    return decorate

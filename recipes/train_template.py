@@ -1,0 +1,255 @@
+"""Template recipe: the smallest complete training recipe. Copy it with `accel-recipes new NAME`.
+
+It regresses y from a row of features (CSV files `train.csv` / `test.csv`, columns x0..xD-1, y)
+with an MLP, and shows every part a recipe needs, in the order a reader meets them:
+
+    data -> model -> evaluation -> training loop (prepare, accumulate, step, log, checkpoint)
+    -> export -> `evaluate` command that loads the export on one device
+
+Launch it unchanged on 1 CPU, 2 CPU processes, N GPUs or several nodes:
+
+    python recipes/train_template.py
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/train_template.py
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/train_template.py --bs 512
+    python recipes/train_template.py evaluate --model runs/template/model
+
+Replace the parts marked WORKLOAD with yours; keep the loop's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import typer
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel_common.batching import total_optimizer_steps
+from accel_common.checkpoint import (
+    export_model,
+    load_exported,
+    read_export_metadata,
+    save_checkpoint,
+)
+from accel_common.console import format_metrics, print_banner, progress_bar
+from accel_common.data import template as template_data
+from accel_common.data.files import EpochShuffleSampler, parse_float, read_csv_rows
+from accel_common.errors import DataError
+from accel_common.options import TrainArgs, train_options
+from accel_common.runtime import (
+    grad_norm,
+    make_accelerator,
+    make_lr_schedule,
+    resolve_data,
+    resume_if_asked,
+    run_recipe,
+)
+from accel_common.tracking import RunningMean, Throughput, start_tracking
+
+RECIPE = "template"
+
+
+# --------------------------------------------------------------------------- WORKLOAD: data
+
+
+def load_split(data_dir: Path, split: str) -> TensorDataset:
+    """Read `<split>.csv` into (features, target) tensors; bad rows name their line."""
+    path = data_dir / f"{split}.csv"
+    if not path.is_file():
+        raise DataError(f"{path}: file not found (expected train.csv and test.csv in --data)")
+    header = path.open().readline().strip().split(",")
+    features = [c for c in header if c != "y"]
+    rows = read_csv_rows(path, [*features, "y"])
+    x = [[parse_float(path, i + 2, c, row[c]) for c in features] for i, row in enumerate(rows)]
+    y = [parse_float(path, i + 2, "y", row["y"]) for i, row in enumerate(rows)]
+    return TensorDataset(torch.tensor(x), torch.tensor(y).unsqueeze(1))
+
+
+# --------------------------------------------------------------------------- WORKLOAD: model
+
+
+class MLPRegressor(nn.Module):
+    def __init__(self, in_features: int, hidden: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.SiLU()]
+            width = hidden
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+# --------------------------------------------------------------------------- WORKLOAD: quality
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Accelerator, model: nn.Module, loader: DataLoader, train_mean: float
+) -> dict[str, float]:
+    """Test MSE against the predict-the-training-mean baseline, over exactly the test set.
+
+    `gather_for_metrics` drops the samples Accelerate repeats to give every process equal batches,
+    so the metric covers each test row once whatever the number of processes.
+    """
+    model.eval()
+    predictions, targets = [], []
+    for x, y in loader:
+        pred, y = accelerator.gather_for_metrics((model(x), y))
+        predictions.append(pred.float())
+        targets.append(y.float())
+    model.train()
+    pred, y = torch.cat(predictions), torch.cat(targets)
+    mse = F.mse_loss(pred, y).item()
+    baseline = F.mse_loss(torch.full_like(y, train_mean), y).item()
+    return {"test_mse": mse, "baseline_mse": baseline, "r2": 1.0 - mse / baseline, "n": len(y)}
+
+
+# --------------------------------------------------------------------------- training
+
+
+@train_options(default_bs=64, lr=3e-3, ref_bs=64, epochs=20, output_dir=Path("runs/template"))
+def train(
+    args: TrainArgs,
+    hidden: int = typer.Option(64, help="Width of the MLP's hidden layers."),
+    depth: int = typer.Option(2, help="Number of hidden layers."),
+) -> dict[str, float]:
+    """Train the template MLP regressor on CSV data (or a generated example)."""
+    accelerator, plan = make_accelerator(args)
+    data_dir = resolve_data(accelerator, RECIPE, args.data, template_data.write_dataset)
+    train_set, test_set = load_split(data_dir, "train"), load_split(data_dir, "test")
+    train_mean = train_set.tensors[1].mean().item()
+
+    model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # drop_last: every optimizer step sees exactly the global batch. The sampler's order depends
+    # only on (seed, epoch), so 1 or N processes see the same global batches.
+    train_loader = DataLoader(
+        train_set,
+        batch_size=plan.per_device_batch_size,
+        sampler=EpochShuffleSampler(len(train_set), args.seed),
+        drop_last=True,
+        num_workers=args.workers,
+    )
+    test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
+    model, optimizer, train_loader, test_loader = accelerator.prepare(
+        model, optimizer, train_loader, test_loader
+    )
+    total_steps = total_optimizer_steps(len(train_loader), args.epochs, plan.grad_accum_steps)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler, lr_line = make_lr_schedule(args, plan, optimizer, total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    config = {**args.as_config(), "hidden": hidden, "depth": depth, "target_mean": train_mean}
+    start_tracking(
+        accelerator,
+        project=args.wandb_project or f"accel-recipes-{RECIPE}",
+        run_name=args.wandb_name,
+        output_dir=args.output_dir,
+        config={**config, **plan.as_dict()},
+    )
+    print_banner(accelerator, recipe=RECIPE, plan=plan, lr_line=lr_line, total_steps=total_steps)
+    progress = resume_if_asked(accelerator, args, plan)
+
+    bar = progress_bar(accelerator, total=total_steps, initial=progress.step, desc=RECIPE)
+    log_loss, epoch_loss, throughput = RunningMean(), RunningMean(), Throughput()
+    samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
+    train_seconds, metrics = 0.0, {}
+    while progress.step < total_steps:
+        epoch_number = progress.epoch + 1
+        train_loader.set_epoch(progress.epoch)
+        batches = train_loader
+        if progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
+            batches = accelerator.skip_first_batches(train_loader, progress.batches_to_skip(plan))
+        started = time.perf_counter()
+        for x, y in batches:
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                logging_now = (progress.step + 1) % args.log_every == 0
+                norm = grad_norm(accelerator, model, args.clip_grad, measure=logging_now)
+                optimizer.step()
+                optimizer.zero_grad()
+            progress.samples_in_epoch += samples_per_micro_batch
+            log_loss.add(loss)
+            epoch_loss.add(loss)
+            if not accelerator.sync_gradients:
+                continue  # mid-accumulation: no optimizer step happened
+            scheduler.step()
+            progress.step += 1
+            throughput.add(plan.global_batch_size)
+            bar.update()
+            if logging_now:
+                record = {
+                    "train/loss": log_loss.compute(accelerator),
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": norm.item(),
+                    "train/samples_per_s": throughput.read(),
+                }
+                if accelerator.scaler is not None:
+                    record["train/loss_scale"] = accelerator.scaler.get_scale()
+                accelerator.log(record, step=progress.step)
+                bar.set_postfix(loss=f"{record['train/loss']:.4f}")
+            periodic_save = args.save_every and progress.step % args.save_every == 0
+            if periodic_save and progress.step < total_steps:  # the final save comes after the loop
+                save_checkpoint(
+                    accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last
+                )
+            if progress.step >= total_steps:
+                break  # the epoch stays unfinished, so the final checkpoint records where it ended
+        else:
+            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
+        train_seconds += time.perf_counter() - started
+        metrics = {"train_loss": epoch_loss.compute(accelerator)}
+        metrics |= evaluate(accelerator, model, test_loader, train_mean)
+        accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
+        if accelerator.is_main_process:
+            bar.write(f"epoch {epoch_number}: {format_metrics(metrics)}")
+    bar.close()
+
+    save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)
+    metrics["train_seconds"] = train_seconds
+    path = export_model(
+        accelerator,
+        model,
+        args.output_dir / "model",
+        recipe=RECIPE,
+        config=config,
+        plan=plan,
+        step=progress.step,
+        metrics=metrics,
+    )
+    accelerator.print(f"exported {path}")
+    accelerator.end_training()
+    return metrics
+
+
+def evaluate_export(
+    model_dir: Path = typer.Option(
+        Path("runs/template/model"), "--model", help="Exported model folder (train's output)."
+    ),
+    data: Path = typer.Option(
+        Path("data/example/template"), "--data", help="Folder holding the CSV to score."
+    ),
+    split: str = typer.Option("test", help="Which CSV to score: <data>/<split>.csv."),
+) -> None:
+    """Load an exported model on one device and score a CSV split against the mean baseline."""
+    config = read_export_metadata(model_dir)["config"]
+    dataset = load_split(data, split)
+    model = MLPRegressor(dataset.tensors[0].shape[1], config["hidden"], config["depth"])
+    load_exported(model_dir, model)
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    model = accelerator.prepare(model)
+    loader = DataLoader(dataset, batch_size=256)
+    print(format_metrics(evaluate(accelerator, model, loader, config["target_mean"])))
+
+
+if __name__ == "__main__":
+    run_recipe(train, evaluate=evaluate_export)
