@@ -148,6 +148,8 @@ def train(
     scheduler, lr_line = make_lr_schedule(args, plan, optimizer, total_steps)
     accelerator.register_for_checkpointing(scheduler)
     config = {**args.as_config(), "hidden": hidden, "depth": depth, "target_mean": train_mean}
+    print_banner(accelerator, recipe=RECIPE, plan=plan, lr_line=lr_line, total_steps=total_steps)
+    progress = resume_if_asked(accelerator, args, plan)
     start_tracking(
         accelerator,
         project=args.wandb_project or f"accel-recipes-{RECIPE}",
@@ -155,8 +157,6 @@ def train(
         output_dir=args.output_dir,
         config={**config, **plan.as_dict()},
     )
-    print_banner(accelerator, recipe=RECIPE, plan=plan, lr_line=lr_line, total_steps=total_steps)
-    progress = resume_if_asked(accelerator, args, plan)
 
     bar = progress_bar(accelerator, total=total_steps, initial=progress.step, desc=RECIPE)
     log_loss, epoch_loss, throughput = RunningMean(), RunningMean(), Throughput()

@@ -1,0 +1,87 @@
+"""Helpers for running recipes as real processes (1 process, or 2 CPU processes over gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "recipes" / "train_template.py"
+CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def recipe_env(tmp: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HF_HOME": str(tmp / "hf"),
+    }
+
+
+def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(script), *args]
+    return [
+        str(BIN / "accelerate"), "launch",
+        "--config_file", str(CPU_2PROC),
+        "--num_processes", str(nproc),
+        "--main_process_port", str(free_port()),
+        str(script), *args,
+    ]  # fmt: skip
+
+
+def run_recipe(
+    args: list[str], *, cwd: Path, nproc: int = 1, script: Path = TEMPLATE, check: bool = True
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        launch_command(script, args, nproc),
+        cwd=cwd,
+        env=recipe_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and result.returncode != 0:
+        output = f"{result.stdout}\n{result.stderr}"
+        raise AssertionError(f"recipe failed ({result.returncode}):\n{output}")
+    return result
+
+
+def exported_params(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(output_dir / "model" / "model.safetensors"))
+
+
+def metrics_log(output_dir: Path) -> list[dict]:
+    lines = (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
+
+
+@pytest.fixture(scope="session")
+def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Template data whose test split (301 rows) is not divisible by 2 processes."""
+    from accel_common.data.template import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("template-data"), test_size=301)

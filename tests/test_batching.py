@@ -1,0 +1,61 @@
+import pytest
+
+from accel_common.batching import BatchPlanError, SmallBatchWarning, plan_batch
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "expected"),
+    [
+        (8, {"global_batch_size": 64}, (64, 8, 1)),
+        (1, {"global_batch_size": 8}, (8, 8, 1)),
+        (4, {"global_batch_size": 64, "grad_accum_steps": 2}, (64, 8, 2)),
+        (4, {"per_device_batch_size": 16}, (64, 16, 1)),
+        (4, {"per_device_batch_size": 32, "grad_accum_steps": 4}, (512, 32, 4)),
+        # a memory cap turns the rest into accumulation and keeps the global batch
+        (2, {"global_batch_size": 128, "max_per_device_batch_size": 16}, (128, 16, 4)),
+        (2, {"global_batch_size": 96, "max_per_device_batch_size": 20}, (96, 16, 3)),
+        (4, {"per_device_batch_size": 32, "max_per_device_batch_size": 16}, (128, 16, 2)),
+    ],
+)
+def test_plan_is_exact(world, kwargs, expected):
+    plan = plan_batch(world, **kwargs)
+    assert (plan.global_batch_size, plan.per_device_batch_size, plan.grad_accum_steps) == expected
+    assert plan.num_processes == world
+    product = plan.per_device_batch_size * plan.num_processes * plan.grad_accum_steps
+    assert product == plan.global_batch_size
+
+
+@pytest.mark.parametrize(
+    ("world", "bs", "accum", "suggestions"),
+    [(16, 8, 1, ["16"]), (8, 100, 1, ["96", "104"]), (2, 10, 4, ["8", "16"])],
+)
+def test_unsplittable_global_batch_names_valid_values(world, bs, accum, suggestions):
+    with pytest.raises(BatchPlanError) as err:
+        plan_batch(world, global_batch_size=bs, grad_accum_steps=accum)
+    message = str(err.value)
+    assert f"--bs {bs} cannot be split" in message
+    for value in suggestions:
+        assert value in message
+
+
+def test_exactly_one_convention():
+    with pytest.raises(BatchPlanError, match="both were given"):
+        plan_batch(2, global_batch_size=8, per_device_batch_size=4)
+    with pytest.raises(BatchPlanError, match="neither was given"):
+        plan_batch(2)
+
+
+@pytest.mark.parametrize("bad", [{"global_batch_size": 0}, {"per_device_batch_size": -1}])
+def test_non_positive_batch_refused(bad):
+    with pytest.raises(BatchPlanError, match="must be a positive integer"):
+        plan_batch(2, **bad)
+
+
+def test_small_per_device_batch_warns_why():
+    with pytest.warns(SmallBatchWarning, match="noisy gradients"):
+        plan_batch(8, global_batch_size=8)
+
+
+def test_no_warning_at_four_per_device(recwarn):
+    plan_batch(2, global_batch_size=8)
+    assert not [w for w in recwarn if issubclass(w.category, SmallBatchWarning)]

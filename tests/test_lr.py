@@ -1,0 +1,71 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+from accel_common.errors import ConfigError
+from accel_common.lr import Decay, LRScaling, Schedule, build_scheduler, scale_lr
+
+
+def test_scaling_rules_match_the_guides_table():
+    assert scale_lr(2e-4, 8, 64, LRScaling.linear) == pytest.approx(1.6e-3)
+    assert scale_lr(2e-4, 8, 64, LRScaling.sqrt) == pytest.approx(2e-4 * math.sqrt(8))
+    assert scale_lr(2e-4, 8, 64, LRScaling.none) == 2e-4
+
+
+@pytest.mark.parametrize("lr", [0.0, -1e-3, float("nan")])
+def test_non_positive_lr_refused(lr):
+    with pytest.raises(ConfigError, match="--lr must be a positive number"):
+        scale_lr(lr, 8, 8, LRScaling.linear)
+
+
+def test_warmup_then_cosine_to_floor():
+    schedule = Schedule(total_steps=110, warmup_steps=10, decay=Decay.cosine, min_lr_ratio=0.1)
+    values = [schedule.multiplier(s) for s in range(110)]
+    assert values[0] == pytest.approx(0.1)
+    assert values[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(values[10:]))
+    assert values[60] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule.multiplier(110) == pytest.approx(0.1)
+
+
+def test_exponential_and_constant():
+    exp = Schedule(total_steps=100, warmup_steps=2, decay=Decay.exponential, gamma=0.9)
+    assert exp.multiplier(2) == 1.0
+    assert exp.multiplier(4) == pytest.approx(0.81)
+    const = Schedule(total_steps=10, decay=Decay.constant)
+    assert {const.multiplier(s) for s in range(10)} == {1.0}
+
+
+def test_onecycle_rises_then_anneals():
+    sched = Schedule(total_steps=100, decay=Decay.onecycle)
+    values = [sched.multiplier(s) for s in range(100)]
+    assert values[0] == pytest.approx(0.04 + 0.96 / 30)
+    assert all(a < b for a, b in itertools.pairwise(values[:30]))  # 30% of the run rising
+    assert values[29] == pytest.approx(1.0) == max(values)
+    assert values[-1] < 0.01
+
+
+def test_scheduler_counts_optimizer_steps():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    schedule = Schedule(total_steps=20, warmup_steps=4, decay=Decay.cosine)
+    scheduler = build_scheduler(optimizer, schedule)
+    seen = []
+    for _ in range(20):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.5 * schedule.multiplier(s) for s in range(20)])
+    assert "lr_lambdas" in scheduler.state_dict()  # numbers only; no function is pickled
+    assert scheduler.state_dict()["lr_lambdas"] == [None]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"total_steps": 0}, {"total_steps": 5, "warmup_steps": 6}, {"total_steps": 5, "gamma": 0}],
+)
+def test_bad_schedules_refused(kwargs):
+    with pytest.raises(ConfigError):
+        Schedule(**kwargs)

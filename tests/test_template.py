@@ -1,0 +1,148 @@
+"""The template recipe: it learns, its export reloads on one device, and bad input fails cleanly."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TEMPLATE, recipe_env, run_recipe
+
+
+def load_recipe_module():
+    spec = importlib.util.spec_from_file_location("train_template", TEMPLATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, template_data) -> Path:
+    tmp = tmp_path_factory.mktemp("template")
+    out = tmp / "run"
+    run_recipe(["--data", str(template_data), "--output-dir", str(out)], cwd=tmp)  # defaults
+    return out
+
+
+def test_learns_far_better_than_the_mean_baseline(finished_run):
+    metrics = json.loads((finished_run / "model" / "model.json").read_text())["metrics"]
+    assert metrics["test_mse"] < 0.3 * metrics["baseline_mse"]
+    assert metrics["r2"] > 0.7
+
+
+def test_export_reloads_strictly_on_one_device_with_the_same_outputs(finished_run, template_data):
+    recipe = load_recipe_module()
+    meta = json.loads((finished_run / "model" / "model.json").read_text())
+    test_set = recipe.load_split(template_data, "test")
+    model = recipe.MLPRegressor(test_set.tensors[0].shape[1], meta["config"]["hidden"], 2)
+    recipe.load_exported(finished_run / "model", model)  # strict=True inside
+    with torch.no_grad():
+        mse = torch.nn.functional.mse_loss(model(test_set.tensors[0]), test_set.tensors[1])
+    assert mse.item() == pytest.approx(meta["metrics"]["test_mse"], rel=1e-5)
+
+
+def test_evaluate_command_scores_the_export(finished_run, template_data, tmp_path):
+    result = run_recipe(
+        ["evaluate", "--model", str(finished_run / "model"), "--data", str(template_data)],
+        cwd=tmp_path,
+    )
+    meta = json.loads((finished_run / "model" / "model.json").read_text())
+    assert f"test_mse {meta['metrics']['test_mse']:.4g}" in result.stdout
+
+
+def test_without_data_it_generates_the_example_once(tmp_path):
+    args = ["--epochs", "1", "--max-steps", "3", "--output-dir", "runs/a"]
+    first = run_recipe(args, cwd=tmp_path)
+    assert "writing example template data" in first.stdout
+    assert (tmp_path / "data" / "example" / "template" / "train.csv").is_file()
+    second = run_recipe([*args[:-1], "runs/b"], cwd=tmp_path)
+    assert "writing example" not in second.stdout
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def bad_data(tmp_path, template_data) -> Path:
+    folder = tmp_path / "bad-data"
+    shutil.copytree(template_data, folder)
+    lines = (folder / "train.csv").read_text().splitlines()
+    lines[4] = lines[4].replace(lines[4].split(",")[2], "oops", 1)
+    (folder / "train.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+BAD_INPUTS = {
+    "unsplittable batch": (["--bs", "30", "--grad-accum", "4"], "--bs 30 cannot be split"),
+    "non-positive lr": (["--lr", "0"], "--lr must be a positive number"),
+    "both batch flags": (["--bs", "32", "--per-device-bs", "16"], "both were given"),
+    "missing data": (["--data", "/nonexistent/data"], "--data /nonexistent/data: no such folder"),
+    "malformed csv": (["--data", "{bad_data}"], "train.csv, line 5: column x2 is 'oops'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_data, tmp_path):
+    flags, message = BAD_INPUTS[case]
+    flags = [f.format(bad_data=bad_data) for f in flags]
+    if "--data" not in flags:
+        flags = ["--data", str(template_data), *flags]
+    before = digest(finished_run)
+    result = run_recipe([*flags, "--output-dir", str(finished_run)], cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert digest(finished_run) == before
+
+
+def test_corrupt_checkpoint_is_refused_and_left_alone(finished_run, template_data, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    checkpoint = sorted((out / "checkpoints").iterdir())[-1]
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    before = digest(out)
+    flags = ["--data", str(template_data), "--output-dir", str(out), "--resume", str(checkpoint)]
+    result = run_recipe(flags, cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert f"checkpoint {checkpoint} is corrupt or truncated" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert digest(out) == before
+
+
+def test_unknown_accelerate_config_file_is_refused():
+    result = subprocess.run(
+        ["make", "-s", "-o", "install", "train-cpu", "CONFIG=accelerate_configs/nope.yaml"],
+        cwd=REPO,
+        env=recipe_env(REPO),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "CONFIG=accelerate_configs/nope.yaml: no such accelerate config file" in result.stderr
+    assert "accelerate_configs/cpu_2proc.yaml" in result.stderr  # names the valid choices
+
+
+def test_help_explains_the_batch_conventions():
+    result = subprocess.run(
+        [sys.executable, str(TEMPLATE), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for flag in ("--bs", "--per-device-bs", "--ref-bs", "--lr-scaling", "--resume", "--hidden"):
+        assert flag in text
+    assert "GLOBAL batch" in text and "EACH device" in text
+    assert "evaluate --help" in text
