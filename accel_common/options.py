@@ -57,7 +57,7 @@ class TrainArgs:
     mixed_precision: MixedPrecision | None = None
     seed: int = 0
     workers: int = 0
-    log_every: int = 10
+    log_every: int = 50
     save_every: int = 0
     keep_last: int = 2
     resume: str | None = None

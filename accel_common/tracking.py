@@ -20,6 +20,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
+from accel_common.console import format_metrics, progress_bar
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -109,8 +111,9 @@ def start_tracking(
 class RunningMean:
     """Sums a per-step scalar on the device; reading it costs one all-reduce and one host sync.
 
-    Calling `.item()` every step would stall the GPU queue; the loop calls `add` each step and
-    `compute` only at logging intervals, on every process (the reduction is collective).
+    Calling `.item()` every step would stall the GPU queue; the loop calls `add` each step (an
+    in-place add, no allocation) and `compute` only at logging intervals, on every process (the
+    reduction is collective).
     """
 
     def __init__(self) -> None:
@@ -118,16 +121,17 @@ class RunningMean:
         self.count = 0
 
     def add(self, value: torch.Tensor) -> None:
-        value = value.detach().float()
-        self.total = value if self.total is None else self.total + value
+        if self.total is None:
+            self.total = torch.zeros((), dtype=torch.float32, device=value.device)
+        self.total.add_(value.detach())
         self.count += 1
 
-    def compute(self, accelerator: Accelerator, reset: bool = True) -> float:
+    def compute(self, accelerator: Accelerator) -> float:
+        """Mean over all processes since the last compute; resets the sum."""
         if self.total is None:
             return float("nan")
         mean = accelerator.reduce(self.total / self.count, reduction="mean").item()
-        if reset:
-            self.total, self.count = None, 0
+        self.total, self.count = None, 0
         return mean
 
 
@@ -146,3 +150,71 @@ class Throughput:
         rate = self.samples / max(now - self.last_time, 1e-9)
         self.last_time, self.samples = now, 0
         return rate
+
+
+class StepLogger:
+    """The loop's bookkeeping: loss means, samples/s, the progress bar and tracker records.
+
+    Per micro-batch it costs one in-place add on the device, per optimizer step a counter and a
+    progress-bar tick; host syncs (`.item()`, all-reduce) happen only on logging steps. Every
+    process calls it (the reductions are collective); only the main process prints and logs.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        *,
+        total_steps: int,
+        initial_step: int,
+        log_every: int,
+        global_batch_size: int,
+        desc: str,
+    ) -> None:
+        self.accelerator = accelerator
+        self.log_every = max(1, log_every)
+        self.global_batch_size = global_batch_size
+        self.window_loss, self.epoch_loss = RunningMean(), RunningMean()
+        self.throughput = Throughput()
+        self.bar = progress_bar(accelerator, total=total_steps, initial=initial_step, desc=desc)
+
+    def logs_at(self, step: int) -> bool:
+        """Whether optimizer step `step` will be logged (so its grad norm is worth computing)."""
+        return step % self.log_every == 0
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.window_loss.add(loss)
+        self.epoch_loss.add(loss)
+
+    def step(
+        self,
+        step: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        grad_norm: torch.Tensor | None,
+    ) -> None:
+        """Count an optimizer step; on logging steps, reduce and log loss, LR, grad norm, speed."""
+        self.throughput.add(self.global_batch_size)
+        self.bar.update()
+        if not self.logs_at(step):
+            return
+        record = {
+            "train/loss": self.window_loss.compute(self.accelerator),
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/samples_per_s": self.throughput.read(),
+        }
+        if grad_norm is not None:
+            record["train/grad_norm"] = grad_norm.item()
+        if self.accelerator.scaler is not None:  # fp16: a collapsing scale means overflowing grads
+            record["train/loss_scale"] = self.accelerator.scaler.get_scale()
+        self.accelerator.log(record, step=step)
+        self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", refresh=False)
+
+    def end_epoch(self, epoch: int, step: int, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log the epoch's mean training loss and evaluation metrics; print them once."""
+        metrics = {"train_loss": self.epoch_loss.compute(self.accelerator), **eval_metrics}
+        self.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+        if self.accelerator.is_main_process:
+            self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")
+        return metrics
+
+    def close(self) -> None:
+        self.bar.close()

@@ -35,7 +35,7 @@ from accel_common.checkpoint import (
     read_export_metadata,
     save_checkpoint,
 )
-from accel_common.console import format_metrics, print_banner, progress_bar
+from accel_common.console import format_metrics, print_banner
 from accel_common.data import template as template_data
 from accel_common.data.files import EpochShuffleSampler, parse_float, read_csv_rows
 from accel_common.errors import DataError
@@ -48,7 +48,7 @@ from accel_common.runtime import (
     resume_if_asked,
     run_recipe,
 )
-from accel_common.tracking import RunningMean, Throughput, start_tracking
+from accel_common.tracking import StepLogger, start_tracking
 
 RECIPE = "template"
 
@@ -158,8 +158,14 @@ def train(
         config={**config, **plan.as_dict()},
     )
 
-    bar = progress_bar(accelerator, total=total_steps, initial=progress.step, desc=RECIPE)
-    log_loss, epoch_loss, throughput = RunningMean(), RunningMean(), Throughput()
+    log = StepLogger(
+        accelerator,
+        total_steps=total_steps,
+        initial_step=progress.step,
+        log_every=args.log_every,
+        global_batch_size=plan.global_batch_size,
+        desc=RECIPE,
+    )
     samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
     train_seconds, metrics = 0.0, {}
     while progress.step < total_steps:
@@ -173,30 +179,16 @@ def train(
             with accelerator.accumulate(model):
                 loss = F.mse_loss(model(x), y)
                 accelerator.backward(loss)
-                logging_now = (progress.step + 1) % args.log_every == 0
-                norm = grad_norm(accelerator, model, args.clip_grad, measure=logging_now)
+                norm = grad_norm(accelerator, model, args.clip_grad, log.logs_at(progress.step + 1))
                 optimizer.step()
                 optimizer.zero_grad()
             progress.samples_in_epoch += samples_per_micro_batch
-            log_loss.add(loss)
-            epoch_loss.add(loss)
+            log.add_loss(loss)
             if not accelerator.sync_gradients:
                 continue  # mid-accumulation: no optimizer step happened
             scheduler.step()
             progress.step += 1
-            throughput.add(plan.global_batch_size)
-            bar.update()
-            if logging_now:
-                record = {
-                    "train/loss": log_loss.compute(accelerator),
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": norm.item(),
-                    "train/samples_per_s": throughput.read(),
-                }
-                if accelerator.scaler is not None:
-                    record["train/loss_scale"] = accelerator.scaler.get_scale()
-                accelerator.log(record, step=progress.step)
-                bar.set_postfix(loss=f"{record['train/loss']:.4f}")
+            log.step(progress.step, scheduler, norm)
             periodic_save = args.save_every and progress.step % args.save_every == 0
             if periodic_save and progress.step < total_steps:  # the final save comes after the loop
                 save_checkpoint(
@@ -207,12 +199,9 @@ def train(
         else:
             progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
         train_seconds += time.perf_counter() - started
-        metrics = {"train_loss": epoch_loss.compute(accelerator)}
-        metrics |= evaluate(accelerator, model, test_loader, train_mean)
-        accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
-        if accelerator.is_main_process:
-            bar.write(f"epoch {epoch_number}: {format_metrics(metrics)}")
-    bar.close()
+        eval_metrics = evaluate(accelerator, model, test_loader, train_mean)
+        metrics = log.end_epoch(epoch_number, progress.step, eval_metrics)
+    log.close()
 
     save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)
     metrics["train_seconds"] = train_seconds

@@ -1,0 +1,118 @@
+"""The accel-recipes command: plan table, new recipe, example data, conversion."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from typer.testing import CliRunner
+
+from accel_common.cli import app
+from tests.conftest import recipe_env
+
+runner = CliRunner()
+
+
+def table_rows(output: str) -> dict[int, list[str]]:
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if cells and cells[0].isdigit():
+            rows[int(cells[0])] = cells[1:]
+    return rows
+
+
+def test_plan_keeping_the_per_gpu_batch():
+    result = runner.invoke(
+        app, ["plan", "--ref-bs", "8", "--ref-lr", "2e-4", "--per-device-bs", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.output)
+    assert sorted(rows) == [1, 2, 4, 8, 16]
+    assert rows[1] == ["8", "8", "1", "0.0002", "0.0002"]
+    assert rows[8] == ["64", "8", "1", "0.0016", "0.000566"]
+
+
+def test_plan_keeping_the_global_batch_flags_unsplittable_counts():
+    args = ["plan", "--ref-bs", "64", "--ref-lr", "1e-3", "--bs", "64", "--gpus", "1,2,128"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.output)
+    assert rows[2] == ["64", "32", "1", "0.001", "0.001"]
+    assert rows[128][1] == "-"
+    assert "--bs 64 cannot be split evenly over 128 processes" in " ".join(result.output.split())
+
+
+def test_plan_with_a_memory_cap_uses_accumulation():
+    args = [
+        "plan",
+        "--ref-bs",
+        "32",
+        "--ref-lr",
+        "1e-4",
+        "--bs",
+        "512",
+        "--max-per-device-bs",
+        "32",
+    ]
+    rows = table_rows(runner.invoke(app, args).output)
+    assert rows[4] == ["512", "32", "4", "0.0016", "0.0004"]
+
+
+def test_plan_refuses_bad_lr():
+    result = runner.invoke(app, ["plan", "--ref-bs", "8", "--ref-lr", "-1", "--per-device-bs", "8"])
+    assert result.exit_code == 2
+    assert "--lr must be a positive number" in result.output
+
+
+def test_new_copies_the_template_and_never_overwrites(tmp_path):
+    result = runner.invoke(app, ["new", "skulls", "--dest", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    created = tmp_path / "train_skulls.py"
+    text = created.read_text()
+    assert 'RECIPE = "skulls"' in text and "runs/skulls" in text
+    created.write_text(text + "# my edits\n")
+    again = runner.invoke(app, ["new", "skulls", "--dest", str(tmp_path)])
+    assert again.exit_code == 2
+    assert "already exists" in again.output
+    assert created.read_text().endswith("# my edits\n")
+    assert runner.invoke(app, ["new", "Bad-Name", "--dest", str(tmp_path)]).exit_code == 2
+
+
+def test_a_new_recipe_trains_out_of_the_box(tmp_path):
+    runner.invoke(app, ["new", "demo", "--dest", str(tmp_path)])
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "train_demo.py"), "--epochs", "1", "--max-steps", "2"],
+        cwd=tmp_path,
+        env=recipe_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "runs" / "demo" / "model" / "model.safetensors").is_file()
+
+
+def test_make_data_writes_the_format_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "d"
+    assert runner.invoke(app, ["make-data", "template", str(out)]).exit_code == 0
+    header = (out / "train.csv").read_text().splitlines()[0]
+    assert header == "x0,x1,x2,x3,x4,x5,x6,x7,y"
+    again = runner.invoke(app, ["make-data", "template", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output
+    unknown = runner.invoke(app, ["make-data", "nope", str(tmp_path / "e")])
+    assert unknown.exit_code == 2 and "unknown workload 'nope'" in unknown.output
+
+
+def test_convert_command(tmp_path):
+    source = tmp_path / "ddp.pt"
+    torch.save({"model_state": {"module.weight": torch.ones(3)}, "epoch": 1}, source)
+    result = runner.invoke(app, ["convert", str(source), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    source.write_bytes(source.read_bytes()[:64])
+    bad = runner.invoke(app, ["convert", str(source), str(tmp_path / "out2")])
+    assert bad.exit_code == 2
+    assert "corrupt, truncated" in bad.output
+    assert not (tmp_path / "out2").exists()
