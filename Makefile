@@ -64,7 +64,10 @@ train-multinode: install check-recipe
 	  --num_processes $$(( $(NNODES) * $(GPUS_PER_NODE) )) --machine_rank $(NODE_RANK) \
 	  --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT))
 
+# lint first (fast), then the suite; PYTEST_ARGS="-k resume" narrows it
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
