@@ -43,13 +43,16 @@ def print_banner(
     print("\n".join(["", *lines, ""]), flush=True)
 
 
-def progress_bar(accelerator: Accelerator, *, total: int, initial: int, desc: str) -> tqdm:
-    """One bar for the whole job (main process only), counting optimizer steps."""
+def progress_bar(
+    accelerator: Accelerator, *, total: int, initial: int, desc: str, samples_per_step: int = 1
+) -> tqdm:
+    """One bar for the whole job (main process only); counts optimizer steps, shows samples/s."""
     return tqdm(
         total=total,
         initial=initial,
         desc=desc,
-        unit="step",
+        unit="sample" if samples_per_step > 1 else "step",
+        unit_scale=samples_per_step if samples_per_step > 1 else False,
         dynamic_ncols=True,
         mininterval=0.5,
         disable=not accelerator.is_main_process,

@@ -118,7 +118,13 @@ def resolve_data(
 def grad_norm(
     accelerator: Accelerator, model: torch.nn.Module, clip: float, measure: bool
 ) -> torch.Tensor | None:
-    """Clip to `clip` if set; otherwise compute the norm only when it will be logged."""
+    """Clip to `clip` if set; otherwise compute the norm only when it will be logged.
+
+    Only on micro-batches that end an accumulation window: clipping a partial sum of gradients
+    would change the update.
+    """
+    if not accelerator.sync_gradients:
+        return None
     if clip > 0:
         return accelerator.clip_grad_norm_(model.parameters(), clip)
     if measure:

@@ -175,7 +175,13 @@ class StepLogger:
         self.global_batch_size = global_batch_size
         self.window_loss, self.epoch_loss = RunningMean(), RunningMean()
         self.throughput = Throughput()
-        self.bar = progress_bar(accelerator, total=total_steps, initial=initial_step, desc=desc)
+        self.bar = progress_bar(
+            accelerator,
+            total=total_steps,
+            initial=initial_step,
+            desc=desc,
+            samples_per_step=global_batch_size,
+        )
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` will be logged (so its grad norm is worth computing)."""

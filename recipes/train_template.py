@@ -37,8 +37,7 @@ from accel_common.checkpoint import (
 )
 from accel_common.console import format_metrics, print_banner
 from accel_common.data import template as template_data
-from accel_common.data.files import EpochShuffleSampler, parse_float, read_csv_rows
-from accel_common.errors import DataError
+from accel_common.data.files import EpochShuffleSampler, read_numeric_csv
 from accel_common.options import TrainArgs, train_options
 from accel_common.runtime import (
     grad_norm,
@@ -58,15 +57,10 @@ RECIPE = "template"
 
 def load_split(data_dir: Path, split: str) -> TensorDataset:
     """Read `<split>.csv` into (features, target) tensors; bad rows name their line."""
-    path = data_dir / f"{split}.csv"
-    if not path.is_file():
-        raise DataError(f"{path}: file not found (expected train.csv and test.csv in --data)")
-    header = path.open().readline().strip().split(",")
-    features = [c for c in header if c != "y"]
-    rows = read_csv_rows(path, [*features, "y"])
-    x = [[parse_float(path, i + 2, c, row[c]) for c in features] for i, row in enumerate(rows)]
-    y = [parse_float(path, i + 2, "y", row["y"]) for i, row in enumerate(rows)]
-    return TensorDataset(torch.tensor(x), torch.tensor(y).unsqueeze(1))
+    columns, table = read_numeric_csv(data_dir / f"{split}.csv", required=["y"])
+    target = columns.index("y")
+    features = [i for i in range(len(columns)) if i != target]
+    return TensorDataset(table[:, features], table[:, target : target + 1])
 
 
 # --------------------------------------------------------------------------- WORKLOAD: model
@@ -201,6 +195,9 @@ def train(
         train_seconds += time.perf_counter() - started
         eval_metrics = evaluate(accelerator, model, test_loader, train_mean)
         metrics = log.end_epoch(epoch_number, progress.step, eval_metrics)
+    if not metrics:  # resumed a run that had already finished: score it again for the export
+        eval_metrics = evaluate(accelerator, model, test_loader, train_mean)
+        metrics = log.end_epoch(progress.epoch, progress.step, eval_metrics)
     log.close()
 
     save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)

@@ -79,6 +79,17 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
 
 
+@pytest.fixture
+def accelerator():
+    """A single-process CPU Accelerator, with Accelerate's process-wide state reset around it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield Accelerator(cpu=True, gradient_accumulation_steps=2)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Template data whose test split (301 rows) is not divisible by 2 processes."""

@@ -7,8 +7,6 @@ import os
 
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -136,13 +134,6 @@ def _saved(tmp_path):
     source = tmp_path / "ckpt.pt"
     torch.save(reference_state(), source)
     return source
-
-
-@pytest.fixture
-def accelerator():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_crash_during_save_keeps_previous_checkpoint_loadable(tmp_path, accelerator, monkeypatch):

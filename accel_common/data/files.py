@@ -1,0 +1,78 @@
+"""Readers for the original formats that report bad data by file and line."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Sampler
+
+from accel_common.errors import DataError
+
+
+def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
+    """(line number, row) pairs of a CSV with a header; errors name the file, line and problem."""
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        missing = [c for c in required if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(f"{path}: header lacks column(s) {', '.join(missing)}")
+        rows = []
+        for row in reader:
+            if None in row or any(row[c] in (None, "") for c in required):
+                raise DataError(f"{path}, line {reader.line_num}: wrong number of fields")
+            rows.append((reader.line_num, row))
+    if not rows:
+        raise DataError(f"{path}: no data rows (an empty split cannot be trained or scored)")
+    return rows
+
+
+def read_numeric_csv(path: Path, required: Sequence[str]) -> tuple[list[str], torch.Tensor]:
+    """A CSV of numbers as (column names, float32 tensor of rows x columns)."""
+    rows = read_csv_rows(path, required)
+    columns = list(rows[0][1])
+    values = []
+    for line, row in rows:
+        try:
+            values.append([float(row[c]) for c in columns])
+        except ValueError:
+            bad = next(c for c in columns if not _is_float(row[c]))
+            message = f"{path}, line {line}: column {bad} is '{row[bad]}', not a number"
+            raise DataError(message) from None
+    return columns, torch.tensor(values, dtype=torch.float32)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A shuffle whose order depends only on (seed, epoch).
+
+    Every process computes the same permutation, so Accelerate's sharding gives each one a distinct
+    slice, and the order of epoch e is the same on 1 or N processes and after a resume. Call
+    `set_epoch` (the prepared DataLoader's `set_epoch` forwards to it) before each epoch.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
