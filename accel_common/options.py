@@ -114,15 +114,21 @@ def _flag(name: str) -> str:
 
 
 def train_options(
-    *, default_bs: int | None = None, default_per_device_bs: int | None = None, **defaults: Any
+    *,
+    default_bs: int | None = None,
+    default_per_device_bs: int | None = None,
+    aliases: dict[str, list[str]] | None = None,
+    **defaults: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add the TrainArgs flags (with this recipe's `defaults`) to a Typer command.
 
     The batch default is given apart (`default_bs` = global, or `default_per_device_bs`) because it
-    applies only when the user passes neither --bs nor --per-device-bs.
+    applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
+    names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
     """
+    aliases = aliases or {}
     hints = typing.get_type_hints(TrainArgs)
-    unknown = set(defaults) - set(HELP) | ({"bs", "per_device_bs"} & set(defaults))
+    unknown = (set(defaults) | set(aliases)) - set(HELP) | ({"bs", "per_device_bs"} & set(defaults))
     if unknown:
         raise TypeError(f"train_options got unknown defaults: {sorted(unknown)}")
     if (default_bs is None) == (default_per_device_bs is None):
@@ -145,7 +151,10 @@ def train_options(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=typer.Option(
-                    defaults.get(f.name, f.default), _flag(f.name), help=helps[f.name]
+                    defaults.get(f.name, f.default),
+                    _flag(f.name),
+                    *aliases.get(f.name, []),
+                    help=helps[f.name],
                 ),
                 annotation=hints[f.name],
             )

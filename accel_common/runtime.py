@@ -69,14 +69,14 @@ def make_lr_schedule(
         group["lr"] = peak
     schedule = Schedule(
         total_steps=total_steps,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=min(args.warmup_steps, total_steps),  # a short (--max-steps) run still works
         decay=args.schedule,
         min_lr_ratio=args.min_lr_ratio,
         gamma=args.gamma,
     )
     line = (
         f"peak {peak:.4g} (--lr {args.lr:g} at --ref-bs {args.ref_bs}, {args.lr_scaling.value} "
-        f"scaling to global batch {plan.global_batch_size}); {args.warmup_steps} warmup steps, "
+        f"scaling to global batch {plan.global_batch_size}); {schedule.warmup_steps} warmup steps, "
         f"then {args.schedule.value}"
     )
     return build_scheduler(optimizer, schedule), line

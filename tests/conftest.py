@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
+POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 BIN = Path(sys.executable).parent
 
@@ -96,3 +97,11 @@ def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.template import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("template-data"), test_size=301)
+
+
+@pytest.fixture(scope="session")
+def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example skulls: 24 train + 6 test skulls, 5 defects each."""
+    from accel_common.data.pointcloud import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("pointcloud-data"))

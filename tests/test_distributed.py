@@ -1,7 +1,10 @@
 """Real 2-process (gloo) runs of the template: scaling must not change the math.
 
+The runs cross an epoch boundary (16 steps per epoch at global batch 128), where a reshuffle
+that depended on the process count would show.
+
 Tolerance: both runs compute the same per-sample gradients; only the order of floating-point sums
-differs (one batch of 32 vs two all-reduced halves of 16), which perturbs each step by ~1e-7
+differs (one batch of 128 vs two all-reduced halves of 64), which perturbs each step by ~1e-7
 relative. Over 24 AdamW steps that stays far below the 1e-5 relative bound used here, while any
 real difference (a wrong batch split, a missing gradient average, a scheduler stepped twice)
 shows up at 1e-2 or more.
@@ -16,7 +19,7 @@ import pytest
 from tests.conftest import exported_params, max_relative_difference, metrics_log, run_recipe
 
 STEPS = 24
-COMMON = ["--epochs", "1", "--max-steps", str(STEPS), "--log-every", "1", "--warmup-steps", "5"]
+COMMON = ["--epochs", "2", "--max-steps", str(STEPS), "--log-every", "1", "--warmup-steps", "5"]
 TOLERANCE = 1e-5
 
 
@@ -34,14 +37,14 @@ def per_step(log: list[dict], key: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, template_data) -> Path:
-    """One process, global batch 32, no accumulation."""
-    return train(tmp_path_factory.mktemp("ref"), template_data, "ref", ["--bs", "32"])
+    """One process, global batch 128, no accumulation."""
+    return train(tmp_path_factory.mktemp("ref"), template_data, "ref", ["--bs", "128"])
 
 
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory, template_data) -> Path:
     """Two processes at the same global batch, with every tracker on and periodic saves."""
-    extra = ["--bs", "32", "--report-to", "all", "--save-every", "8", "--keep-last", "5"]
+    extra = ["--bs", "128", "--report-to", "all", "--save-every", "8", "--keep-last", "5"]
     return train(tmp_path_factory.mktemp("ddp"), template_data, "ddp", extra, nproc=2)
 
 
@@ -62,14 +65,14 @@ def test_lr_is_the_same_at_every_step(reference, two_process):
 
 
 def test_two_processes_with_accumulation_match(tmp_path, template_data, reference):
-    out = train(tmp_path, template_data, "ddp-accum", ["--bs", "32", "--grad-accum", "2"], nproc=2)
+    out = train(tmp_path, template_data, "ddp-accum", ["--bs", "128", "--grad-accum", "2"], nproc=2)
     assert max_relative_difference(exported_params(reference), exported_params(out)) <= TOLERANCE
 
 
 def test_accumulating_k_micro_batches_equals_one_big_batch(tmp_path, template_data, reference):
-    out = train(tmp_path, template_data, "accum", ["--per-device-bs", "8", "--grad-accum", "4"])
+    out = train(tmp_path, template_data, "accum", ["--per-device-bs", "32", "--grad-accum", "4"])
     plan = metrics_log(out)[0]["config"]
-    assert (plan["per_device_batch_size"], plan["grad_accum_steps"]) == (8, 4)
+    assert (plan["per_device_batch_size"], plan["grad_accum_steps"]) == (32, 4)
     assert max_relative_difference(exported_params(reference), exported_params(out)) <= TOLERANCE
 
 

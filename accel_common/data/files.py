@@ -31,6 +31,26 @@ def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[s
     return rows
 
 
+def read_path_list(csv: Path, suffix: str) -> list[tuple[int, str]]:
+    """(line number, path) for each line of a CSV that lists one file per line (SkullBreak style).
+
+    A first line that does not end in `suffix` is taken as a header and skipped.
+    """
+    if not csv.is_file():
+        raise DataError(f"{csv}: file not found")
+    rows = []
+    for line, text in enumerate(csv.read_text().splitlines(), start=1):
+        entry = text.split(",")[0].strip()
+        if not entry or (line == 1 and not entry.endswith(suffix)):
+            continue
+        if not entry.endswith(suffix):
+            raise DataError(f"{csv}, line {line}: '{entry}' is not a {suffix} path")
+        rows.append((line, entry))
+    if not rows:
+        raise DataError(f"{csv}: lists no {suffix} files (an empty split cannot be used)")
+    return rows
+
+
 def read_numeric_csv(path: Path, required: Sequence[str]) -> tuple[list[str], torch.Tensor]:
     """A CSV of numbers as (column names, float32 tensor of rows x columns)."""
     rows = read_csv_rows(path, required)

@@ -1,0 +1,126 @@
+"""The point-cloud diffusion recipe: data layout, exact scaling, single-device use, bad input."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from accel_common.data.pointcloud import DEFECTS
+from tests.conftest import (
+    POINTCLOUD,
+    exported_params,
+    max_relative_difference,
+    metrics_log,
+    run_recipe,
+)
+
+TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
+
+
+def test_generated_data_follows_the_skullbreak_layout(pointcloud_data):
+    rows = (pointcloud_data / "train.csv").read_text().split()
+    assert len(rows) == 24 and rows[0] == "complete_skull/000_surf.npy"
+    complete = np.load(pointcloud_data / rows[0])
+    for defect in DEFECTS:
+        defective = np.load(pointcloud_data / "defective_skull" / defect / "000.npy")
+        implant = np.load(pointcloud_data / "implant" / defect / "000.npy")
+        assert defective.shape[1] == implant.shape[1] == 3
+        assert len(implant) > 50 and len(defective) + len(implant) == len(complete)
+        together = np.concatenate([defective, implant])
+        assert np.allclose(np.sort(together, axis=0), np.sort(complete, axis=0))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pointcloud_data):
+    tmp = tmp_path_factory.mktemp("pc1")
+    args = ["--path", str(pointcloud_data / "train.csv"), "--output-dir", str(tmp / "run")]
+    args += [*TINY, "--max-steps", "20", "--log-every", "1", "--eval-every", "100"]
+    run_recipe(args, cwd=tmp, script=POINTCLOUD)
+    return tmp / "run"
+
+
+def test_two_processes_see_the_same_noise_and_end_with_the_same_parameters(
+    one_process, pointcloud_data, tmp_path
+):
+    """Timesteps, noise and point subsets are drawn per sample from (seed, epoch, index), so the
+    two runs differ only in the order of floating-point sums (tolerance as in test_distributed)."""
+    args = ["--data", str(pointcloud_data), "--output-dir", str(tmp_path / "run")]
+    args += [*TINY, "--max-steps", "20", "--log-every", "1", "--eval-every", "100"]
+    run_recipe(args, cwd=tmp_path, nproc=2, script=POINTCLOUD)
+    assert metrics_log(tmp_path / "run")[0]["config"]["num_processes"] == 2
+    diff = max_relative_difference(exported_params(one_process), exported_params(tmp_path / "run"))
+    assert diff <= 1e-5
+    single = [r["train/loss"] for r in metrics_log(one_process) if "train/loss" in r]
+    double = [r["train/loss"] for r in metrics_log(tmp_path / "run") if "train/loss" in r]
+    assert single == pytest.approx(double, rel=1e-4)
+
+
+def test_complete_writes_an_implant_and_a_picture(one_process, pointcloud_data, tmp_path):
+    skull = pointcloud_data / "defective_skull" / "bilateral" / "025.npy"
+    out, png = tmp_path / "implant.npy", tmp_path / "view.png"
+    args = ["complete", "--model", str(one_process / "model"), "--skull", str(skull)]
+    args += ["--out", str(out), "--png", str(png), "--sample-steps", "5"]
+    run_recipe(args, cwd=tmp_path, script=POINTCLOUD)
+    implant = np.load(out)
+    assert implant.shape == (32, 3) and np.isfinite(implant).all()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = out.read_bytes()
+    again = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert out.read_bytes() == before
+
+
+def test_evaluate_command_scores_the_export(one_process, pointcloud_data, tmp_path):
+    args = ["evaluate", "--model", str(one_process / "model"), "--data", str(pointcloud_data)]
+    result = run_recipe([*args, "--sample-steps", "3"], cwd=tmp_path, script=POINTCLOUD)
+    assert "chamfer_mm" in result.stdout and "baseline_bbox_mm" in result.stdout
+    assert "n 30" in result.stdout
+
+
+@pytest.fixture
+def broken_data(tmp_path, pointcloud_data):
+    folder = tmp_path / "skulls"
+    shutil.copytree(pointcloud_data, folder)
+    return folder
+
+
+def break_missing_implant(folder):
+    (folder / "implant" / "random_2" / "003.npy").unlink()
+    return "implant/random_2/003.npy: file not found (listed by", "train.csv, line 4"
+
+
+def break_shape(folder):
+    np.save(folder / "defective_skull" / "bilateral" / "000.npy", np.zeros((10, 2)))
+    return "bilateral/000.npy: expected an M x 3 point cloud, got shape (10, 2)", ""
+
+
+def break_empty_split(folder):
+    (folder / "test.csv").write_text("path\n")
+    return "test.csv: lists no .npy files", ""
+
+
+def break_not_npy(folder):
+    (folder / "train.csv").write_text("complete_skull/000_surf.npy\ncomplete_skull/001.txt\n")
+    return "train.csv, line 2: 'complete_skull/001.txt' is not a .npy path", ""
+
+
+@pytest.mark.parametrize(
+    "breaker", [break_missing_implant, break_shape, break_empty_split, break_not_npy]
+)
+def test_bad_data_gives_one_clear_error(breaker, broken_data, tmp_path):
+    first, second = breaker(broken_data)
+    args = ["--data", str(broken_data), "--output-dir", str(tmp_path / "run"), *TINY]
+    result = run_recipe([*args, "--max-steps", "1"], cwd=tmp_path, script=POINTCLOUD, check=False)
+    assert result.returncode == 2, result.stderr
+    assert first in result.stderr and second in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_bad_sizes_are_refused(tmp_path, pointcloud_data):
+    args = ["--data", str(pointcloud_data), "--num-points", "64", "--num-nn", "64"]
+    result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
+    assert result.returncode == 2
+    assert "--num-nn must be between 1 and --num-points - 1" in result.stderr
