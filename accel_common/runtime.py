@@ -12,12 +12,19 @@ import typer
 from accelerate import Accelerator, PartialState
 from accelerate.utils import GradientAccumulationPlugin, KwargsHandler, set_seed
 
-from accel_common.batching import BatchPlan, plan_batch
-from accel_common.checkpoint import TrainProgress, load_checkpoint, resolve_resume
+from accel_common.batching import BatchPlan, plan_batch, total_optimizer_steps
+from accel_common.checkpoint import (
+    TrainProgress,
+    export_model,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from accel_common.console import print_banner
 from accel_common.errors import DataError, exit_on_error
 from accel_common.lr import Schedule, build_scheduler, scale_lr
 from accel_common.options import TrainArgs
-from accel_common.tracking import trackers_for
+from accel_common.tracking import StepLogger, start_tracking, trackers_for
 
 EXAMPLE_DATA_ROOT = Path("data/example")
 
@@ -58,12 +65,20 @@ def make_accelerator(
 
 
 def make_lr_schedule(
-    args: TrainArgs, plan: BatchPlan, optimizer: torch.optim.Optimizer, total_steps: int
-) -> tuple[torch.optim.lr_scheduler.LambdaLR, str]:
-    """Scale --lr to the global batch, set it on the optimizer, and build the schedule.
+    accelerator: Accelerator,
+    args: TrainArgs,
+    plan: BatchPlan,
+    optimizer: torch.optim.Optimizer,
+    micro_batches_per_epoch: int,
+) -> tuple[torch.optim.lr_scheduler.LambdaLR, int, str]:
+    """Count the run's optimizer steps, scale --lr to the global batch, build the schedule.
 
-    Returns the scheduler and a line for the banner explaining where the peak LR came from.
+    The scheduler is registered for checkpointing (not prepared: see accel_common.lr). Returns
+    it, the number of optimizer steps, and a banner line saying where the peak LR came from.
     """
+    total_steps = total_optimizer_steps(micro_batches_per_epoch, args.epochs, plan.grad_accum_steps)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
     peak = scale_lr(args.lr, args.ref_bs, plan.global_batch_size, args.lr_scaling)
     for group in optimizer.param_groups:
         group["lr"] = peak
@@ -79,7 +94,72 @@ def make_lr_schedule(
         f"scaling to global batch {plan.global_batch_size}); {schedule.warmup_steps} warmup steps, "
         f"then {args.schedule.value}"
     )
-    return build_scheduler(optimizer, schedule), line
+    scheduler = build_scheduler(optimizer, schedule)
+    accelerator.register_for_checkpointing(scheduler)
+    return scheduler, total_steps, line
+
+
+def start_run(
+    accelerator: Accelerator,
+    args: TrainArgs,
+    plan: BatchPlan,
+    *,
+    recipe: str,
+    config: dict[str, Any],
+    lr_line: str,
+    total_steps: int,
+) -> tuple[TrainProgress, StepLogger]:
+    """Print the plan, restore --resume state, start the trackers, and open the step logger.
+
+    Call it after `prepare` (resume loads into the prepared objects). Trackers start only after
+    a successful resume, so a bad --resume leaves the output folder as it was.
+    """
+    print_banner(accelerator, recipe=recipe, plan=plan, lr_line=lr_line, total_steps=total_steps)
+    progress = resume_if_asked(accelerator, args, plan)
+    start_tracking(
+        accelerator,
+        project=args.wandb_project or f"accel-recipes-{recipe}",
+        run_name=args.wandb_name,
+        output_dir=args.output_dir,
+        config={**config, **plan.as_dict()},
+    )
+    log = StepLogger(
+        accelerator,
+        total_steps=total_steps,
+        initial_step=progress.step,
+        log_every=args.log_every,
+        global_batch_size=plan.global_batch_size,
+        desc=recipe,
+    )
+    return progress, log
+
+
+def finish_run(
+    accelerator: Accelerator,
+    args: TrainArgs,
+    plan: BatchPlan,
+    progress: TrainProgress,
+    model: torch.nn.Module,
+    *,
+    recipe: str,
+    config: dict[str, Any],
+    metrics: dict[str, float],
+) -> Path:
+    """Save the final resumable state, export the model with its metrics, close the trackers."""
+    save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)
+    path = export_model(
+        accelerator,
+        model,
+        args.output_dir / "model",
+        recipe=recipe,
+        config=config,
+        plan=plan,
+        step=progress.step,
+        metrics=metrics,
+    )
+    accelerator.print(f"exported {path}")
+    accelerator.end_training()
+    return path
 
 
 def resume_if_asked(accelerator: Accelerator, args: TrainArgs, plan: BatchPlan) -> TrainProgress:

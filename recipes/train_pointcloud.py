@@ -30,28 +30,26 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.batching import total_optimizer_steps
 from accel_common.checkpoint import (
-    export_model,
     load_exported,
     read_export_metadata,
     save_checkpoint,
 )
-from accel_common.console import format_metrics, print_banner
+from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
 from accel_common.data.files import EpochShuffleSampler, read_path_list
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
 from accel_common.runtime import (
+    finish_run,
     grad_norm,
     make_accelerator,
     make_lr_schedule,
     resolve_data,
-    resume_if_asked,
     run_recipe,
+    start_run,
 )
-from accel_common.tracking import StepLogger, start_tracking
 from accel_common.viz import render_point_clouds
 
 RECIPE = "pointcloud"
@@ -380,38 +378,28 @@ def train(
         model, optimizer, train_loader, test_loader
     )
     diffusion = Diffusion(timesteps, accelerator.device)
-    total_steps = total_optimizer_steps(len(train_loader), args.epochs, plan.grad_accum_steps)
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    scheduler, lr_line = make_lr_schedule(args, plan, optimizer, total_steps)
-    accelerator.register_for_checkpointing(scheduler)
+    scheduler, total_steps, lr_line = make_lr_schedule(
+        accelerator, args, plan, optimizer, len(train_loader)
+    )
     if ema is not None:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
     config = {**args.as_config(), "width": width, "depth": depth, "resolution": resolution}
     config |= {**sizes, "sample_steps": sample_steps, "ema_decay": ema_decay}
-    print_banner(accelerator, recipe=RECIPE, plan=plan, lr_line=lr_line, total_steps=total_steps)
-    progress = resume_if_asked(accelerator, args, plan)
-    start_tracking(
+    progress, log = start_run(
         accelerator,
-        project=args.wandb_project or f"accel-recipes-{RECIPE}",
-        run_name=args.wandb_name,
-        output_dir=args.output_dir,
-        config={**config, **plan.as_dict()},
+        args,
+        plan,
+        recipe=RECIPE,
+        config=config,
+        lr_line=lr_line,
+        total_steps=total_steps,
     )
 
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
         return evaluate(accelerator, scored, test_loader, diffusion, sample_steps, args.seed)
 
-    log = StepLogger(
-        accelerator,
-        total_steps=total_steps,
-        initial_step=progress.step,
-        log_every=args.log_every,
-        global_batch_size=plan.global_batch_size,
-        desc=RECIPE,
-    )
     samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
     train_seconds, metrics = 0.0, {}
     while progress.step < total_steps:
@@ -455,20 +443,17 @@ def train(
         metrics = log.end_epoch(progress.epoch, progress.step, score())
     log.close()
 
-    save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)
     metrics["train_seconds"] = train_seconds
-    path = export_model(
+    finish_run(
         accelerator,
+        args,
+        plan,
+        progress,
         model if ema is None else ema.module,
-        args.output_dir / "model",
         recipe=RECIPE,
         config=config,
-        plan=plan,
-        step=progress.step,
         metrics=metrics,
     )
-    accelerator.print(f"exported {path}")
-    accelerator.end_training()
     return metrics
 
 

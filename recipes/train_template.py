@@ -28,26 +28,24 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_common.batching import total_optimizer_steps
 from accel_common.checkpoint import (
-    export_model,
     load_exported,
     read_export_metadata,
     save_checkpoint,
 )
-from accel_common.console import format_metrics, print_banner
+from accel_common.console import format_metrics
 from accel_common.data import template as template_data
 from accel_common.data.files import EpochShuffleSampler, read_numeric_csv
 from accel_common.options import TrainArgs, train_options
 from accel_common.runtime import (
+    finish_run,
     grad_norm,
     make_accelerator,
     make_lr_schedule,
     resolve_data,
-    resume_if_asked,
     run_recipe,
+    start_run,
 )
-from accel_common.tracking import StepLogger, start_tracking
 
 RECIPE = "template"
 
@@ -136,29 +134,18 @@ def train(
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )
-    total_steps = total_optimizer_steps(len(train_loader), args.epochs, plan.grad_accum_steps)
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    scheduler, lr_line = make_lr_schedule(args, plan, optimizer, total_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    config = {**args.as_config(), "hidden": hidden, "depth": depth, "target_mean": train_mean}
-    print_banner(accelerator, recipe=RECIPE, plan=plan, lr_line=lr_line, total_steps=total_steps)
-    progress = resume_if_asked(accelerator, args, plan)
-    start_tracking(
-        accelerator,
-        project=args.wandb_project or f"accel-recipes-{RECIPE}",
-        run_name=args.wandb_name,
-        output_dir=args.output_dir,
-        config={**config, **plan.as_dict()},
+    scheduler, total_steps, lr_line = make_lr_schedule(
+        accelerator, args, plan, optimizer, len(train_loader)
     )
-
-    log = StepLogger(
+    config = {**args.as_config(), "hidden": hidden, "depth": depth, "target_mean": train_mean}
+    progress, log = start_run(
         accelerator,
+        args,
+        plan,
+        recipe=RECIPE,
+        config=config,
+        lr_line=lr_line,
         total_steps=total_steps,
-        initial_step=progress.step,
-        log_every=args.log_every,
-        global_batch_size=plan.global_batch_size,
-        desc=RECIPE,
     )
     samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
     train_seconds, metrics = 0.0, {}
@@ -200,20 +187,17 @@ def train(
         metrics = log.end_epoch(progress.epoch, progress.step, eval_metrics)
     log.close()
 
-    save_checkpoint(accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last)
     metrics["train_seconds"] = train_seconds
-    path = export_model(
+    finish_run(
         accelerator,
+        args,
+        plan,
+        progress,
         model,
-        args.output_dir / "model",
         recipe=RECIPE,
         config=config,
-        plan=plan,
-        step=progress.step,
         metrics=metrics,
     )
-    accelerator.print(f"exported {path}")
-    accelerator.end_training()
     return metrics
 
 
