@@ -1,5 +1,6 @@
 # accel-recipes: `make train` sets everything up and trains on a built-in example;
 # `make test` runs the test suite. RECIPE= picks the recipe, ARGS= passes flags through.
+#   make train                                   (the point-cloud diffusion recipe, example data)
 #   make train RECIPE=template ARGS="--epochs 5"
 #   make train-8gpu RECIPE=template ARGS="--bs 512"
 #   make train-multinode NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 # torch first, from a pinned pair known to work with torchvision/timm; override for your CUDA:
 #   make install TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-RECIPE ?= template
+RECIPE ?= pointcloud
 ARGS ?=
 GPUS_PER_NODE ?= 8
 NNODES ?= 2

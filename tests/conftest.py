@@ -16,6 +16,9 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
 POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
+# a point-cloud model small enough for many short runs in the tests
+POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
+POINTCLOUD_TINY += ["--resolution", "8"]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 BIN = Path(sys.executable).parent
 
@@ -26,10 +29,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def recipe_env(tmp: Path) -> dict[str, str]:
+def recipe_env(tmp: Path, threads: int = 1) -> dict[str, str]:
     return {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
@@ -50,12 +53,18 @@ def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
 
 
 def run_recipe(
-    args: list[str], *, cwd: Path, nproc: int = 1, script: Path = TEMPLATE, check: bool = True
+    args: list[str],
+    *,
+    cwd: Path,
+    nproc: int = 1,
+    script: Path = TEMPLATE,
+    check: bool = True,
+    threads: int = 1,
 ) -> subprocess.CompletedProcess:
     result = subprocess.run(
         launch_command(script, args, nproc),
         cwd=cwd,
-        env=recipe_env(cwd),
+        env=recipe_env(cwd, threads),
         capture_output=True,
         text=True,
         timeout=600,

@@ -12,6 +12,7 @@ import pytest
 from accel_common.checkpoint import list_checkpoints
 from tests.conftest import (
     POINTCLOUD,
+    POINTCLOUD_TINY,
     TEMPLATE,
     exported_params,
     launch_command,
@@ -28,7 +29,7 @@ CASES = {
 }
 SMALL = {
     "template": ["--hidden", "256", "--depth", "3"],
-    "pointcloud": ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"],
+    "pointcloud": POINTCLOUD_TINY,
 }
 
 
