@@ -11,6 +11,7 @@ import torch
 import typer
 from accelerate import Accelerator, PartialState
 from accelerate.utils import GradientAccumulationPlugin, KwargsHandler, set_seed
+from torch.utils.data import DataLoader, Dataset
 
 from accel_common.batching import BatchPlan, plan_batch, total_optimizer_steps
 from accel_common.checkpoint import (
@@ -21,6 +22,7 @@ from accel_common.checkpoint import (
     save_checkpoint,
 )
 from accel_common.console import print_banner
+from accel_common.data.files import EpochShuffleSampler
 from accel_common.errors import DataError, exit_on_error
 from accel_common.lr import Schedule, build_scheduler, scale_lr
 from accel_common.options import TrainArgs
@@ -64,6 +66,26 @@ def make_accelerator(
     return accelerator, plan
 
 
+def make_train_loader(dataset: Dataset, plan: BatchPlan, args: TrainArgs) -> DataLoader:
+    """The training DataLoader every recipe needs, before `prepare`.
+
+    - batch = the plan's per-device batch; drop_last, so every optimizer step sees exactly the
+      global batch;
+    - the shuffle order depends only on (seed, epoch): 1 or N processes see the same global
+      batches, and a resumed run the same order;
+    - its own generator: creating a loader iterator draws a seed, and drawing it from the global
+      RNG would shift dropout masks after a resume (which restores that RNG).
+    """
+    return DataLoader(
+        dataset,
+        batch_size=plan.per_device_batch_size,
+        sampler=EpochShuffleSampler(len(dataset), args.seed),
+        drop_last=True,
+        num_workers=args.workers,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+
+
 def make_lr_schedule(
     accelerator: Accelerator,
     args: TrainArgs,
@@ -73,7 +95,8 @@ def make_lr_schedule(
 ) -> tuple[torch.optim.lr_scheduler.LambdaLR, int, str]:
     """Count the run's optimizer steps, scale --lr to the global batch, build the schedule.
 
-    The scheduler is registered for checkpointing (not prepared: see accel_common.lr). Returns
+    A parameter group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler
+    is registered for checkpointing (not prepared: see accel_common.lr). Returns
     it, the number of optimizer steps, and a banner line saying where the peak LR came from.
     """
     total_steps = total_optimizer_steps(micro_batches_per_epoch, args.epochs, plan.grad_accum_steps)
@@ -81,7 +104,7 @@ def make_lr_schedule(
         total_steps = min(total_steps, args.max_steps)
     peak = scale_lr(args.lr, args.ref_bs, plan.global_batch_size, args.lr_scaling)
     for group in optimizer.param_groups:
-        group["lr"] = peak
+        group["lr"] = peak * group.get("lr_scale", 1.0)  # a group may ask for a multiple
     schedule = Schedule(
         total_steps=total_steps,
         warmup_steps=min(args.warmup_steps, total_steps),  # a short (--max-steps) run still works

@@ -37,7 +37,7 @@ from accel_common.checkpoint import (
 )
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
-from accel_common.data.files import EpochShuffleSampler, read_path_list
+from accel_common.data.files import read_path_list
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
@@ -46,6 +46,7 @@ from accel_common.runtime import (
     grad_norm,
     make_accelerator,
     make_lr_schedule,
+    make_train_loader,
     resolve_data,
     run_recipe,
     start_run,
@@ -386,13 +387,7 @@ def train(
     optimizer = torch.optim.Adam(
         model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
     )
-    train_loader = DataLoader(
-        train_set,
-        batch_size=plan.per_device_batch_size,
-        sampler=EpochShuffleSampler(len(train_set), args.seed),
-        drop_last=True,
-        num_workers=args.workers,
-    )
+    train_loader = make_train_loader(train_set, plan, args)
     test_loader = DataLoader(
         test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
     )

@@ -35,13 +35,14 @@ from accel_common.checkpoint import (
 )
 from accel_common.console import format_metrics
 from accel_common.data import template as template_data
-from accel_common.data.files import EpochShuffleSampler, read_numeric_csv
+from accel_common.data.files import read_numeric_csv
 from accel_common.options import TrainArgs, train_options
 from accel_common.runtime import (
     finish_run,
     grad_norm,
     make_accelerator,
     make_lr_schedule,
+    make_train_loader,
     resolve_data,
     run_recipe,
     start_run,
@@ -121,15 +122,7 @@ def train(
 
     model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    # drop_last: every optimizer step sees exactly the global batch. The sampler's order depends
-    # only on (seed, epoch), so 1 or N processes see the same global batches.
-    train_loader = DataLoader(
-        train_set,
-        batch_size=plan.per_device_batch_size,
-        sampler=EpochShuffleSampler(len(train_set), args.seed),
-        drop_last=True,
-        num_workers=args.workers,
-    )
+    train_loader = make_train_loader(train_set, plan, args)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
 POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
+QUALITY = REPO / "recipes" / "train_quality.py"
 # a point-cloud model small enough for many short runs in the tests
 POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
 POINTCLOUD_TINY += ["--resolution", "8"]
@@ -37,6 +38,7 @@ def recipe_env(tmp: Path, threads: int = 1) -> dict[str, str]:
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
         "HF_HOME": str(tmp / "hf"),
+        "HF_HUB_OFFLINE": "1",  # nothing may wait on the network
     }
 
 
@@ -89,6 +91,13 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
 
 
+def global_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||a|| over all parameters at once."""
+    assert a.keys() == b.keys()
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+    return (diff / sum((a[k] ** 2).sum() for k in a) ** 0.5).item()
+
+
 @pytest.fixture
 def accelerator():
     """A single-process CPU Accelerator, with Accelerate's process-wide state reset around it."""
@@ -114,3 +123,11 @@ def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.pointcloud import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("pointcloud-data"))
+
+
+@pytest.fixture(scope="session")
+def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """160 rated images and 6 annotators (3 experts, casual, spammer, adversarial)."""
+    from accel_common.data.quality import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("quality-data"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from accel_common.data import pointcloud, template
+from accel_common.data import pointcloud, quality, template
 from accel_common.errors import RecipeError
 
 # workload name -> function writing a small synthetic data set into a folder
 GENERATORS: dict[str, Callable[..., Path]] = {
     "template": template.write_dataset,
     "pointcloud": pointcloud.write_dataset,
+    "quality": quality.write_dataset,
 }
 
 

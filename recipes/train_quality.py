@@ -1,0 +1,449 @@
+"""Crowd-BT image-quality scorer: learn a quality score per image from noisy pairwise votes.
+
+A Siamese scorer (timm backbone -> MLP head -> one score s) is trained on comparisons "which of
+two images looks better" from annotators of unequal reliability. Crowd-BT (Chen et al. 2013)
+learns a reliability eta_k per annotator jointly with the scores:
+
+    P(i beats j | annotator k) = eta_k * sigmoid(s_i - s_j) + (1 - eta_k) * sigmoid(s_j - s_i)
+
+eta_k near 1 is a careful annotator, 0.5 a coin-flipper, below 0.5 one who answers in reverse.
+
+    python recipes/train_quality.py                                    # built-in example
+    accelerate launch --config_file accelerate_configs/4gpu.yaml recipes/train_quality.py \\
+        --data DIR --backbone efficientnet_b3 --image-size 300 --batch-size 32
+    python recipes/train_quality.py score --model runs/quality/model --images DIR --out scores.csv
+
+Data: DIR/images/* and DIR/annotations/*.json, each a list of {"img1", "img2", "choice":
+"left" | "right" | "draw", "annotator"} records.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+import typer
+from accelerate import Accelerator
+from PIL import Image, UnidentifiedImageError
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from accel_common.checkpoint import (
+    load_exported,
+    read_export_metadata,
+    read_state_dict,
+    save_checkpoint,
+)
+from accel_common.data import quality as quality_data
+from accel_common.errors import ConfigError, DataError
+from accel_common.lr import Decay
+from accel_common.options import TrainArgs, train_options
+from accel_common.runtime import (
+    finish_run,
+    grad_norm,
+    make_accelerator,
+    make_lr_schedule,
+    make_train_loader,
+    resolve_data,
+    run_recipe,
+    start_run,
+)
+
+RECIPE = "quality"
+CHOICES = {"left": 1, "right": -1, "draw": 0}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+# --------------------------------------------------------------------------- WORKLOAD: data
+
+
+def load_image(path: Path, size: int) -> torch.Tensor:
+    """An RGB image as a (3, size, size) tensor in [-1, 1]."""
+    try:
+        with Image.open(path) as image:
+            pixels = image.convert("RGB").resize((size, size), Image.BILINEAR)
+    except (OSError, UnidentifiedImageError) as err:
+        raise DataError(f"{path}: not a readable image ({err})") from None
+    tensor = torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8)
+    return tensor.view(size, size, 3).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+def read_comparisons(data_dir: Path) -> tuple[list[tuple[str, str, int, str]], list[str]]:
+    """All (img1, img2, choice, annotator) records; errors name the file and record."""
+    folder = data_dir / "annotations"
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if not files:
+        raise DataError(f"{folder}: no annotation .json files")
+    records = []
+    for path in files:
+        try:
+            entries = json.loads(path.read_text())
+        except ValueError as err:
+            raise DataError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(entries, list):
+            raise DataError(f"{path}: expected a list of comparison records")
+        for index, entry in enumerate(entries):
+            where = f"{path}, record {index}"
+            if not isinstance(entry, dict) or not {"img1", "img2", "choice"} <= entry.keys():
+                raise DataError(f"{where}: needs img1, img2 and choice")
+            if entry["choice"] not in CHOICES:
+                raise DataError(f"{where}: choice is {entry['choice']!r}, not left|right|draw")
+            for key in ("img1", "img2"):
+                if not (data_dir / "images" / entry[key]).is_file():
+                    raise DataError(f"{where}: image {data_dir / 'images' / entry[key]} not found")
+            annotator = str(entry.get("annotator", path.stem))
+            records.append((entry["img1"], entry["img2"], CHOICES[entry["choice"]], annotator))
+    return records, sorted({r[3] for r in records})
+
+
+def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
+    """A fixed random split of the comparisons into training and held-out ones."""
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = int(len(records) * (1 - held_out))
+    return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
+
+
+class Pairs(Dataset):
+    """Comparisons as (image i, image j, choice, annotator index), images held in memory."""
+
+    def __init__(self, records: list, images: torch.Tensor, index: dict, annotators: list[str]):
+        self.images = images
+        self.rows = [
+            (index[a], index[b], choice, annotators.index(who)) for a, b, choice, who in records
+        ]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, item: int):
+        i, j, choice, annotator = self.rows[item]
+        return self.images[i], self.images[j], torch.tensor(float(choice)), torch.tensor(annotator)
+
+
+# --------------------------------------------------------------------------- WORKLOAD: model
+
+
+class QualityScorer(nn.Module):
+    """timm backbone -> MLP head (F -> 512 -> 256 -> 1) -> score; plus one logit per annotator."""
+
+    def __init__(
+        self, backbone: str, num_annotators: int, dropout: float, pretrained: bool = False
+    ) -> None:
+        super().__init__()
+        self.backbone = timm.create_model(backbone, pretrained=pretrained, num_classes=0)
+        self.head = nn.Sequential(
+            nn.Linear(self.backbone.num_features, 512),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(512, 256),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            # no bias: the loss sees only score differences, so a bias would get no gradient but
+            # float noise, which Adam turns into a random walk
+            nn.Linear(256, 1, bias=False),
+        )
+        # start every annotator at eta = 0.8: "mostly right" breaks the symmetry between a
+        # reliable crowd and a reversed one with reversed scores
+        self.annotator_logits = nn.Parameter(torch.full((num_annotators,), math.log(4.0)))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(images)).squeeze(1)
+
+
+def reliabilities(model: QualityScorer, mode: str, fixed_eta: float) -> torch.Tensor:
+    """eta per annotator: `full` learns each in [0, 1]; the original's reduced forms keep it in
+    [0.5, 1]: `global` learns one shared value, `fixed` uses --fixed-eta."""
+    logits = model.annotator_logits
+    if mode == "full":
+        return torch.sigmoid(logits)
+    if mode == "global":
+        return (0.5 + 0.5 * torch.sigmoid(logits[:1])).expand_as(logits)
+    return fixed_eta + 0 * logits  # still in the graph: DDP expects a gradient for every parameter
+
+
+def crowd_bt_loss(
+    diff: torch.Tensor, choice: torch.Tensor, eta: torch.Tensor, draw_weight: float
+) -> torch.Tensor:
+    """Mean negative log-likelihood of the votes; a draw costs draw_weight * |s_i - s_j|."""
+    log_eta, log_not = torch.log(eta.clamp(1e-6, 1)), torch.log((1 - eta).clamp(1e-6, 1))
+    log_left = torch.logaddexp(log_eta + F.logsigmoid(diff), log_not + F.logsigmoid(-diff))
+    log_right = torch.logaddexp(log_eta + F.logsigmoid(-diff), log_not + F.logsigmoid(diff))
+    nll = torch.where(choice > 0, -log_left, -log_right)
+    return torch.where(choice == 0, draw_weight * diff.abs(), nll).mean()
+
+
+# --------------------------------------------------------------------------- WORKLOAD: quality
+
+
+def rank_correlations(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Spearman's rho and Kendall's tau between two score vectors."""
+    ranks_a, ranks_b = a.argsort().argsort().float(), b.argsort().argsort().float()
+    spearman = torch.corrcoef(torch.stack([ranks_a, ranks_b]))[0, 1].item()
+    da, db = a[:, None] - a[None], b[:, None] - b[None]
+    kendall = (torch.sign(da) * torch.sign(db)).sum().item() / (len(a) * (len(a) - 1))
+    return spearman, kendall
+
+
+def win_rates(records: list, index: dict) -> torch.Tensor:
+    """The baseline: each image's share of wins (draws count half) in the training votes."""
+    wins, seen = torch.zeros(len(index)), torch.zeros(len(index))
+    for a, b, choice, _ in records:
+        wins[index[a]] += (1 + choice) / 2
+        wins[index[b]] += (1 - choice) / 2
+        seen[index[a]] += 1
+        seen[index[b]] += 1
+    return wins / seen.clamp(min=1)
+
+
+def pairwise_accuracy(scores: torch.Tensor, records: list, index: dict) -> float:
+    """Share of held-out non-draw votes whose winner has the higher score."""
+    decided = [(index[a], index[b], c) for a, b, c, _ in records if c != 0]
+    hits = [(scores[i] - scores[j]).sign().item() == c for i, j, c in decided]
+    return sum(hits) / max(1, len(hits))
+
+
+@torch.no_grad()
+def image_scores(accelerator: Accelerator, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """Scores of all images in order, computed in parallel and gathered exactly once each."""
+    model.eval()
+    loader = accelerator.prepare(DataLoader(TensorDataset(images), batch_size=64))
+    scores = torch.cat([accelerator.gather_for_metrics(model(x)) for (x,) in loader])
+    model.train()
+    return scores.float().cpu()
+
+
+def evaluate(
+    scores: torch.Tensor,
+    train_records: list,
+    held_out: list,
+    index: dict,
+    truth: dict | None,
+    names: list[str],
+) -> dict[str, float]:
+    """Held-out pairwise accuracy and, with truth.json, rank correlation with true quality,
+    each next to the win-rate baseline."""
+    baseline = win_rates(train_records, index)
+    metrics = {
+        "pair_acc": pairwise_accuracy(scores, held_out, index),
+        "baseline_pair_acc": pairwise_accuracy(baseline, held_out, index),
+    }
+    if truth is not None:
+        true_quality = torch.tensor([truth["quality"][name] for name in names])
+        metrics["spearman"], metrics["kendall"] = rank_correlations(scores, true_quality)
+        metrics["baseline_spearman"], metrics["baseline_kendall"] = rank_correlations(
+            baseline, true_quality
+        )
+    return metrics
+
+
+# --------------------------------------------------------------------------- training
+
+
+def load_images(folder: Path, size: int) -> tuple[list[str], torch.Tensor]:
+    """Every image of a folder, sorted by name, as one (N, 3, size, size) tensor."""
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder")
+    names = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not names:
+        raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return names, torch.stack([load_image(folder / name, size) for name in names])
+
+
+@train_options(
+    default_per_device_bs=32,
+    lr=1e-4,
+    ref_bs=32,
+    epochs=20,
+    weight_decay=1e-5,
+    schedule=Decay.cosine,
+    min_lr_ratio=0.01,
+    output_dir=Path("runs/quality"),
+    aliases={"per_device_bs": ["--batch-size"]},
+)
+def train(
+    args: TrainArgs,
+    backbone: str = typer.Option(
+        "test_efficientnet_gn",
+        help="timm model name; the default is timm's tiny GroupNorm EfficientNet for CPUs "
+        "(original: efficientnet_b3..b5).",
+    ),
+    pretrained: bool = typer.Option(False, help="Start from timm's pretrained weights (network)."),
+    weights: Path = typer.Option(
+        None, help="Local backbone weights (.safetensors/.pt) to start from."
+    ),
+    image_size: int = typer.Option(32, help="Images are resized to this square size."),
+    dropout: float = typer.Option(0.2, help="Dropout in the MLP head."),
+    reliability: str = typer.Option(
+        "full",
+        help="full: eta per annotator in [0, 1]; global / fixed: the original's reduced form.",
+    ),
+    fixed_eta: float = typer.Option(0.9, help="eta for --reliability fixed, in [0.5, 1]."),
+    draw_weight: float = typer.Option(0.1, help="Penalty on |s_i - s_j| for a draw."),
+    eta_lr: float = typer.Option(
+        2e-2, help="Learning rate of the annotator reliabilities (no weight decay)."
+    ),
+    held_out: float = typer.Option(0.15, help="Share of comparisons held out for evaluation."),
+) -> dict[str, float]:
+    """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example)."""
+    if reliability not in ("full", "global", "fixed"):
+        raise ConfigError(f"--reliability {reliability}: choose full, global or fixed")
+    if not 0.5 <= fixed_eta <= 1:
+        raise ConfigError(f"--fixed-eta must be in [0.5, 1], got {fixed_eta}")
+    accelerator, plan = make_accelerator(args)
+    data_dir = resolve_data(accelerator, RECIPE, args.data, quality_data.write_dataset)
+    records, annotators = read_comparisons(data_dir)
+    names, images = load_images(data_dir / "images", image_size)
+    index = {name: i for i, name in enumerate(names)}
+    train_records, held_records = split_comparisons(records, held_out, args.seed)
+    truth_path = data_dir / "truth.json"
+    truth = json.loads(truth_path.read_text()) if truth_path.is_file() else None
+
+    model = build_scorer(backbone, len(annotators), dropout, pretrained, weights)
+    network = [p for name, p in model.named_parameters() if name != "annotator_logits"]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": network, "weight_decay": args.weight_decay},
+            # a few scalars that must travel far (0.8 -> 0.1 for a reversed annotator)
+            {"params": [model.annotator_logits], "weight_decay": 0.0, "lr_scale": eta_lr / args.lr},
+        ],
+        lr=args.lr,
+    )
+    pairs = Pairs(train_records, images, index, annotators)
+    train_loader = make_train_loader(pairs, plan, args)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    scheduler, total_steps, lr_line = make_lr_schedule(
+        accelerator, args, plan, optimizer, len(train_loader)
+    )
+    config = {**args.as_config(), "backbone": backbone, "image_size": image_size}
+    config |= {"dropout": dropout, "reliability": reliability, "annotators": annotators}
+    progress, log = start_run(
+        accelerator,
+        args,
+        plan,
+        recipe=RECIPE,
+        config=config,
+        lr_line=lr_line,
+        total_steps=total_steps,
+    )
+
+    def score() -> dict[str, float]:
+        scores = image_scores(accelerator, model, images)
+        metrics = evaluate(scores, train_records, held_records, index, truth, names)
+        eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta).detach()
+        metrics |= {f"eta_{who}": eta[k].item() for k, who in enumerate(annotators)}
+        if truth is not None and reliability == "full":
+            true_eta = torch.tensor([truth["reliability"][who] for who in annotators])
+            metrics["eta_corr"] = torch.corrcoef(torch.stack([eta.cpu(), true_eta]))[0, 1].item()
+        return metrics
+
+    samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
+    train_seconds, metrics = 0.0, {}
+    while progress.step < total_steps:
+        epoch_number = progress.epoch + 1
+        train_loader.set_epoch(progress.epoch)
+        batches = train_loader
+        if progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
+            batches = accelerator.skip_first_batches(train_loader, progress.batches_to_skip(plan))
+        started = time.perf_counter()
+        for image_i, image_j, choice, annotator in batches:
+            with accelerator.accumulate(model):
+                s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
+                eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta)
+                loss = crowd_bt_loss(s_i - s_j, choice, eta[annotator], draw_weight)
+                accelerator.backward(loss)
+                norm = grad_norm(accelerator, model, args.clip_grad, log.logs_at(progress.step + 1))
+                optimizer.step()
+                optimizer.zero_grad()
+            progress.samples_in_epoch += samples_per_micro_batch
+            log.add_loss(loss)
+            if not accelerator.sync_gradients:
+                continue  # mid-accumulation: no optimizer step happened
+            scheduler.step()
+            progress.step += 1
+            log.step(progress.step, scheduler, norm)
+            periodic_save = args.save_every and progress.step % args.save_every == 0
+            if periodic_save and progress.step < total_steps:  # the final save comes after the loop
+                save_checkpoint(
+                    accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last
+                )
+            if progress.step >= total_steps:
+                break  # the epoch stays unfinished, so the final checkpoint records where it ended
+        else:
+            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
+        train_seconds += time.perf_counter() - started
+        metrics = log.end_epoch(epoch_number, progress.step, score())
+    if not metrics:  # resumed a run that had already finished: score it again for the export
+        metrics = log.end_epoch(progress.epoch, progress.step, score())
+    log.close()
+
+    metrics["train_seconds"] = train_seconds
+    finish_run(
+        accelerator,
+        args,
+        plan,
+        progress,
+        model,
+        recipe=RECIPE,
+        config=config,
+        metrics=metrics,
+    )
+    return metrics
+
+
+def build_scorer(
+    backbone: str, num_annotators: int, dropout: float, pretrained: bool, weights: Path | None
+) -> QualityScorer:
+    """The scorer, with a clear error when pretrained weights cannot be had."""
+    try:
+        model = QualityScorer(backbone, num_annotators, dropout, pretrained=pretrained)
+    except RuntimeError as err:  # timm: unknown model
+        raise ConfigError(f"--backbone {backbone}: {err}") from None
+    except OSError as err:  # no network for the hub download
+        raise ConfigError(
+            f"--pretrained: could not fetch {backbone}'s weights ({err}); without network access "
+            "pass --weights FILE with a local copy, or drop --pretrained"
+        ) from None
+    if weights is not None:
+        state = read_state_dict(weights)
+        _, unexpected = model.backbone.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ConfigError(f"--weights {weights}: keys that {backbone} lacks: {unexpected[:5]}")
+    return model
+
+
+# --------------------------------------------------------------------------- single-device use
+
+
+def score_folder(
+    model_dir: Path = typer.Option(
+        Path("runs/quality/model"), "--model", help="Exported model folder (train's output)."
+    ),
+    images: Path = typer.Option(..., help="Folder of images to rate."),
+    out: Path = typer.Option(..., help="CSV to write: image,score (higher is better)."),
+) -> None:
+    """Rate every image in a folder with an exported model, on one device, best first."""
+    if out.exists():
+        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    config = read_export_metadata(model_dir)["config"]
+    model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
+    load_exported(model_dir, model)
+    names, batch = load_images(images, config["image_size"])
+    with torch.no_grad():
+        scores = model.eval()(batch).tolist()
+    ranked = sorted(zip(names, scores, strict=True), key=lambda row: -row[1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["image", "score"])
+        writer.writerows((name, f"{value:.6f}") for name, value in ranked)
+    print(f"wrote {out}: {len(ranked)} images")
+
+
+if __name__ == "__main__":
+    run_recipe(train, score=score_folder)
