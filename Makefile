@@ -17,7 +17,9 @@ ARGS ?=
 GPUS_PER_NODE ?= 8
 NNODES ?= 2
 NODE_RANK ?= 0
-MASTER_ADDR ?= 127.0.0.1
+# the head node's address, the same on every node: train-multinode requires it (a 127.0.0.1
+# default would leave the other nodes waiting for a head that is not there)
+MASTER_ADDR ?=
 MASTER_PORT ?= 29500
 STAMP := $(VENV)/.installed
 
@@ -59,11 +61,14 @@ train-cpu: install check-recipe
 train-1gpu train-2gpu train-4gpu train-8gpu: train-%gpu: install check-recipe
 	$(call launch,accelerate_configs/$*gpu.yaml)
 
-# run on every node, NODE_RANK=0 on the head node (MASTER_ADDR); see docs/multinode in README
+# run on every node, NODE_RANK=0 on the head node (MASTER_ADDR); see docs/multinode.md.
+# --rdzv_backend is on the command line because accelerate ignores it in a config file.
 train-multinode: install check-recipe
+	@test -n "$(MASTER_ADDR)" || { echo "error: MASTER_ADDR is not set: give the head node's" \
+	  "address, the same on every node (MASTER_ADDR=10.0.0.1)" >&2; exit 2; }
 	$(call launch,accelerate_configs/multinode_2x8.yaml,--num_machines $(NNODES) \
 	  --num_processes $$(( $(NNODES) * $(GPUS_PER_NODE) )) --machine_rank $(NODE_RANK) \
-	  --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT))
+	  --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_backend c10d)
 
 # lint first (fast), then the suite; PYTEST_ARGS="-k resume" narrows it
 test: install
