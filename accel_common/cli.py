@@ -12,6 +12,7 @@ from rich.table import Table
 from accel_common.batching import BatchPlanError, plan_batch
 from accel_common.checkpoint import convert_checkpoint
 from accel_common.data import GENERATORS, make_data
+from accel_common.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
 from accel_common.errors import RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
 
@@ -146,6 +147,44 @@ def make_data_command(
     """Write a small synthetic data set in the workload's original on-disk format."""
     path = make_data(workload, out_dir, force=force, seed=seed)
     console.print(f"wrote {workload} data to {path}")
+
+
+@app.command()
+@exit_on_error
+def doctor(
+    port: int | None = typer.Option(
+        None, min=1, max=65535, help="Master port (default: the config's, MASTER_PORT, else 29500)."
+    ),
+    addr: str | None = typer.Option(
+        None, help="Master address (default: the config's, MASTER_ADDR, else 127.0.0.1)."
+    ),
+    config_file: Path | None = typer.Option(None, help="Accelerate config to check against."),
+    bs: int | None = typer.Option(None, help="Global batch for the batch plan."),
+    per_device_bs: int | None = typer.Option(None, help="Per-device batch (default 32)."),
+    check_comm: bool = typer.Option(False, help="Time a real all-reduce across local processes."),
+    backend: Backend = typer.Option(Backend.auto, help="auto: nccl with GPUs, else gloo."),
+    nproc: int | None = typer.Option(None, min=1, help="Processes (default: 1 per GPU, or 2)."),
+    sizes_mb: str = typer.Option("1,16,64", help="All-reduce sizes in MiB."),
+    iters: int = typer.Option(10, min=1, help="Timed all-reduces per size."),
+    dist_timeout: float = typer.Option(60.0, min=1, help="Process-group timeout, seconds."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check this machine before a distributed launch: versions, devices, master port, network
+    interfaces, launch variables, config fit; recommends a config. Exit 1 on a blocker."""
+    options = DoctorOptions(
+        port=port,
+        addr=addr,
+        config_file=config_file,
+        bs=bs,
+        per_device_bs=per_device_bs,
+        check_comm=check_comm,
+        backend=backend,
+        nproc=nproc,
+        sizes_mb=parse_sizes(sizes_mb),
+        iters=iters,
+        dist_timeout=dist_timeout,
+    )
+    raise typer.Exit(run_doctor(options, console, as_json=as_json))
 
 
 if __name__ == "__main__":
