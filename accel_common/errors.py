@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -12,6 +13,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 EXIT_USER_ERROR = 2
+EXIT_DIST_FAILURE = 3  # a collective failed: another process died or hangs
 
 
 class RecipeError(Exception):
@@ -35,8 +37,45 @@ def is_main_launch_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def describe_distributed_failure(err: RuntimeError, dist_timeout: int | None) -> str | None:
+    """What a failed collective means and what to do about it; None if `err` is not one.
+
+    gloo raises plain RuntimeErrors whose text names gloo's source file; NCCL and the rendezvous
+    store raise torch.distributed.DistError. Either way the real cause is in another process's
+    log, which is what a user staring at this process's traceback needs to be told.
+    """
+    from torch.distributed import DistError  # imported late: torch is heavy for the CLI
+
+    text = str(err).strip()
+    if not isinstance(err, DistError) and "gloo" not in text.lower():
+        return None
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        within = (
+            f"--dist-timeout {dist_timeout} s"
+            if dist_timeout
+            else "the default timeout (30 min on gloo, 10 min on NCCL; --dist-timeout sets it)"
+        )
+        return (
+            f"a collective (gradient all-reduce or barrier) did not complete within {within}: "
+            "another process died or stopped responding. Check every node's log for the first "
+            "error; if a process was only busy alone (saving, evaluating, preparing data), raise "
+            f"--dist-timeout. ({reason})"
+        )
+    return (
+        "lost the connection to another process during a collective: it died (crash, "
+        "out-of-memory kill, lost node), so this one stops too. Its log holds the cause. "
+        f"({reason})"
+    )
+
+
 def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0) and exit code 2."""
+    """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0) and exit code 2,
+    and a failed collective into `error (rank N): ...` from each process that sees it, exit code 3.
+
+    A dead or hung peer shows up on the survivors as a gloo/NCCL error deep inside backward();
+    one line saying what happened beats a 40-line traceback from the wrong process.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -46,5 +85,12 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             if is_main_launch_process():
                 print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except RuntimeError as err:
+            message = describe_distributed_failure(err, kwargs.get("dist_timeout"))
+            if message is None:
+                raise
+            rank = os.environ.get("RANK", "0")
+            print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_DIST_FAILURE)
 
     return wrapper

@@ -65,6 +65,7 @@ class TrainArgs:
     wandb_project: str | None = None
     wandb_name: str | None = None
     cpu: bool = False
+    dist_timeout: int = 0
 
     def as_config(self) -> dict[str, Any]:
         return {k: v.value if hasattr(v, "value") else v for k, v in asdict(self).items()}
@@ -106,6 +107,10 @@ HELP = {
     "wandb_project": "wandb project (default: accel-recipes-<recipe>).",
     "wandb_name": "wandb run name.",
     "cpu": "Train on the CPU even if an accelerator is present.",
+    "dist_timeout": "Seconds a collective (gradient all-reduce, barrier) waits for the other "
+    "processes before this process fails with an error instead of hanging, on gloo (CPU) and NCCL "
+    "alike. 0 = torch's default: 30 min on gloo, 10 min on NCCL. Keep it above the longest time "
+    "one process works alone: the main process's data preparation, saving or evaluation.",
 }
 
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import typer
 from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin, KwargsHandler, set_seed
+from accelerate.utils import (
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    set_seed,
+)
 from torch.utils.data import DataLoader, Dataset
 
 from accel_common.batching import BatchPlan, plan_batch, total_optimizer_steps
@@ -23,7 +30,7 @@ from accel_common.checkpoint import (
 )
 from accel_common.console import print_banner
 from accel_common.data.files import EpochShuffleSampler
-from accel_common.errors import DataError, exit_on_error
+from accel_common.errors import ConfigError, DataError, exit_on_error
 from accel_common.lr import Schedule, build_scheduler, scale_lr
 from accel_common.options import TrainArgs
 from accel_common.tracking import StepLogger, start_tracking, trackers_for
@@ -40,9 +47,20 @@ def make_accelerator(
     number of processes: the scheduler is stepped by the recipe once per optimizer step (see
     accel_common.lr), and accumulation windows run across epoch ends instead of flushing a short
     window at the end of each epoch, so every optimizer step sees exactly the global batch.
+
+    The process group is created here, by the first PartialState, so its settings (--dist-timeout,
+    a recipe's InitProcessGroupKwargs) go to it directly: Accelerate ignores them once the group
+    exists, and InitProcessGroupKwargs.to_kwargs() drops a timeout equal to its own default (600 s).
     """
+    if args.dist_timeout < 0:
+        raise ConfigError(f"--dist-timeout {args.dist_timeout}: give seconds, or 0 for the default")
     cpu = args.cpu or not torch.accelerator.is_available()
-    world = PartialState(cpu=cpu).num_processes
+    kwargs_handlers = list(kwargs_handlers)
+    init = next((h for h in kwargs_handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    group_kwargs = init.to_kwargs() if init else {}
+    if args.dist_timeout:
+        group_kwargs["timeout"] = timedelta(seconds=args.dist_timeout)
+    world = PartialState(cpu=cpu, **group_kwargs).num_processes
     plan = plan_batch(
         world,
         global_batch_size=args.bs,
@@ -60,10 +78,27 @@ def make_accelerator(
         step_scheduler_with_optimizer=False,
         log_with=trackers_for(args.report_to, args.output_dir),
         project_dir=str(args.output_dir),
-        kwargs_handlers=list(kwargs_handlers),
+        kwargs_handlers=kwargs_handlers,
     )
+    require_requested_sharding(accelerator)
     set_seed(args.seed)  # same initial weights on every process
     return accelerator, plan
+
+
+def require_requested_sharding(accelerator: Accelerator) -> None:
+    """Refuse a launch whose FSDP/DeepSpeed config Accelerate silently dropped.
+
+    Accelerate turns FSDP and DeepSpeed on only with a GPU (or another accelerator); on the CPU it
+    trains plain data-parallel without a word, holding the whole model on every process.
+    """
+    for flag, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+        if os.environ.get(flag, "").lower() == "true" and accelerator.distributed_type != kind:
+            raise ConfigError(
+                f"the launch config asks for {kind}, but Accelerate enables it only on GPUs (or "
+                f"other accelerators) and would run this launch as "
+                f"{accelerator.distributed_type.value} instead, with the whole model on every "
+                "process; launch on GPUs, or use accelerate_configs/cpu_2proc.yaml on the CPU"
+            )
 
 
 def make_train_loader(dataset: Dataset, plan: BatchPlan, args: TrainArgs) -> DataLoader:
@@ -180,7 +215,8 @@ def finish_run(
         step=progress.step,
         metrics=metrics,
     )
-    accelerator.print(f"exported {path}")
+    if accelerator.is_main_process:  # accelerator.print prints once per node, not once per job
+        print(f"exported {path}", flush=True)
     accelerator.end_training()
     return path
 
