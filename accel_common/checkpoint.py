@@ -7,25 +7,29 @@ step, batch plan). It is written to `step_N.tmp` and renamed only when complete,
 
 The export is one safetensors file with clean keys (no `module.` / `_orig_mod.` prefixes) and a
 JSON beside it, loadable on any single device with `load_exported`. `convert_checkpoint` produces
-the same pair from foreign checkpoints (DDP / torch.compile / Accelerate folders) without ever
-unpickling arbitrary objects.
+the same pair from foreign checkpoints (DDP / torch.compile / Accelerate folders, including FSDP's
+sharded torch.distributed.checkpoint folders) without ever unpickling arbitrary objects.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError
@@ -41,6 +45,36 @@ STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
 # Prefixes added by DDP / DataParallel (`module.`), torch.compile (`_orig_mod.`) and Lightning-style
 # modules holding a DDP model (`model.module.`), in any nesting.
 WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
+
+# What `accelerator.save_state` writes for a model under FSDP: FULL_STATE_DICT gives one torch.save
+# file, SHARDED_STATE_DICT a torch.distributed.checkpoint (DCP) folder whose `.metadata` indexes
+# the per-rank `__R_0.distcp` shards; Accelerate nests the weights under the key "model".
+FSDP_FULL_FILE = "pytorch_model_fsdp{suffix}.bin"
+FSDP_SHARDED_DIR = "pytorch_model_fsdp_{index}"
+DCP_METADATA = ".metadata"
+DCP_MODEL_KEY = "model"
+# `.metadata` is a pickle. These are the only globals DCP's own metadata pickles reference (plus
+# torch dtypes); anything else is refused, so reading it cannot run code. pathlib appears because
+# DCP records the folder it saved to (`pathlib._local` on Python >= 3.13).
+_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+DCP_METADATA_GLOBALS: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "pathlib": _PATHS,
+    "pathlib._local": _PATHS,
+}
 
 
 @dataclass
@@ -277,24 +311,120 @@ def unwrap_state_dict(obj: Any, source: str) -> dict[str, torch.Tensor]:
 
 
 def _accelerate_folder_weights(folder: Path, model_index: int) -> Path:
+    """The model's weights in a save_state folder: a file, or FSDP's sharded DCP folder."""
     suffix = "" if model_index == 0 else f"_{model_index}"
-    for name in (f"model{suffix}.safetensors", f"pytorch_model{suffix}.bin"):
-        if (folder / name).is_file():
+    for name in (
+        f"model{suffix}.safetensors",
+        f"pytorch_model{suffix}.bin",
+        FSDP_FULL_FILE.format(suffix=suffix),
+        FSDP_SHARDED_DIR.format(index=model_index),
+    ):
+        if (folder / name).is_file() or (folder / name / DCP_METADATA).is_file():
             return folder / name
+    if (folder / "zero_to_fp32.py").is_file() or (folder / f"pytorch_model{suffix}").is_dir():
+        raise CheckpointError(
+            f"{folder} is a DeepSpeed ZeRO checkpoint; merge it with DeepSpeed's own script first "
+            f"(needs `pip install deepspeed`): python {folder}/zero_to_fp32.py {folder} MERGED "
+            f"--tag pytorch_model{suffix} --safe_serialization, then convert "
+            "MERGED/model.safetensors"
+        )
     raise CheckpointError(
-        f"{folder}: no model{suffix}.safetensors or pytorch_model{suffix}.bin in this folder; "
-        "is it an accelerator.save_state checkpoint? (sharded FSDP/DeepSpeed states must be "
-        "merged first with `accelerate merge-weights`)"
+        f"{folder}: no model{suffix}.safetensors, pytorch_model{suffix}.bin, "
+        f"{FSDP_FULL_FILE.format(suffix=suffix)} or {FSDP_SHARDED_DIR.format(index=model_index)}/ "
+        "in this folder; is it an accelerator.save_state checkpoint?"
     )
 
 
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's pickled `.metadata` index, refusing every global outside that format."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in DCP_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"the DCP index refers to {module}.{name}, which is not part of torch.distributed."
+            "checkpoint's metadata, so it was not loaded (unpickling it could run arbitrary code). "
+            "If you trust this checkpoint, merge it with `accelerate merge-weights`, which "
+            "unpickles it unchecked"
+        )
+
+
+def read_dcp_metadata(folder: Path) -> dcp.Metadata:
+    """The index of a DCP folder (tensor shapes, dtypes, and which shard file holds each chunk)."""
+    path = Path(folder) / DCP_METADATA
+    try:
+        with path.open("rb") as stream:
+            metadata = _DCPMetadataUnpickler(stream).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path} is unreadable, corrupt or truncated: {err}") from err
+    if not isinstance(metadata, dcp.Metadata):
+        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
+    return metadata
+
+
+class _CheckedMetadataReader(dcp.FileSystemReader):
+    """DCP's file reader, handed the index already read by `read_dcp_metadata`.
+
+    FileSystemReader.read_metadata would `pickle.load` the index unchecked; the shards themselves
+    are read with torch.load(weights_only=True) by DCP.
+    """
+
+    def __init__(self, folder: Path, metadata: dcp.Metadata) -> None:
+        super().__init__(folder)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        return self._metadata
+
+
+def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
+    """Merge the model shards of a DCP folder (FSDP SHARDED_STATE_DICT) into full CPU tensors.
+
+    Accelerate saves `{"model": state_dict}`, so entries are named `model.<parameter>`; the
+    parameter names come from the index's own key paths, never from splitting on dots.
+    Non-tensor entries are skipped: an export holds tensors only.
+    """
+    folder = Path(folder)
+    metadata = read_dcp_metadata(folder)
+    paths = metadata.planner_data or {}
+    entries = {
+        fqn: meta
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    tops = sorted({str(paths.get(fqn, (fqn,))[0]) for fqn in entries})
+    if tops != [DCP_MODEL_KEY]:
+        raise CheckpointError(
+            f"{folder}: not a model checkpoint saved by Accelerate under FSDP (its top-level keys "
+            f"are [{', '.join(tops)}], expected [{DCP_MODEL_KEY}]); an optimizer_N folder holds "
+            f"optimizer state, the weights are in {FSDP_SHARDED_DIR.format(index='N')}"
+        )
+    state = {
+        fqn: torch.empty(meta.size, dtype=meta.properties.dtype) for fqn, meta in entries.items()
+    }
+    try:
+        with warnings.catch_warnings():  # single-process on purpose; DCP warns about that
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_CheckedMetadataReader(folder, metadata), no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:  # DCP wraps shard errors in the latter
+        raise CheckpointError(
+            f"{folder}: the shard files are missing, corrupt or truncated "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[-1]})"
+        ) from err
+    return {".".join(map(str, paths[fqn][1:])): tensor for fqn, tensor in state.items()}
+
+
 def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
-    """Read weights from a .safetensors file, a torch.save file, or an Accelerate folder."""
+    """Read weights from a .safetensors/torch.save file, an Accelerate folder or a DCP folder."""
     source = Path(source)
     if not source.exists():
         raise CheckpointError(f"{source}: no such file or folder")
-    if source.is_dir():
+    if source.is_dir() and not (source / DCP_METADATA).is_file():
         source = _accelerate_folder_weights(source, model_index)
+    if source.is_dir():
+        return read_dcp_model(source)
     if source.suffix == ".safetensors":
         try:
             return load_file(str(source))

@@ -93,17 +93,21 @@ def plan(
 @exit_on_error
 def convert(
     source: Path = typer.Argument(
-        ..., help="A .safetensors/.pt/.pth/.bin file, or an accelerator.save_state folder."
+        ...,
+        help="A .safetensors/.pt/.pth/.bin file, an accelerator.save_state folder (also from "
+        "FSDP, sharded or not), or a torch.distributed.checkpoint folder.",
     ),
     output: Path = typer.Argument(..., help="Folder to write model.safetensors + model.json into."),
     recipe: str = typer.Option("unknown", help="Recipe name recorded in model.json."),
     model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
     force: bool = typer.Option(False, help="Overwrite an existing model.safetensors."),
 ) -> None:
-    """Convert a DDP / torch.compile / Accelerate checkpoint into a clean single-file export.
+    """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
     Strips `module.`, `model.module.` and `_orig_mod.` prefixes in any nesting, unwraps
-    `model_state` / `state_dict` / `model` wrappers, and never unpickles arbitrary objects.
+    `model_state` / `state_dict` / `model` wrappers, merges FSDP's per-rank shards
+    (`pytorch_model_fsdp_0/`) into full tensors, and never unpickles arbitrary objects. DeepSpeed
+    ZeRO checkpoints are merged first with DeepSpeed's zero_to_fp32.py (see docs/sharded.md).
     """
     path = convert_checkpoint(source, output, recipe=recipe, model_index=model_index, force=force)
     console.print(f"wrote {path} and {path.with_name('model.json')}")
