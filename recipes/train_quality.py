@@ -209,10 +209,10 @@ def pairwise_accuracy(scores: torch.Tensor, records: list, index: dict) -> float
 
 
 @torch.no_grad()
-def image_scores(accelerator: Accelerator, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """Scores of all images in order, computed in parallel and gathered exactly once each."""
+def image_scores(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> torch.Tensor:
+    """Scores of all images in order (a prepared, unshuffled loader), computed in parallel and
+    gathered exactly once each."""
     model.eval()
-    loader = accelerator.prepare(DataLoader(TensorDataset(images), batch_size=64))
     scores = torch.cat([accelerator.gather_for_metrics(model(x)) for (x,) in loader])
     model.train()
     return scores.float().cpu()
@@ -316,7 +316,10 @@ def train(
     )
     pairs = Pairs(train_records, images, index, annotators)
     train_loader = make_train_loader(pairs, plan, args)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    image_loader = DataLoader(TensorDataset(images), batch_size=64)  # scores every image
+    model, optimizer, train_loader, image_loader = accelerator.prepare(
+        model, optimizer, train_loader, image_loader
+    )
     scheduler, total_steps, lr_line = make_lr_schedule(
         accelerator, args, plan, optimizer, len(train_loader)
     )
@@ -333,7 +336,7 @@ def train(
     )
 
     def score() -> dict[str, float]:
-        scores = image_scores(accelerator, model, images)
+        scores = image_scores(accelerator, model, image_loader)
         metrics = evaluate(scores, train_records, held_records, index, truth, names)
         eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta).detach()
         metrics |= {f"eta_{who}": eta[k].item() for k, who in enumerate(annotators)}
