@@ -84,8 +84,10 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# each benchmark rewrites only its own section of docs/BENCHMARKS.md
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_overhead.py --out docs/BENCHMARKS.md
+	OMP_NUM_THREADS=1 $(BIN)/accel-recipes bench --out docs/BENCHMARKS.md --plot docs/scaling.png
 
 clean:
 	rm -rf runs data/example .pytest_cache

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
+from accel_common.bench import run_benchmark
 from accel_common.checkpoint import convert_checkpoint
 from accel_common.data import GENERATORS, make_data
 from accel_common.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
@@ -151,6 +152,24 @@ def make_data_command(
     """Write a small synthetic data set in the workload's original on-disk format."""
     path = make_data(workload, out_dir, force=force, seed=seed)
     console.print(f"wrote {workload} data to {path}")
+
+
+@app.command()
+@exit_on_error
+def bench(
+    out: Path = typer.Option(
+        REPO_ROOT / "docs" / "BENCHMARKS.md", help="Markdown file whose scaling section is written."
+    ),
+    plot: Path = typer.Option(REPO_ROOT / "docs" / "scaling.png", help="Where the plot goes."),
+    repeats: int = typer.Option(
+        4, min=1, help="Interleaved repeats (even: each order of runs equally often)."
+    ),
+    cpu: bool = typer.Option(False, help="1 and 2 CPU processes even where there are GPUs."),
+) -> None:
+    """Samples/s of every recipe on 1 and 2 CPU processes (1..N GPUs where there are), next to
+    a hand-written DDP loop, all in one interleaved run (about 10 minutes on 2 cores)."""
+    typer.echo(run_benchmark(out, plot, repeats, cpu))
+    console.print(f"wrote {out} and {plot}")
 
 
 @app.command()

@@ -33,6 +33,7 @@ import typer
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from accel_common.bench import SECTION_START as SCALING_SECTION
 from accel_common.checkpoint import TrainProgress
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.data.template import write_dataset
@@ -268,7 +269,10 @@ def main() -> None:
         "",
     ]
     cli.out.parent.mkdir(parents=True, exist_ok=True)
-    cli.out.write_text("\n".join(lines))
+    # keep the scaling section that `accel-recipes bench` writes after this one
+    previous = cli.out.read_text() if cli.out.exists() else ""
+    scaling = previous[previous.index(SCALING_SECTION) :] if SCALING_SECTION in previous else ""
+    cli.out.write_text("\n".join(lines) + ("\n" + scaling if scaling else ""))
     print("\n".join(lines))
 
 
