@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from accel_common.data import make_data
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.template import write_dataset as write_template_data
+from accel_common.doctor import free_port
 from accel_common.errors import RecipeError
 from accel_common.tracking import METRICS_FILE
 
@@ -107,12 +107,6 @@ class Result:
     def ratios(self, n: int) -> list[float]:
         """Per-repeat N-process / 1-process ratios: runs made back to back, so drift cancels."""
         return [many / one for many, one in zip(self.rates[n], self.rates[1], strict=True)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def environment(work: Path) -> dict[str, str]:
@@ -429,6 +423,7 @@ def reference_loop(argv: Sequence[str] | None = None) -> None:
     if log is not None:
         log.close()
     if distributed:
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from accel_common.doctor import free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
@@ -22,12 +23,6 @@ POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--
 POINTCLOUD_TINY += ["--resolution", "8"]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def recipe_env(tmp: Path, threads: int = 1) -> dict[str, str]:
