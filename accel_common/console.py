@@ -11,6 +11,13 @@ from tqdm.auto import tqdm
 from accel_common.batching import SMALL_PER_DEVICE_BATCH, BatchPlan
 
 
+def say(accelerator: Accelerator, message: str) -> None:
+    """Print once per job. `accelerator.print` prints on every node's local main process, so a
+    2-node job would say everything twice."""
+    if accelerator.is_main_process:
+        print(message, flush=True)
+
+
 def print_banner(
     accelerator: Accelerator,
     *,

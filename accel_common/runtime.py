@@ -28,7 +28,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from accel_common.console import print_banner
+from accel_common.console import print_banner, say
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.errors import ConfigError, DataError, exit_on_error
 from accel_common.lr import Schedule, build_scheduler, scale_lr
@@ -215,8 +215,7 @@ def finish_run(
         step=progress.step,
         metrics=metrics,
     )
-    if accelerator.is_main_process:  # accelerator.print prints once per node, not once per job
-        print(f"exported {path}", flush=True)
+    say(accelerator, f"exported {path}")
     accelerator.end_training()
     return path
 
@@ -226,12 +225,13 @@ def resume_if_asked(accelerator: Accelerator, args: TrainArgs, plan: BatchPlan) 
     path = resolve_resume(args.resume, args.output_dir)
     if path is None:
         if args.resume == "latest":
-            accelerator.print(f"--resume latest: no checkpoint in {args.output_dir}; starting")
+            say(accelerator, f"--resume latest: no checkpoint in {args.output_dir}; starting")
         return TrainProgress()
     progress = load_checkpoint(accelerator, path, plan)
-    accelerator.print(
+    say(
+        accelerator,
         f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
-        f"{progress.samples_in_epoch} samples into it"
+        f"{progress.samples_in_epoch} samples into it",
     )
     return progress
 
@@ -247,7 +247,7 @@ def resolve_data(
     target = EXAMPLE_DATA_ROOT / workload
     with accelerator.main_process_first():
         if accelerator.is_main_process and not target.exists():
-            accelerator.print(f"no --data given: writing example {workload} data to {target}")
+            say(accelerator, f"no --data given: writing example {workload} data to {target}")
             tmp = target.with_name(target.name + ".tmp")
             make_example(tmp)
             tmp.rename(target)

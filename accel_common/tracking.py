@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
-from accel_common.console import format_metrics, progress_bar
+from accel_common.console import format_metrics, progress_bar, say
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -97,8 +97,9 @@ def start_tracking(
         os.environ.setdefault("WANDB_DIR", str(output_dir))
         if "WANDB_MODE" not in os.environ and not has_wandb_credentials():
             os.environ["WANDB_MODE"] = "offline"
-            accelerator.print(
-                "wandb: no credentials found, logging offline; upload later with `wandb sync`"
+            say(
+                accelerator,
+                "wandb: no credentials found, logging offline; upload later with `wandb sync`",
             )
     flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
     accelerator.init_trackers(
