@@ -200,19 +200,25 @@ def _clean_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {key: tensor.detach().cpu().contiguous().clone() for key, tensor in state.items()}
 
 
-def write_export(
-    state: Mapping[str, torch.Tensor], out_dir: Path, metadata: dict[str, Any]
-) -> Path:
-    """Write model.safetensors + model.json to `out_dir`, each via a temporary name."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model_path = out_dir / MODEL_FILE
-    tmp_model = out_dir / (MODEL_FILE + ".tmp")
+def export_paths(target: Path) -> tuple[Path, Path]:
+    """(weights file, metadata JSON) of an export: a folder holds model.safetensors and
+    model.json; a target ending in .safetensors is the weights file, with NAME.json beside it."""
+    target = Path(target)
+    if target.suffix == ".safetensors":
+        return target, target.with_suffix(".json")
+    return target / MODEL_FILE, target / META_FILE
+
+
+def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
+    """Write the weights and their JSON (see `export_paths`), each via a temporary name."""
+    model_path, meta_path = export_paths(target)
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_model = model_path.with_name(model_path.name + ".tmp")
     save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
-    tmp_meta = out_dir / (META_FILE + ".tmp")
+    tmp_meta = meta_path.with_name(meta_path.name + ".tmp")
     tmp_meta.write_text(json.dumps(metadata, indent=2, default=str))
     os.replace(tmp_model, model_path)
-    os.replace(tmp_meta, out_dir / META_FILE)
+    os.replace(tmp_meta, meta_path)
     return model_path
 
 
@@ -246,7 +252,7 @@ def export_model(
 def read_export_metadata(path: Path) -> dict[str, Any]:
     """The JSON written beside an export (recipe, config, batch plan, step, metrics)."""
     path = Path(path)
-    meta_path = path / META_FILE if path.is_dir() else path.with_name(META_FILE)
+    meta_path = path / META_FILE if path.is_dir() else path.with_suffix(".json")
     try:
         return json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
@@ -272,7 +278,7 @@ def load_exported(
             f"{model_path} does not fit this model (were the width/depth flags the same as in "
             f"training? see {META_FILE} beside it): {err}"
         ) from err
-    return read_export_metadata(model_path) if model_path.with_name(META_FILE).is_file() else {}
+    return read_export_metadata(model_path) if model_path.with_suffix(".json").is_file() else {}
 
 
 # --------------------------------------------------------------------------- conversion
@@ -447,16 +453,17 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
 
 def convert_checkpoint(
     source: Path,
-    out_dir: Path,
+    target: Path,
     *,
     recipe: str = "unknown",
     model_index: int = 0,
     force: bool = False,
 ) -> Path:
-    """Turn a foreign checkpoint into the project's clean export (safetensors + JSON)."""
-    out_dir = Path(out_dir)
-    if (out_dir / MODEL_FILE).exists() and not force:
-        raise CheckpointError(f"{out_dir / MODEL_FILE} exists; pass --force to overwrite it")
+    """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
+    is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json)."""
+    model_path, _ = export_paths(target)
+    if model_path.exists() and not force:
+        raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
     state = read_state_dict(source, model_index)
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
-    return write_export(state, out_dir, metadata)
+    return write_export(state, target, metadata)

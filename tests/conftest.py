@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_common.doctor import free_port  # re-exported for the tests
+from accel_common.tools.ports import free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"

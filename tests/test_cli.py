@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from accel_common.cli import app
-from tests.conftest import recipe_env
+from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.tools.cli import app
+from tests.conftest import TEMPLATE, recipe_env
 
 runner = CliRunner()
 
@@ -116,3 +118,43 @@ def test_convert_command(tmp_path):
     assert bad.exit_code == 2
     assert "corrupt, truncated" in bad.output
     assert not (tmp_path / "out2").exists()
+
+
+def test_convert_to_a_safetensors_file_writes_that_file_and_its_json(tmp_path):
+    source = tmp_path / "ddp.pt"
+    torch.save({"state_dict": {"module.layer.weight": torch.arange(6.0).view(2, 3)}}, source)
+    target = tmp_path / "out" / "merged.safetensors"
+    result = runner.invoke(app, ["convert", str(source), str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.is_file() and (tmp_path / "out" / "merged.json").is_file()
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    weights = load_file(str(target))  # a file safetensors opens, not a folder
+    assert list(weights) == ["layer.weight"] and weights["layer.weight"][1, 2] == 5
+    meta = read_export_metadata(target)
+    assert meta["converted_from"] == str(source)
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(3, 2, bias=False)
+    assert load_exported(target, model)["num_tensors"] == 1
+    before = target.read_bytes()
+    again = runner.invoke(app, ["convert", str(tmp_path / "ddp.pt"), str(target)])
+    assert again.exit_code == 2 and "--force" in again.output
+    assert target.read_bytes() == before
+
+
+def test_a_recipe_imports_only_the_library_it_uses(tmp_path):
+    """The template pulls in neither the command-line tools nor other workloads' generators
+    (the quality generator brings PIL)."""
+    probe = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('t', {str(TEMPLATE)!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "loaded = [m for m in sys.modules if m.startswith(('PIL', 'accel_common.tools',"
+        " 'accel_common.data.quality', 'accel_common.data.pointcloud'))]\n"
+        "assert 'accel_common.loop' in sys.modules\n"
+        "print(sorted(loaded))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=recipe_env(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

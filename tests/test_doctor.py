@@ -15,9 +15,9 @@ import pytest
 import torch
 from typer.testing import CliRunner, Result
 
-import accel_common.doctor as doctor_module
-from accel_common.cli import app
-from accel_common.doctor import CPU_CONFIG, recommend
+import accel_common.tools.doctor as doctor_module
+from accel_common.tools.cli import app
+from accel_common.tools.doctor import CPU_CONFIG, recommend
 from tests.conftest import REPO, free_port
 
 runner = CliRunner()

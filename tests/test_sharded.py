@@ -40,8 +40,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from accel_common.checkpoint import convert_checkpoint, load_exported
-from accel_common.cli import app
 from accel_common.errors import CheckpointError
+from accel_common.tools.cli import app
 from tests.conftest import (
     BIN,
     REPO,

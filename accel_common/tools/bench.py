@@ -7,13 +7,15 @@ perfect scaling is a ratio of N. Runs of different process counts alternate with
 reported. Throughput comes from the recipe's own `train/samples_per_s` records in
 `OUTPUT/logs/metrics.jsonl`: the first window (start-up, first allocations) is dropped, the rest
 are pooled (samples / seconds). `accel-recipes bench` runs it; `make bench` runs it after the
-overhead benchmark. `python -m accel_common.bench` is the reference DDP loop itself (one process,
-or one worker of `torchrun`), so it shares no code with Accelerate or the recipes' runtime.
+overhead benchmark. `python -m accel_common.tools.bench` is the reference DDP loop itself (one
+process, or one worker of `torchrun`): the template's data reader and model, trained by plain
+`torch.distributed` code that shares nothing with Accelerate or the recipes' loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -25,22 +27,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from accel_common.data import make_data
-from accel_common.data.files import read_numeric_csv
 from accel_common.data.template import write_dataset as write_template_data
-from accel_common.doctor import free_port
 from accel_common.errors import RecipeError
+from accel_common.tools.ports import free_port
 from accel_common.tracking import METRICS_FILE
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
 BIN = Path(sys.executable).parent
 SECTION_START = "<!-- scaling benchmark: written by `accel-recipes bench` -->"
@@ -129,7 +131,7 @@ def launch_command(case: Case, nproc: int, gpus: bool, data: Path, out: Path) ->
     args += [str(case.per_device_bs), "--max-steps", str(case.max_steps)]
     args += ["--log-every", str(case.log_every), *case.args, *([] if gpus else ["--cpu"])]
     if case.script is None:
-        target = ["-m", "accel_common.bench"]
+        target = ["-m", "accel_common.tools.bench"]
         if nproc == 1:
             return [sys.executable, *target, *args]
         torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
@@ -274,9 +276,10 @@ def section(results: Sequence[Result], counts: Sequence[int], gpus: bool, repeat
         "",
         *table(results, counts),
         "",
-        f"`{REFERENCE}` is a hand-written loop (`python -m accel_common.bench`, launched with",
-        "`torchrun`): `DistributedDataParallel` (default buckets), `DistributedSampler`, AdamW,",
-        "on the template's data and model shape. `template` is the template recipe on the same",
+        f"`{REFERENCE}` is a hand-written loop (`python -m accel_common.tools.bench`,",
+        "launched with `torchrun`): `DistributedDataParallel` (default buckets),",
+        "`DistributedSampler`, AdamW, on the template's data and model (its reader and",
+        "`MLPRegressor`, imported). `template` is the template recipe on the same",
         "model, data, batch and optimiser (AdamW at a constant 1e-3; data large enough that no",
         "epoch ends inside the measured steps), so the gap between the two rows is what",
         "Accelerate and the recipe's loop cost. (With the template's own LR this model diverges,",
@@ -350,6 +353,15 @@ def run_benchmark(
 # --------------------------------------------------------------------------- the reference loop
 
 
+def load_recipe(name: str) -> ModuleType:
+    """recipes/train_NAME.py as a module (recipes are scripts, not an installed package)."""
+    path = REPO / "recipes" / f"train_{name}.py"
+    spec = importlib.util.spec_from_file_location(f"train_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def reference_loop(argv: Sequence[str] | None = None) -> None:
     """Plain PyTorch DDP: what the recipes' scaling is held against. One process without
     torchrun, otherwise one worker of it; logs samples/s like the recipes do."""
@@ -374,20 +386,14 @@ def reference_loop(argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
-    columns, rows = read_numeric_csv(args.data / "train.csv", required=["y"])
-    target = columns.index("y")
-    features = [i for i in range(len(columns)) if i != target]
-    dataset = TensorDataset(rows[:, features], rows[:, target : target + 1])
+    template = load_recipe("template")  # the same data reader and model as the recipe
+    dataset = template.load_split(args.data, "train")
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.per_device_bs, sampler=sampler, drop_last=True)
 
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    width = len(features)
-    for _ in range(args.depth):
-        layers += [nn.Linear(width, args.hidden), nn.SiLU()]
-        width = args.hidden
-    model: nn.Module = nn.Sequential(*layers, nn.Linear(width, 1)).to(device)
+    in_features = dataset.tensors[0].shape[1]
+    model: nn.Module = template.MLPRegressor(in_features, args.hidden, args.depth).to(device)
     if distributed:
         model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)

@@ -10,12 +10,12 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
-from accel_common.bench import run_benchmark
 from accel_common.checkpoint import convert_checkpoint
 from accel_common.data import GENERATORS, make_data
-from accel_common.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
 from accel_common.errors import RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
+from accel_common.tools.bench import run_benchmark
+from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
 
 app = typer.Typer(
     add_completion=False,
@@ -25,7 +25,7 @@ app = typer.Typer(
 )
 console = Console()
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
 
 
@@ -98,7 +98,11 @@ def convert(
         help="A .safetensors/.pt/.pth/.bin file, an accelerator.save_state folder (also from "
         "FSDP, sharded or not), or a torch.distributed.checkpoint folder.",
     ),
-    output: Path = typer.Argument(..., help="Folder to write model.safetensors + model.json into."),
+    output: Path = typer.Argument(
+        ...,
+        help="Folder to write model.safetensors + model.json into, or a NAME.safetensors file "
+        "(written with NAME.json beside it).",
+    ),
     recipe: str = typer.Option("unknown", help="Recipe name recorded in model.json."),
     model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
     force: bool = typer.Option(False, help="Overwrite an existing model.safetensors."),
@@ -111,7 +115,7 @@ def convert(
     ZeRO checkpoints are merged first with DeepSpeed's zero_to_fp32.py (see docs/sharded.md).
     """
     path = convert_checkpoint(source, output, recipe=recipe, model_index=model_index, force=force)
-    console.print(f"wrote {path} and {path.with_name('model.json')}")
+    console.print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
 @app.command()

@@ -35,8 +35,9 @@ from rich.table import Table
 
 from accel_common.batching import plan_batch
 from accel_common.errors import RecipeError
+from accel_common.tools.ports import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "accelerate_configs"
 DEFAULT_PORT = 29500
 DEFAULT_ADDR = "127.0.0.1"
@@ -188,13 +189,6 @@ def port_owner(port: int) -> str | None:
     except psutil.Error:
         return None
     return None
-
-
-def free_port() -> int:
-    """A port nothing on 127.0.0.1 listens on now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((DEFAULT_ADDR, 0))
-        return sock.getsockname()[1]
 
 
 def check_port(addr: str, port: int) -> tuple[dict[str, Any], list[Problem]]:
