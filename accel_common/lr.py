@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+from accelerate import Accelerator
 
+from accel_common.batching import BatchPlan, total_optimizer_steps
 from accel_common.errors import ConfigError
 
 
@@ -112,3 +114,58 @@ def build_scheduler(
         return schedule.multiplier(step)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The run's scheduler, its length in optimizer steps, and where the peak LR came from."""
+
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    description: str
+
+
+def make_lr_schedule(
+    accelerator: Accelerator,
+    optimizer: torch.optim.Optimizer,
+    plan: BatchPlan,
+    *,
+    steps_per_epoch: int,
+    epochs: int,
+    lr: float,
+    ref_bs: int,
+    scaling: LRScaling = LRScaling.linear,
+    decay: Decay = Decay.cosine,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.0,
+    gamma: float = 1.0,
+    max_steps: int = 0,
+) -> LRSchedule:
+    """Count the run's optimizer steps, scale `lr` to the global batch, build the schedule.
+
+    `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
+    `max_steps` > 0 caps the run. A parameter group with an `lr_scale` entry gets that multiple
+    of the peak LR. The scheduler is registered for checkpointing, not prepared (see the module
+    docstring for why).
+    """
+    total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
+    if max_steps:
+        total_steps = min(total_steps, max_steps)
+    peak = scale_lr(lr, ref_bs, plan.global_batch_size, scaling)
+    for group in optimizer.param_groups:
+        group["lr"] = peak * group.get("lr_scale", 1.0)
+    schedule = Schedule(
+        total_steps=total_steps,
+        warmup_steps=min(warmup_steps, total_steps),  # a short (--max-steps) run still works
+        decay=decay,
+        min_lr_ratio=min_lr_ratio,
+        gamma=gamma,
+    )
+    description = (
+        f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
+        f"scaling to global batch {plan.global_batch_size}); {schedule.warmup_steps} warmup "
+        f"steps, then {Decay(decay).value}"
+    )
+    scheduler = build_scheduler(optimizer, schedule)
+    accelerator.register_for_checkpointing(scheduler)
+    return LRSchedule(scheduler, total_steps, description)

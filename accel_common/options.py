@@ -15,15 +15,22 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
 import typer
+from accelerate import Accelerator
+from accelerate.utils import KwargsHandler
+from torch.utils.data import DataLoader, Dataset
 
-from accel_common.lr import Decay, LRScaling
+from accel_common import runtime
+from accel_common.batching import BatchPlan
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
 from accel_common.tracking import ReportTo
 
 
@@ -69,6 +76,92 @@ class TrainArgs:
 
     def as_config(self) -> dict[str, Any]:
         return {k: v.value if hasattr(v, "value") else v for k, v in asdict(self).items()}
+
+    # Each method below hands these flags, by name, to one library function that takes plain
+    # values: read it to see which flag goes where, or call the function yourself.
+
+    def make_accelerator(
+        self, kwargs_handlers: Iterable[KwargsHandler] = ()
+    ) -> tuple[Accelerator, BatchPlan]:
+        """The Accelerator and batch plan these flags ask for (runtime.make_accelerator)."""
+        return runtime.make_accelerator(
+            output_dir=self.output_dir,
+            global_batch_size=self.bs,
+            per_device_batch_size=self.per_device_bs,
+            grad_accum_steps=self.grad_accum,
+            max_per_device_batch_size=self.max_per_device_bs,
+            mixed_precision=self.mixed_precision.value if self.mixed_precision else None,
+            cpu=self.cpu,
+            report_to=self.report_to,
+            dist_timeout=self.dist_timeout,
+            seed=self.seed,
+            kwargs_handlers=kwargs_handlers,
+        )
+
+    def make_train_loader(
+        self, dataset: Dataset, plan: BatchPlan, collate_fn: Callable | None = None
+    ) -> DataLoader:
+        """The shuffled, drop-last training loader (runtime.make_train_loader)."""
+        return runtime.make_train_loader(
+            dataset,
+            plan.per_device_batch_size,
+            seed=self.seed,
+            workers=self.workers,
+            collate_fn=collate_fn,
+        )
+
+    def make_lr_schedule(
+        self,
+        accelerator: Accelerator,
+        optimizer: torch.optim.Optimizer,
+        plan: BatchPlan,
+        steps_per_epoch: int,
+    ) -> LRSchedule:
+        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
+        return make_lr_schedule(
+            accelerator,
+            optimizer,
+            plan,
+            steps_per_epoch=steps_per_epoch,
+            epochs=self.epochs,
+            lr=self.lr,
+            ref_bs=self.ref_bs,
+            scaling=self.lr_scaling,
+            decay=self.schedule,
+            warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+            gamma=self.gamma,
+            max_steps=self.max_steps,
+        )
+
+    def make_loop(
+        self,
+        accelerator: Accelerator,
+        plan: BatchPlan,
+        loader: DataLoader,
+        schedule: LRSchedule,
+        *,
+        recipe: str,
+        config: dict[str, Any],
+    ) -> TrainLoop:
+        """The run's TrainLoop (loop.TrainLoop); `config` is the workload's own settings, stored
+        with every flag here in the trackers and the export."""
+        return TrainLoop(
+            accelerator,
+            plan,
+            loader,
+            schedule,
+            recipe=recipe,
+            config={**self.as_config(), **config},
+            output_dir=self.output_dir,
+            resume=self.resume,
+            log_every=self.log_every,
+            save_every=self.save_every,
+            keep_last=self.keep_last,
+            clip_grad=self.clip_grad,
+            tracker_project=self.wandb_project,
+            tracker_run_name=self.wandb_name,
+        )
 
 
 HELP = {

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import platform
 import statistics
@@ -33,28 +32,19 @@ import typer
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from accel_common.bench import SECTION_START as SCALING_SECTION
-from accel_common.checkpoint import TrainProgress
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.data.template import write_dataset
-from accel_common.lr import Decay, Schedule, build_scheduler
-from accel_common.runtime import grad_norm
-from accel_common.tracking import ReportTo, StepLogger, trackers_for
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, Schedule, build_scheduler, make_lr_schedule
+from accel_common.runtime import make_accelerator
+from accel_common.tools.bench import SECTION_START as SCALING_SECTION
+from accel_common.tools.bench import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 
 
-def load_template():
-    spec = importlib.util.spec_from_file_location(
-        "train_template", REPO / "recipes" / "train_template.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-RECIPE = load_template()
+RECIPE = load_recipe("template")
 
 
 def build(data: Path, hidden: int, depth: int, batch: int, lr: float, epochs: int):
@@ -128,43 +118,50 @@ def recipe_loop(data: Path, hidden: int, depth: int, batch: int, lr: float, epoc
     return metrics["train_seconds"], steps, metrics["test_mse"]
 
 
+class EmptyBatches:
+    """A loader of `length` empty batches, so that only the loop's own calls are timed."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter(range(self.length))
+
+
 def helper_cost_us(steps: int = 20_000, repeats: int = 5, log_every: int = 50) -> float:
-    """Microseconds per optimizer step spent in the template loop's helper calls."""
-    accelerator = Accelerator(
-        cpu=True, log_with=trackers_for(ReportTo.none, Path(tempfile.mkdtemp()))
-    )
-    accelerator.init_trackers("bench")
-    model = accelerator.prepare(RECIPE.MLPRegressor(8, 16, 1))
-    loss = model(torch.randn(16, 8)).pow(2).mean()
-    loss.backward()
+    """Microseconds per optimizer step spent in TrainLoop's bookkeeping (the template's loop
+    calls, scheduler step, logging every `log_every` steps), minus Accelerate and the model."""
+    out = Path(tempfile.mkdtemp())
+    accelerator, plan = make_accelerator(output_dir=out, global_batch_size=16, cpu=True)
+    model = RECIPE.MLPRegressor(8, 16, 1)
     optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = build_scheduler(optimizer, Schedule(total_steps=steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    loss.backward()  # gradients for the norm the loop measures on logging steps
     best = float("inf")
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         for _ in range(repeats):
-            log = StepLogger(
-                accelerator,
-                total_steps=steps,
-                initial_step=0,
-                log_every=log_every,
-                global_batch_size=16,
-                desc="bench",
-            )
-            progress, save_every = TrainProgress(), 0
+            schedule = make_lr_schedule(
+                accelerator, optimizer, plan, steps_per_epoch=steps, epochs=1, lr=1e-3,
+                ref_bs=16, decay=Decay.constant,
+            )  # fmt: skip
+            loop = TrainLoop(
+                accelerator, plan, EmptyBatches(steps), schedule, recipe="bench", config={},
+                output_dir=out, log_every=log_every,
+            )  # fmt: skip
             started = time.perf_counter()
-            for _ in range(steps):  # the template loop's calls, minus Accelerate and the model
-                norm = grad_norm(accelerator, model, 0.0, log.logs_at(progress.step + 1))
-                progress.samples_in_epoch += 16
-                log.add_loss(loss)
-                if not accelerator.sync_gradients:
-                    continue
-                progress.step += 1
-                log.step(progress.step, scheduler, norm)
-                periodic_save = save_every and progress.step % save_every == 0
-                if periodic_save and progress.step < steps:
-                    raise AssertionError("unreachable: no saves in this benchmark")
+            for _epoch in loop.epochs():
+                for _batch in loop.batches():
+                    loop.clip_gradients(model)
+                    loop.record(loss)
             best = min(best, (time.perf_counter() - started) / steps)
-            log.close()
+            loop.log.close()
     accelerator.end_training()
     return best * 1e6
 

@@ -19,7 +19,6 @@ expands to the five defect types under defective_skull/<defect>/ and implant/<de
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,27 +29,14 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.checkpoint import (
-    load_exported,
-    read_export_metadata,
-    save_checkpoint,
-)
+from accel_common.checkpoint import load_exported, read_export_metadata
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
 from accel_common.data.files import read_path_list
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import (
-    finish_run,
-    grad_norm,
-    make_accelerator,
-    make_lr_schedule,
-    make_train_loader,
-    resolve_data,
-    run_recipe,
-    start_run,
-)
+from accel_common.runtime import resolve_data, run_recipe
 from accel_common.viz import render_point_clouds
 
 RECIPE = "pointcloud"
@@ -369,7 +355,7 @@ def train(
         raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {num_nn}")
     if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
         args.data = args.data.parent
-    accelerator, plan = make_accelerator(args)
+    accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, skull_data.write_dataset)
     sizes = {"num_points": num_points, "num_nn": num_nn, "timesteps": timesteps}
     train_set = SkullBreak(data_dir, "train", **sizes, seed=args.seed)
@@ -387,7 +373,7 @@ def train(
     optimizer = torch.optim.Adam(
         model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
     )
-    train_loader = make_train_loader(train_set, plan, args)
+    train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(
         test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
     )
@@ -395,83 +381,33 @@ def train(
         model, optimizer, train_loader, test_loader
     )
     diffusion = Diffusion(timesteps, accelerator.device)
-    scheduler, total_steps, lr_line = make_lr_schedule(
-        accelerator, args, plan, optimizer, len(train_loader)
-    )
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     if ema is not None:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
-    config = {**args.as_config(), "width": width, "depth": depth, "resolution": resolution}
-    config |= {**sizes, "sample_steps": sample_steps, "ema_decay": ema_decay}
-    progress, log = start_run(
-        accelerator,
-        args,
-        plan,
-        recipe=RECIPE,
-        config=config,
-        lr_line=lr_line,
-        total_steps=total_steps,
-    )
+    config = {"width": width, "depth": depth, "resolution": resolution, **sizes}
+    config |= {"sample_steps": sample_steps, "ema_decay": ema_decay}
+    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
 
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
         return evaluate(accelerator, scored, test_loader, diffusion, sample_steps, args.seed, pool)
 
-    samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
-    train_seconds, metrics = 0.0, {}
-    while progress.step < total_steps:
-        epoch_number = progress.epoch + 1
-        train_loader.set_epoch(progress.epoch)
-        train_set.set_epoch(progress.epoch)  # Accelerate skips it when the sampler has set_epoch
-        batches = train_loader
-        if progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
-            batches = accelerator.skip_first_batches(train_loader, progress.batches_to_skip(plan))
-        started = time.perf_counter()
-        for batch in batches:
+    for epoch in loop.epochs():
+        for batch in loop.batches():
             with accelerator.accumulate(model):
                 noisy = diffusion.q_sample(batch["implant"], batch["t"], batch["noise"])
                 loss = F.mse_loss(model(batch["skull"], noisy, batch["t"]), batch["noise"])
                 accelerator.backward(loss)
-                norm = grad_norm(accelerator, model, args.clip_grad, log.logs_at(progress.step + 1))
+                loop.clip_gradients(model)
                 optimizer.step()
                 optimizer.zero_grad()
-            progress.samples_in_epoch += samples_per_micro_batch
-            log.add_loss(loss)
-            if not accelerator.sync_gradients:
-                continue  # mid-accumulation: no optimizer step happened
-            scheduler.step()
-            if ema is not None:
-                ema.update_parameters(accelerator.unwrap_model(model))
-            progress.step += 1
-            log.step(progress.step, scheduler, norm)
-            periodic_save = args.save_every and progress.step % args.save_every == 0
-            if periodic_save and progress.step < total_steps:  # the final save comes after the loop
-                save_checkpoint(
-                    accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last
-                )
-            if progress.step >= total_steps:
-                break  # the epoch stays unfinished, so the final checkpoint records where it ended
-        else:
-            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
-        train_seconds += time.perf_counter() - started
-        if epoch_number % eval_every == 0 or progress.step >= total_steps:
-            metrics = log.end_epoch(epoch_number, progress.step, score())
-    if not metrics:  # resumed a run that had already finished: score it again for the export
-        metrics = log.end_epoch(progress.epoch, progress.step, score())
-    log.close()
-
-    metrics["train_seconds"] = train_seconds
-    finish_run(
-        accelerator,
-        args,
-        plan,
-        progress,
-        model if ema is None else ema.module,
-        recipe=RECIPE,
-        config=config,
-        metrics=metrics,
-    )
-    return metrics
+                if ema is not None and accelerator.sync_gradients:
+                    ema.update_parameters(accelerator.unwrap_model(model))
+            loop.record(loss)
+        if epoch % eval_every == 0 or loop.done:
+            loop.end_epoch(score())
+    return loop.finish(model if ema is None else ema.module)
 
 
 # --------------------------------------------------------------------------- single-device use

@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import time
 from pathlib import Path
 
 import timm
@@ -31,29 +30,16 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from PIL import Image, UnidentifiedImageError
+from scipy.stats import kendalltau, spearmanr
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from accel_common.checkpoint import (
-    load_exported,
-    read_export_metadata,
-    read_state_dict,
-    save_checkpoint,
-)
+from accel_common.checkpoint import load_exported, read_export_metadata, read_state_dict
 from accel_common.data import quality as quality_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import (
-    finish_run,
-    grad_norm,
-    make_accelerator,
-    make_lr_schedule,
-    make_train_loader,
-    resolve_data,
-    run_recipe,
-    start_run,
-)
+from accel_common.runtime import resolve_data, run_recipe
 
 RECIPE = "quality"
 CHOICES = {"left": 1, "right": -1, "draw": 0}
@@ -182,12 +168,11 @@ def crowd_bt_loss(
 
 
 def rank_correlations(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """Spearman's rho and Kendall's tau between two score vectors."""
-    ranks_a, ranks_b = a.argsort().argsort().float(), b.argsort().argsort().float()
-    spearman = torch.corrcoef(torch.stack([ranks_a, ranks_b]))[0, 1].item()
-    da, db = a[:, None] - a[None], b[:, None] - b[None]
-    kendall = (torch.sign(da) * torch.sign(db)).sum().item() / (len(a) * (len(a) - 1))
-    return spearman, kendall
+    """Spearman's rho and Kendall's tau-b, both with ties handled (scipy): tied scores share
+    their average rank, so the result does not depend on the order of the rows. The win-rate
+    baseline ties often; breaking its ties arbitrarily would understate it."""
+    x, y = a.double().numpy(), b.double().numpy()
+    return float(spearmanr(x, y).statistic), float(kendalltau(x, y, variant="b").statistic)
 
 
 def win_rates(records: list, index: dict) -> torch.Tensor:
@@ -295,7 +280,7 @@ def train(
         raise ConfigError(f"--reliability {reliability}: choose full, global or fixed")
     if not 0.5 <= fixed_eta <= 1:
         raise ConfigError(f"--fixed-eta must be in [0.5, 1], got {fixed_eta}")
-    accelerator, plan = make_accelerator(args)
+    accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, quality_data.write_dataset)
     records, annotators = read_comparisons(data_dir)
     names, images = load_images(data_dir / "images", image_size)
@@ -315,25 +300,15 @@ def train(
         lr=args.lr,
     )
     pairs = Pairs(train_records, images, index, annotators)
-    train_loader = make_train_loader(pairs, plan, args)
+    train_loader = args.make_train_loader(pairs, plan)
     image_loader = DataLoader(TensorDataset(images), batch_size=64)  # scores every image
     model, optimizer, train_loader, image_loader = accelerator.prepare(
         model, optimizer, train_loader, image_loader
     )
-    scheduler, total_steps, lr_line = make_lr_schedule(
-        accelerator, args, plan, optimizer, len(train_loader)
-    )
-    config = {**args.as_config(), "backbone": backbone, "image_size": image_size}
-    config |= {"dropout": dropout, "reliability": reliability, "annotators": annotators}
-    progress, log = start_run(
-        accelerator,
-        args,
-        plan,
-        recipe=RECIPE,
-        config=config,
-        lr_line=lr_line,
-        total_steps=total_steps,
-    )
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
+    config = {"backbone": backbone, "image_size": image_size, "dropout": dropout}
+    config |= {"reliability": reliability, "annotators": annotators}
+    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
 
     def score() -> dict[str, float]:
         scores = image_scores(accelerator, model, image_loader)
@@ -345,58 +320,19 @@ def train(
             metrics["eta_corr"] = torch.corrcoef(torch.stack([eta.cpu(), true_eta]))[0, 1].item()
         return metrics
 
-    samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
-    train_seconds, metrics = 0.0, {}
-    while progress.step < total_steps:
-        epoch_number = progress.epoch + 1
-        train_loader.set_epoch(progress.epoch)
-        batches = train_loader
-        if progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
-            batches = accelerator.skip_first_batches(train_loader, progress.batches_to_skip(plan))
-        started = time.perf_counter()
-        for image_i, image_j, choice, annotator in batches:
+    for _epoch in loop.epochs():
+        for image_i, image_j, choice, annotator in loop.batches():
             with accelerator.accumulate(model):
                 s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
                 eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta)
                 loss = crowd_bt_loss(s_i - s_j, choice, eta[annotator], draw_weight)
                 accelerator.backward(loss)
-                norm = grad_norm(accelerator, model, args.clip_grad, log.logs_at(progress.step + 1))
+                loop.clip_gradients(model)
                 optimizer.step()
                 optimizer.zero_grad()
-            progress.samples_in_epoch += samples_per_micro_batch
-            log.add_loss(loss)
-            if not accelerator.sync_gradients:
-                continue  # mid-accumulation: no optimizer step happened
-            scheduler.step()
-            progress.step += 1
-            log.step(progress.step, scheduler, norm)
-            periodic_save = args.save_every and progress.step % args.save_every == 0
-            if periodic_save and progress.step < total_steps:  # the final save comes after the loop
-                save_checkpoint(
-                    accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last
-                )
-            if progress.step >= total_steps:
-                break  # the epoch stays unfinished, so the final checkpoint records where it ended
-        else:
-            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
-        train_seconds += time.perf_counter() - started
-        metrics = log.end_epoch(epoch_number, progress.step, score())
-    if not metrics:  # resumed a run that had already finished: score it again for the export
-        metrics = log.end_epoch(progress.epoch, progress.step, score())
-    log.close()
-
-    metrics["train_seconds"] = train_seconds
-    finish_run(
-        accelerator,
-        args,
-        plan,
-        progress,
-        model,
-        recipe=RECIPE,
-        config=config,
-        metrics=metrics,
-    )
-    return metrics
+            loop.record(loss)
+        loop.end_epoch(score())
+    return loop.finish(model)
 
 
 def build_scorer(

@@ -3,7 +3,7 @@
 It regresses y from a row of features (CSV files `train.csv` / `test.csv`, columns x0..xD-1, y)
 with an MLP, and shows every part a recipe needs, in the order a reader meets them:
 
-    data -> model -> evaluation -> training loop (prepare, accumulate, step, log, checkpoint)
+    data -> model -> evaluation -> set-up (accelerator, loaders, LR schedule) -> training loop
     -> export -> `evaluate` command that loads the export on one device
 
 Launch it unchanged on 1 CPU, 2 CPU processes, N GPUs or several nodes:
@@ -13,12 +13,17 @@ Launch it unchanged on 1 CPU, 2 CPU processes, N GPUs or several nodes:
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/train_template.py --bs 512
     python recipes/train_template.py evaluate --model runs/template/model
 
-Replace the parts marked WORKLOAD with yours; keep the loop's shape.
+What a new workload replaces is marked WORKLOAD: `load_split` (read your data), `MLPRegressor`
+(your model), `evaluate` (your quality measure next to a trivial baseline), `evaluate_export`,
+and in `train` your flags, the lines that load data and build the model, the `config` the export
+records (what `evaluate_export` needs to rebuild the model), the forward pass and loss, and the
+evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
+`accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
+(epochs, resume, step counting, LR schedule, logging, checkpoints, export: accel_common/loop.py).
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -28,25 +33,12 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_common.checkpoint import (
-    load_exported,
-    read_export_metadata,
-    save_checkpoint,
-)
+from accel_common.checkpoint import load_exported, read_export_metadata
 from accel_common.console import format_metrics
 from accel_common.data import template as template_data
 from accel_common.data.files import read_numeric_csv
 from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import (
-    finish_run,
-    grad_norm,
-    make_accelerator,
-    make_lr_schedule,
-    make_train_loader,
-    resolve_data,
-    run_recipe,
-    start_run,
-)
+from accel_common.runtime import resolve_data, run_recipe
 
 RECIPE = "template"
 
@@ -111,87 +103,36 @@ def evaluate(
 @train_options(default_bs=64, lr=3e-3, ref_bs=64, epochs=20, output_dir=Path("runs/template"))
 def train(
     args: TrainArgs,
-    hidden: int = typer.Option(64, help="Width of the MLP's hidden layers."),
+    hidden: int = typer.Option(64, help="Width of the MLP's hidden layers."),  # WORKLOAD: flags
     depth: int = typer.Option(2, help="Number of hidden layers."),
 ) -> dict[str, float]:
     """Train the template MLP regressor on CSV data (or a generated example)."""
-    accelerator, plan = make_accelerator(args)
+    accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, template_data.write_dataset)
-    train_set, test_set = load_split(data_dir, "train"), load_split(data_dir, "test")
+    train_set, test_set = load_split(data_dir, "train"), load_split(data_dir, "test")  # WORKLOAD
     train_mean = train_set.tensors[1].mean().item()
 
-    model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)
+    model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)  # WORKLOAD
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    train_loader = make_train_loader(train_set, plan, args)
+    train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )
-    scheduler, total_steps, lr_line = make_lr_schedule(
-        accelerator, args, plan, optimizer, len(train_loader)
-    )
-    config = {**args.as_config(), "hidden": hidden, "depth": depth, "target_mean": train_mean}
-    progress, log = start_run(
-        accelerator,
-        args,
-        plan,
-        recipe=RECIPE,
-        config=config,
-        lr_line=lr_line,
-        total_steps=total_steps,
-    )
-    samples_per_micro_batch = plan.per_device_batch_size * plan.num_processes
-    train_seconds, metrics = 0.0, {}
-    while progress.step < total_steps:
-        epoch_number = progress.epoch + 1
-        train_loader.set_epoch(progress.epoch)
-        batches = train_loader
-        if progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
-            batches = accelerator.skip_first_batches(train_loader, progress.batches_to_skip(plan))
-        started = time.perf_counter()
-        for x, y in batches:
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
+    config = {"hidden": hidden, "depth": depth, "target_mean": train_mean}  # WORKLOAD
+    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
+    for _epoch in loop.epochs():
+        for x, y in loop.batches():
             with accelerator.accumulate(model):
-                loss = F.mse_loss(model(x), y)
+                loss = F.mse_loss(model(x), y)  # WORKLOAD: forward pass and loss
                 accelerator.backward(loss)
-                norm = grad_norm(accelerator, model, args.clip_grad, log.logs_at(progress.step + 1))
+                loop.clip_gradients(model)
                 optimizer.step()
                 optimizer.zero_grad()
-            progress.samples_in_epoch += samples_per_micro_batch
-            log.add_loss(loss)
-            if not accelerator.sync_gradients:
-                continue  # mid-accumulation: no optimizer step happened
-            scheduler.step()
-            progress.step += 1
-            log.step(progress.step, scheduler, norm)
-            periodic_save = args.save_every and progress.step % args.save_every == 0
-            if periodic_save and progress.step < total_steps:  # the final save comes after the loop
-                save_checkpoint(
-                    accelerator, args.output_dir, progress, plan=plan, keep_last=args.keep_last
-                )
-            if progress.step >= total_steps:
-                break  # the epoch stays unfinished, so the final checkpoint records where it ended
-        else:
-            progress.epoch, progress.samples_in_epoch = progress.epoch + 1, 0
-        train_seconds += time.perf_counter() - started
-        eval_metrics = evaluate(accelerator, model, test_loader, train_mean)
-        metrics = log.end_epoch(epoch_number, progress.step, eval_metrics)
-    if not metrics:  # resumed a run that had already finished: score it again for the export
-        eval_metrics = evaluate(accelerator, model, test_loader, train_mean)
-        metrics = log.end_epoch(progress.epoch, progress.step, eval_metrics)
-    log.close()
-
-    metrics["train_seconds"] = train_seconds
-    finish_run(
-        accelerator,
-        args,
-        plan,
-        progress,
-        model,
-        recipe=RECIPE,
-        config=config,
-        metrics=metrics,
-    )
-    return metrics
+            loop.record(loss)
+        loop.end_epoch(evaluate(accelerator, model, test_loader, train_mean))  # WORKLOAD
+    return loop.finish(model)
 
 
 def evaluate_export(

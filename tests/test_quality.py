@@ -59,6 +59,21 @@ def test_reduced_reliability_forms_stay_in_the_upper_half():
     assert torch.allclose(q.reliabilities(model, "fixed", 0.9), torch.full((3,), 0.9))
 
 
+def test_rank_correlations_handle_ties_whatever_the_row_order():
+    """Win rates tie often; tied scores must share their average rank (Spearman) and count as
+    ties (Kendall's tau-b), so the baseline is not understated by the order of the rows."""
+    rank_correlations = recipe().rank_correlations
+    true = torch.arange(8.0)
+    tied = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # two blocks, right order
+    rho, tau = rank_correlations(tied, true)
+    for perm in (torch.arange(7, -1, -1), torch.tensor([3, 6, 0, 5, 1, 7, 2, 4])):
+        assert rank_correlations(tied[perm], true[perm]) == pytest.approx((rho, tau), abs=1e-12)
+    # average ranks: corr([2.5]*4 + [6.5]*4, 1..8) = 0.8729; tau-b = 16 / sqrt(28 * 16)
+    assert rho == pytest.approx(0.8729, abs=1e-4)
+    assert tau == pytest.approx(16 / (28 * 16) ** 0.5)
+    assert rank_correlations(true, true) == pytest.approx((1.0, 1.0))
+
+
 def test_learns_quality_and_finds_the_unreliable_annotators(quality_data, tmp_path):
     out = tmp_path / "run"
     args = ["--data", str(quality_data), "--output-dir", str(out), "--epochs", "10"]

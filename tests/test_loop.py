@@ -1,0 +1,183 @@
+"""TrainLoop's bookkeeping, tested once for every recipe, and the exact item-weighted loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from torch import nn
+from torch.utils.data import Dataset
+
+from accel_common.checkpoint import list_checkpoints
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, make_lr_schedule
+from accel_common.runtime import make_accelerator, make_train_loader
+from tests.conftest import REPO, exported_params, max_relative_difference, run_recipe
+
+EXAMPLE = REPO / "examples" / "plain_argparse.py"
+
+
+class EpochAwareData(Dataset):
+    """20 samples of (x, y) whose x depends on the epoch; remembers the epochs it was told."""
+
+    def __init__(self) -> None:
+        self.epoch, self.epochs_seen = 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs_seen.append(epoch)
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((3,), float(index + 100 * self.epoch)), torch.ones(1)
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A 1-process run: 20 samples, 2 per micro-batch, 2 micro-batches per optimizer step, so an
+    epoch is 10 micro-batches = 5 optimizer steps, and 3 epochs' budget is cut to 12 steps."""
+
+    def start(resume: str | None = None, max_steps: int = 12, save_every: int = 4):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator, plan = make_accelerator(
+            output_dir=tmp_path, per_device_batch_size=2, grad_accum_steps=2, cpu=True
+        )
+        data = EpochAwareData()
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        loader = make_train_loader(data, plan.per_device_batch_size)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        schedule = make_lr_schedule(
+            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
+            ref_bs=4, decay=Decay.constant, max_steps=max_steps,
+        )  # fmt: skip
+        loop = TrainLoop(
+            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=tmp_path,
+            resume=resume, log_every=1, save_every=save_every, keep_last=10,
+        )  # fmt: skip
+        return accelerator, model, optimizer, loop, data
+
+    yield start
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def train(accelerator, model, optimizer, loop) -> tuple[list[int], list[float], list[int]]:
+    """The recipes' loop; returns the epoch numbers, first x of each batch, and the LR steps."""
+    epochs, firsts, lr_steps = [], [], []
+    for epoch in loop.epochs():
+        epochs.append(epoch)
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                loss = (model(x / 1000) - y).pow(2).mean()
+                accelerator.backward(loss)
+                loop.clip_gradients(model)
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(loss)
+            firsts.append(x[0, 0].item())
+            lr_steps.append(loop.scheduler.last_epoch)
+        loop.end_epoch({"epoch": float(epoch)})
+    return epochs, firsts, lr_steps
+
+
+def test_counts_optimizer_steps_across_epoch_ends_and_stops_mid_epoch(run, tmp_path: Path):
+    accelerator, model, optimizer, loop, data = run()
+    epochs, firsts, lr_steps = train(accelerator, model, optimizer, loop)
+    assert epochs == [1, 2, 3]
+    assert len(firsts) == 24  # 12 optimizer steps x 2 micro-batches, over epoch ends
+    assert list(dict.fromkeys(data.epochs_seen)) == [0, 1, 2]  # the loop tells the dataset
+    assert [f // 100 for f in firsts] == [0] * 10 + [1] * 10 + [2] * 4
+    # the scheduler steps once per optimizer step: after micro-batch k it has stepped k // 2 times
+    # (the record for micro-batch k is taken before the loop's bookkeeping for it)
+    assert lr_steps == [k // 2 for k in range(24)]
+    assert loop.step == 12 and loop.done
+    assert (loop.progress.epoch, loop.progress.samples_in_epoch) == (2, 8)  # unfinished epoch
+    # saves every 4 optimizer steps, except at the end, which finish() saves
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_8"]
+    metrics = loop.finish(model)
+    assert metrics["epoch"] == 3.0 and metrics["train_seconds"] > 0
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_8", "step_12"]
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_resume_mid_epoch_skips_what_was_trained_and_ends_in_the_same_place(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    _, uninterrupted, _ = train(accelerator, model, optimizer, loop)
+    accelerator, model, optimizer, loop, data = run(resume=str(tmp_path / "checkpoints/step_8"))
+    assert (loop.step, loop.progress.epoch, loop.progress.samples_in_epoch) == (8, 1, 12)
+    epochs, resumed, _ = train(accelerator, model, optimizer, loop)
+    assert epochs == [2, 3] and list(dict.fromkeys(data.epochs_seen)) == [1, 2]
+    assert resumed == uninterrupted[16:]  # the remaining micro-batches, in the same order
+
+
+def test_a_finished_run_resumed_is_evaluated_again(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    accelerator, model, optimizer, loop, _ = run(resume="latest")
+    epochs, firsts, _ = train(accelerator, model, optimizer, loop)
+    assert (epochs, firsts) == ([3], [])  # one epoch with no batches: the evaluation runs
+    assert loop.metrics["epoch"] == 3.0
+
+
+def test_forgetting_record_or_batches_is_an_error(run):
+    loop = run()[3]
+    with pytest.raises(RuntimeError, match=r"loop.record\(loss\)"):
+        for _epoch in loop.epochs():
+            for _batch in loop.batches():
+                pass
+    loop = run()[3]
+    with pytest.raises(RuntimeError, match=r"loop.batches\(\)"):
+        for _epoch in loop.epochs():
+            pass
+
+
+def test_clip_gradients_never_clips_a_partial_accumulation(run):
+    accelerator, model, _, loop, _ = run(max_steps=12)
+    loop.clip_grad = 0.1
+    x = torch.ones(4, 3)
+    with accelerator.accumulate(model):  # first of 2 micro-batches: no optimizer step follows
+        accelerator.backward(model(x).pow(2).mean() * 100)
+        partial = [p.grad.clone() for p in model.parameters()]
+        assert not accelerator.sync_gradients
+        loop.clip_gradients(model)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), partial, strict=True))
+    with accelerator.accumulate(model):  # second: the window closes, clipping applies
+        accelerator.backward(model(x).pow(2).mean() * 100)
+        loop.clip_gradients(model)
+    assert loop._grad_norm is not None and loop._grad_norm > 0.1
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert clipped.item() <= 0.1 + 1e-6
+
+
+# --------------------------------------------------------------------------- exact item means
+
+
+@pytest.mark.dist
+def test_item_weighted_loss_is_exact_over_processes_and_accumulation(tmp_path):
+    """Sequences of 1..12 items, loss = mean over the items of the global batch (16 sequences).
+
+    1 process x 1 micro-batch and 2 processes x 2 accumulation steps must end with the same
+    parameters after 24 steps (rel 1e-5, the bound of the other equivalence tests). The naive
+    per-micro-batch mean, run the same two ways, must miss that bound: the test can fail.
+    """
+    common = ["--bs", "16", "--max-steps", "24"]
+    runs = {}
+    for name, extra, nproc in (
+        ("exact-1", [], 1),
+        ("exact-2x2", ["--grad-accum", "2"], 2),
+        ("naive-1", ["--naive-mean"], 1),
+        ("naive-2x2", ["--grad-accum", "2", "--naive-mean"], 2),
+    ):
+        out = tmp_path / name
+        run_recipe([*common, *extra, "--output-dir", str(out)], cwd=tmp_path, nproc=nproc,
+                   script=EXAMPLE)  # fmt: skip
+        runs[name] = exported_params(out)
+    assert max_relative_difference(runs["exact-1"], runs["exact-2x2"]) <= 1e-5
+    assert max_relative_difference(runs["naive-1"], runs["naive-2x2"]) > 1e-5
+    # in one process without accumulation both are the plain mean over the batch's items
+    assert max_relative_difference(runs["exact-1"], runs["naive-1"]) <= 1e-5
