@@ -74,7 +74,7 @@ train-multinode: install check-recipe
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=10 $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

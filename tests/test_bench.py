@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from accel_common import bench
+from accel_common.tools import bench
 
 TINY = ("--hidden", "16", "--depth", "1")
 
@@ -17,6 +17,7 @@ def tiny(case: bench.Case) -> bench.Case:
     return replace(case, model="tiny MLP", per_device_bs=16, max_steps=8, log_every=2, args=TINY)
 
 
+@pytest.mark.dist
 def test_bench_writes_its_section_and_plot(tmp_path):
     """Reference loop, template recipe and side-by-side runs at 1 and 2 processes, table,
     section, plot."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -82,6 +83,7 @@ def test_new_copies_the_template_and_never_overwrites(tmp_path):
     assert runner.invoke(app, ["new", "Bad-Name", "--dest", str(tmp_path)]).exit_code == 2
 
 
+@pytest.mark.slow
 def test_a_new_recipe_trains_out_of_the_box(tmp_path):
     runner.invoke(app, ["new", "demo", "--dest", str(tmp_path)])
     result = subprocess.run(

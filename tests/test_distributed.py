@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import exported_params, max_relative_difference, metrics_log, run_recipe
 
+pytestmark = pytest.mark.dist
+
 STEPS = 24
 COMMON = ["--epochs", "2", "--max-steps", str(STEPS), "--log-every", "1", "--warmup-steps", "5"]
 TOLERANCE = 1e-5

@@ -176,6 +176,7 @@ def test_an_unknown_config_file_is_a_clear_error(tmp_path: Path):
     assert bad.exit_code == 2 and "not an accelerate config" in bad.output
 
 
+@pytest.mark.dist
 def test_check_comm_runs_a_real_gloo_all_reduce_and_reports_bandwidth():
     args = ["--check-comm", "--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.25,1"]
     result, report = doctor(*args, "--iters", "3")
@@ -189,6 +190,7 @@ def test_check_comm_runs_a_real_gloo_all_reduce_and_reports_bandwidth():
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2 (n-1) / n = 1 for n = 2
 
 
+@pytest.mark.dist
 def test_check_comm_failure_is_caught_and_reported_with_advice():
     args = ["--check-comm", "--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.25"]
     result, report = doctor(*args, "--dist-timeout", "20", GLOO_SOCKET_IFNAME="doesnotexist0")
@@ -199,6 +201,7 @@ def test_check_comm_failure_is_caught_and_reported_with_advice():
     assert "GLOO_SOCKET_IFNAME" in failure["advice"] and "--dist-timeout" in failure["advice"]
 
 
+@pytest.mark.dist
 def test_check_comm_that_runs_past_its_deadline_is_stopped_and_reported(monkeypatch):
     monkeypatch.setattr(doctor_module, "STARTUP_ALLOWANCE_S", 0.0)  # workers are still importing
     started = time.monotonic()

@@ -443,6 +443,7 @@ def test_make_train_multinode_requires_master_addr(tmp_path, fakes):
 # a real two-node job on this machine
 
 
+@pytest.mark.dist
 def test_two_node_job_really_trains(tmp_path, fakes, template_data):
     """2 "nodes" x 1 CPU process: the SLURM scripts' command line forms one 2-process job."""
     out = tmp_path / "run"

@@ -43,6 +43,8 @@ from tests.conftest import (
     run_recipe,
 )
 
+pytestmark = pytest.mark.dist
+
 STEPS = 16  # one epoch at global batch 128
 COMMON = ["--bs", "128", "--epochs", "2", "--max-steps", str(STEPS), "--log-every", "1"]
 TOLERANCE = 1e-5

@@ -21,11 +21,12 @@ from tests.conftest import (
 TINY = POINTCLOUD_TINY
 
 
+@pytest.mark.slow
 def test_learns_to_place_the_implant_in_the_defect(pointcloud_data, tmp_path):
-    """The defaults on the example skulls (1500 steps, ~4 minutes on 2 cores): the sampled
-    implants must beat, clearly, the trivial baseline that ignores the skull (points drawn from
-    all training implants). Oracle baselines that know the implant's location are reported too;
-    docs/recipes/pointcloud.md has the numbers."""
+    """`make train`'s defaults on the example skulls (675 steps, about a minute on 2 cores): the
+    sampled implants must beat, clearly, the trivial baseline that ignores the skull (points
+    drawn from all training implants). Oracle baselines that know the implant's location are
+    reported too; docs/recipes/pointcloud.md has the numbers."""
     out = tmp_path / "run"
     args = ["--data", str(pointcloud_data), "--output-dir", str(out), "--eval-every", "100"]
     run_recipe(args, cwd=tmp_path, script=POINTCLOUD, threads=2)
@@ -57,6 +58,7 @@ def one_process(tmp_path_factory, pointcloud_data):
     return tmp / "run"
 
 
+@pytest.mark.dist
 def test_two_processes_see_the_same_noise_and_end_with_the_same_parameters(
     one_process, pointcloud_data, tmp_path
 ):
@@ -74,6 +76,7 @@ def test_two_processes_see_the_same_noise_and_end_with_the_same_parameters(
     assert single == pytest.approx(double, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_complete_writes_an_implant_and_a_picture(one_process, pointcloud_data, tmp_path):
     skull = pointcloud_data / "defective_skull" / "bilateral" / "025.npy"
     out, png = tmp_path / "implant.npy", tmp_path / "view.png"
@@ -89,6 +92,7 @@ def test_complete_writes_an_implant_and_a_picture(one_process, pointcloud_data, 
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_evaluate_command_scores_the_export(one_process, pointcloud_data, tmp_path):
     args = ["evaluate", "--model", str(one_process / "model"), "--data", str(pointcloud_data)]
     result = run_recipe([*args, "--sample-steps", "3"], cwd=tmp_path, script=POINTCLOUD)
@@ -126,6 +130,7 @@ def break_not_npy(folder):
 @pytest.mark.parametrize(
     "breaker", [break_missing_implant, break_shape, break_empty_split, break_not_npy]
 )
+@pytest.mark.slow
 def test_bad_data_gives_one_clear_error(breaker, broken_data, tmp_path):
     first, second = breaker(broken_data)
     args = ["--data", str(broken_data), "--output-dir", str(tmp_path / "run"), *TINY]
@@ -136,6 +141,7 @@ def test_bad_data_gives_one_clear_error(breaker, broken_data, tmp_path):
     assert not (tmp_path / "run" / "model").exists()
 
 
+@pytest.mark.slow
 def test_bad_sizes_are_refused(tmp_path, pointcloud_data):
     args = ["--data", str(pointcloud_data), "--num-points", "64", "--num-nn", "64"]
     result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)

@@ -74,6 +74,7 @@ def test_rank_correlations_handle_ties_whatever_the_row_order():
     assert rank_correlations(true, true) == pytest.approx((1.0, 1.0))
 
 
+@pytest.mark.slow
 def test_learns_quality_and_finds_the_unreliable_annotators(quality_data, tmp_path):
     out = tmp_path / "run"
     args = ["--data", str(quality_data), "--output-dir", str(out), "--epochs", "10"]
@@ -99,6 +100,7 @@ def small_run(data, out) -> list[str]:
     return [*args, "--dropout", "0", "--log-every", "1", "--epochs", "1"]
 
 
+@pytest.mark.dist
 def test_two_processes_end_with_the_same_parameters(one_process, quality_data, tmp_path):
     """GroupNorm backbone, dropout off: only the order of float sums differs. The reliabilities
     are parameters and are averaged too.
@@ -113,6 +115,7 @@ def test_two_processes_end_with_the_same_parameters(one_process, quality_data, t
     assert max_relative_difference(single, double) <= 1e-4
 
 
+@pytest.mark.slow
 def test_score_command_rates_a_folder(one_process, quality_data, tmp_path):
     out = tmp_path / "scores.csv"
     args = ["score", "--model", str(one_process / "model"), "--images"]
@@ -158,6 +161,7 @@ def no_annotations(folder):
     return "annotations: no annotation .json files"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("breaker", [bad_choice, missing_image, broken_json, no_annotations])
 def test_bad_data_gives_one_clear_error(breaker, broken, tmp_path):
     message = breaker(broken)
@@ -172,6 +176,7 @@ def test_bad_data_gives_one_clear_error(breaker, broken, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_pretrained_without_network_is_a_clear_error(quality_data, tmp_path):
     args = ["--data", str(quality_data), "--backbone", "resnet18", "--pretrained"]
     result = run_recipe(args, cwd=tmp_path, script=QUALITY, check=False)

@@ -193,6 +193,7 @@ def fsdp(tmp_path_factory, template_data) -> tuple[Path, str]:
     return tmp / "out", result.stdout
 
 
+@pytest.mark.dist
 def test_fsdp_run_is_sharded(fsdp):
     out, stdout = fsdp
     assert any(line.split()[:2] == ["distributed", "FSDP"] for line in stdout.splitlines())
@@ -203,6 +204,7 @@ def test_fsdp_run_is_sharded(fsdp):
         assert not (checkpoint / "model.safetensors").exists()
 
 
+@pytest.mark.dist
 def test_fsdp_export_is_the_full_model_and_matches_ddp(fsdp, ddp, template_data):
     recipe = template_module()
     test_set = recipe.load_split(template_data, "test")
@@ -218,6 +220,7 @@ def test_fsdp_export_is_the_full_model_and_matches_ddp(fsdp, ddp, template_data)
     assert difference <= TOLERANCE
 
 
+@pytest.mark.dist
 def test_fsdp_clips_by_the_global_gradient_norm(fsdp, ddp):
     """A norm over one rank's shard only would be about 1/sqrt(2) of DDP's and clip differently."""
     norms = {}
@@ -242,6 +245,7 @@ def test_convert_merges_the_sharded_checkpoint_into_the_export(fsdp, tmp_path):
         assert torch.equal(merged[key], exported[key]), key
 
 
+@pytest.mark.dist
 def test_resume_from_a_sharded_checkpoint_ends_where_the_full_run_ends(fsdp, template_data):
     out, _ = fsdp
     tmp = out.parent
@@ -253,6 +257,7 @@ def test_resume_from_a_sharded_checkpoint_ends_where_the_full_run_ends(fsdp, tem
         assert torch.equal(resumed[key], full[key]), key
 
 
+@pytest.mark.slow
 def test_fsdp_config_on_cpu_is_refused_not_silently_unsharded(tmp_path, template_data):
     args = ["--data", str(template_data), "--output-dir", "out", "--max-steps", "1"]
     result = launch_fsdp(tmp_path, args, wrapped=False)

@@ -31,12 +31,14 @@ def finished_run(tmp_path_factory, template_data) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_learns_far_better_than_the_mean_baseline(finished_run):
     metrics = json.loads((finished_run / "model" / "model.json").read_text())["metrics"]
     assert metrics["test_mse"] < 0.3 * metrics["baseline_mse"]
     assert metrics["r2"] > 0.7
 
 
+@pytest.mark.slow
 def test_export_reloads_strictly_on_one_device_with_the_same_outputs(finished_run, template_data):
     recipe = load_recipe_module()
     meta = json.loads((finished_run / "model" / "model.json").read_text())
@@ -48,6 +50,7 @@ def test_export_reloads_strictly_on_one_device_with_the_same_outputs(finished_ru
     assert mse.item() == pytest.approx(meta["metrics"]["test_mse"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_command_scores_the_export(finished_run, template_data, tmp_path):
     result = run_recipe(
         ["evaluate", "--model", str(finished_run / "model"), "--data", str(template_data)],
@@ -57,6 +60,7 @@ def test_evaluate_command_scores_the_export(finished_run, template_data, tmp_pat
     assert f"test_mse {meta['metrics']['test_mse']:.4g}" in result.stdout
 
 
+@pytest.mark.slow
 def test_without_data_it_generates_the_example_once(tmp_path):
     args = ["--epochs", "1", "--max-steps", "3", "--output-dir", "runs/a"]
     first = run_recipe(args, cwd=tmp_path)
@@ -93,6 +97,7 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_data, tmp_path):
     flags, message = BAD_INPUTS[case]
@@ -107,6 +112,7 @@ def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_
     assert digest(finished_run) == before
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_and_left_alone(finished_run, template_data, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
@@ -136,6 +142,7 @@ def test_unknown_accelerate_config_file_is_refused():
     assert "accelerate_configs/cpu_2proc.yaml" in result.stderr  # names the valid choices
 
 
+@pytest.mark.slow
 def test_help_explains_the_batch_conventions():
     result = subprocess.run(
         [sys.executable, str(TEMPLATE), "--help"], capture_output=True, text=True, timeout=120
