@@ -104,17 +104,37 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS / f"step_{step}"
 
 
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints (renamed from .tmp, with progress.json), oldest first."""
+def list_checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints (renamed from .tmp, with progress.json), oldest first; with
+    `run_id`, only that run's."""
     root = Path(output_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        if match and (path / PROGRESS_FILE).is_file():
+        complete = match and (path / PROGRESS_FILE).is_file()
+        if complete and (run_id is None or checkpoint_run(path).get("id") == run_id):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def checkpoint_run(path: Path) -> dict[str, Any]:
+    """The run a checkpoint belongs to: {"id", "identity"}; {} for one saved before runs had
+    identities (or unreadable: loading it reports that)."""
+    try:
+        return json.loads((Path(path) / PROGRESS_FILE).read_text()).get("run") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def remove_unfinished_saves(accelerator: Accelerator, output_dir: Path) -> None:
+    """Delete `step_N.tmp` folders left by a crash during a save (main process; collective)."""
+    root = Path(output_dir) / CHECKPOINTS
+    if accelerator.is_main_process and root.is_dir():
+        for leftover in root.glob("step_*.tmp"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def save_checkpoint(
@@ -124,22 +144,27 @@ def save_checkpoint(
     *,
     plan: BatchPlan,
     keep_last: int = 2,
+    run: dict[str, Any] | None = None,
 ) -> Path:
-    """Save resumable state for `progress.step`; every process must call this (collective)."""
+    """Save resumable state for `progress.step`; every process must call this (collective).
+
+    `run` ({"id", "identity"}, see accel_common.loop) is recorded so that a resume can tell
+    this run from another one in the same folder; pruning to `keep_last` touches only the
+    checkpoints of the same run.
+    """
     final = checkpoint_dir(output_dir, progress.step)
     tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a crash during an earlier save
-    accelerator.wait_for_everyone()
+    remove_unfinished_saves(accelerator, output_dir)
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every rank's RNG file is in place
     if accelerator.is_main_process:
-        record = {"progress": asdict(progress), "batch_plan": plan.as_dict()}
-        (tmp / PROGRESS_FILE).write_text(json.dumps(record, indent=2))
+        record = {"progress": asdict(progress), "batch_plan": plan.as_dict(), "run": run}
+        (tmp / PROGRESS_FILE).write_text(json.dumps(record, indent=2, default=str))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+        run_id = (run or {}).get("id")
+        for old in list_checkpoints(output_dir, run_id)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
@@ -164,16 +189,29 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, plan: BatchPlan) -> TrainProgress:
-    """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress.
+def load_checkpoint(
+    accelerator: Accelerator,
+    path: Path,
+    plan: BatchPlan,
+    *,
+    identity: dict[str, Any] | None = None,
+    adjustable: frozenset[str] = frozenset(),
+    total_steps: int | None = None,
+) -> tuple[TrainProgress, dict[str, Any]]:
+    """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
+    its run record ({"id", "identity"}).
 
-    The global batch must match the checkpoint's: the schedule's step count and the resume
-    position depend on it. The number of processes may change.
+    Refused, with what differs: another global batch (the schedule and the resume position
+    depend on it; the number of processes may change), a checkpoint past this run's last step
+    (`total_steps`), another run's settings (`identity`: the settings that change the math), a
+    missing or truncated file, tensors whose shapes do not fit the model.
     """
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())
         progress = TrainProgress(**record["progress"])
-        saved_global = int(record["batch_plan"]["global_batch_size"])
+        saved_plan = record["batch_plan"]
+        saved_global = int(saved_plan["global_batch_size"])
+        saved_processes = int(saved_plan["num_processes"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
     if saved_global != plan.global_batch_size:
@@ -181,15 +219,83 @@ def load_checkpoint(accelerator: Accelerator, path: Path, plan: BatchPlan) -> Tr
             f"{path} was trained at global batch {saved_global}, this launch uses "
             f"{plan.global_batch_size} ({plan.describe()}); pass --bs {saved_global} to resume"
         )
+    if total_steps is not None and progress.step > total_steps:
+        raise CheckpointError(
+            f"{path} is at optimizer step {progress.step}, past the {total_steps} steps this run "
+            "has (--epochs / --max-steps); resume with the settings that checkpoint was trained "
+            "with, or start a new run in another --output-dir"
+        )
+    run = record.get("run") or {}
+    if identity is not None and "identity" in run:
+        saved = {k: v for k, v in run["identity"].items() if k not in adjustable}
+        differences = describe_differences(
+            saved, {k: v for k, v in identity.items() if k not in adjustable}
+        )
+        if differences:
+            raise CheckpointError(
+                f"{path} belongs to another run (id {run.get('id')}): {differences}; resume with "
+                "that run's settings, or start this one in another --output-dir (or pass "
+                "--overwrite without --resume to move the old run aside)"
+            )
     progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
+    check_rng_file(path, accelerator.process_index, saved_processes)
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # torch/safetensors raise many types for truncated or corrupt files
+        mismatch = shape_mismatch(str(err))
+        if mismatch:
+            raise CheckpointError(f"{path}: {mismatch}; were the model flags the same?") from err
         raise CheckpointError(
             f"checkpoint {path} is corrupt or truncated and cannot be loaded "
             f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
         ) from err
-    return progress
+    return progress, run
+
+
+def describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """'epochs: 20 in the checkpoint, 100 now; ...' for every setting that differs."""
+    keys = sorted(set(saved) | set(current), key=str)
+    missing = object()
+    parts = [
+        f"{key}: {saved.get(key, 'unset')} in the checkpoint, {current.get(key, 'unset')} now"
+        for key in keys
+        if saved.get(key, missing) != current.get(key, missing)
+    ]
+    return "; ".join(parts)
+
+
+def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:
+    """This process's RNG state must load: Accelerate skips a missing or broken one silently,
+    and the resumed run would then draw other dropout masks and noise than the original."""
+    if process_index >= saved_processes:
+        return  # more processes than at the save: Accelerate seeds the new ones itself
+    rng_file = Path(path) / f"random_states_{process_index}.pkl"
+    try:
+        # our own file, written by Accelerate's save_state: numpy's RNG state needs pickle
+        torch.load(rng_file, weights_only=False)
+    except Exception as err:  # missing, truncated or not a pickle: many exception types
+        raise CheckpointError(
+            f"{rng_file} is missing or truncated ({type(err).__name__}); resume from an earlier "
+            "step_N folder instead"
+        ) from err
+
+
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+    r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)"
+)
+
+
+def shape_mismatch(message: str) -> str | None:
+    """'shape mismatch: weight X is [A] in the checkpoint, [B] in the model' from torch's error."""
+    found = _SIZE_MISMATCH.findall(message)
+    if not found:
+        return None
+    first = "; ".join(
+        f"weight {n} is {a} in the checkpoint, {b} in the model" for n, a, b in found[:3]
+    )
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return f"shape mismatch: {first}{more}"
 
 
 # --------------------------------------------------------------------------- export
@@ -257,6 +363,27 @@ def read_export_metadata(path: Path) -> dict[str, Any]:
         return json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{meta_path}: cannot read the export's metadata ({err})") from err
+
+
+def read_recipe_export(model_dir: Path, recipe: str) -> dict[str, Any]:
+    """The training config of an export made by `recipe`: what its commands need to rebuild the
+    model. An export of another recipe, a converted checkpoint (no config) or a missing folder
+    is a clear error instead of a KeyError."""
+    model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise CheckpointError(f"--model {model_dir}: no such folder (training writes OUTPUT/model)")
+    meta = read_export_metadata(model_dir)
+    if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
+        return meta["config"]
+    if "converted_from" in meta:
+        origin = f"converted by `accel-recipes convert` from {meta['converted_from']}"
+    else:
+        settings = ", ".join(f"{k}={v}" for k, v in list((meta.get("config") or {}).items())[-6:])
+        origin = f"exported by the {meta.get('recipe')!r} recipe ({settings})"
+    raise CheckpointError(
+        f"{model_dir} was {origin}; it records no {recipe} settings to rebuild this recipe's "
+        f"model from. Point --model at the model folder a {recipe} training run exported"
+    )
 
 
 def load_exported(

@@ -32,6 +32,10 @@ class CheckpointError(RecipeError):
     """A checkpoint or model file that cannot be read safely."""
 
 
+class NonFiniteError(RecipeError):
+    """The loss or the weights became NaN or infinite: nothing more is saved or exported."""
+
+
 def is_main_launch_process() -> bool:
     """True on global rank 0, readable before any process group exists."""
     return int(os.environ.get("RANK", "0")) == 0

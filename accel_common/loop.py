@@ -35,26 +35,48 @@ recipe's evaluation runs again and the export carries its metrics.
 
 from __future__ import annotations
 
+import json
+import math
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader
 
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
     TrainProgress,
+    describe_differences,
     export_model,
+    list_checkpoints,
     load_checkpoint,
+    remove_unfinished_saves,
     resolve_resume,
     save_checkpoint,
 )
 from accel_common.console import print_banner, say
+from accel_common.data.files import folder_fingerprint
+from accel_common.errors import CheckpointError, ConfigError, NonFiniteError
 from accel_common.lr import LRSchedule
-from accel_common.tracking import StepLogger, start_tracking
+from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
+
+# Settings that do not change what is trained: they may differ between a run and its resume.
+# Everything else in `config` (model sizes, LR, schedule, epochs, seed, precision, ...) is the
+# run's identity, with the recipe, the global batch and the data folder's fingerprint. Of those,
+# ADJUSTABLE may change on a resume (rescuing a run that diverged), and a resume says so.
+NOT_IDENTITY = frozenset(
+    {
+        "output_dir", "resume", "overwrite", "data", "bs", "per_device_bs", "max_per_device_bs",
+        "grad_accum", "workers", "cpu", "dist_timeout", "log_every", "save_every", "keep_last",
+        "report_to", "wandb_project", "wandb_name",
+    }
+)  # fmt: skip
+ADJUSTABLE = frozenset({"lr", "clip_grad"})
 
 
 class TrainLoop:
@@ -77,6 +99,8 @@ class TrainLoop:
         config: dict[str, Any],
         output_dir: Path,
         resume: str | None = None,
+        overwrite: bool = False,
+        data_dir: Path | None = None,
         log_every: int = 50,
         save_every: int = 0,
         keep_last: int = 2,
@@ -90,9 +114,12 @@ class TrainLoop:
         self.save_every, self.keep_last, self.clip_grad = save_every, keep_last, clip_grad
         self.metrics: dict[str, float] = {}
         self.train_seconds = 0.0
+        self.last_saved: Path | None = None
         self._epoch_number = 0
+        self._last_finite_step = 0
         self._grad_norm: torch.Tensor | None = None
         self._recorded = False
+        self.identity = run_identity(recipe, config, plan, data_dir)
 
         print_banner(
             accelerator,
@@ -101,7 +128,7 @@ class TrainLoop:
             lr_line=schedule.description,
             total_steps=self.total_steps,
         )
-        self.progress = self._resume(resume)
+        self.progress = self._resume(resume, overwrite)
         start_tracking(
             accelerator,
             project=tracker_project or f"accel-recipes-{recipe}",
@@ -193,8 +220,10 @@ class TrainLoop:
             return False  # mid-accumulation: no optimizer step happened
         self.scheduler.step()
         self.progress.step += 1
-        self.log.step(self.progress.step, self.scheduler, self._grad_norm)
+        logged = self.log.step(self.progress.step, self.scheduler, self._grad_norm)
         self._grad_norm = None
+        if logged is not None:
+            self._require_finite(logged)  # every process sees the same reduced value
         if self.save_every and self.progress.step % self.save_every == 0 and not self.done:
             self.save()  # the final save comes from finish()
         return self.done
@@ -204,18 +233,27 @@ class TrainLoop:
     def end_epoch(self, eval_metrics: dict[str, float]) -> dict[str, float]:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics."""
+        trained = self.log.epoch_loss.count > 0  # not so after resuming a finished run
         self.metrics = self.log.end_epoch(self._epoch_number, self.progress.step, eval_metrics)
+        if trained:
+            self._require_finite(self.metrics["train_loss"])
         return self.metrics
 
     def save(self) -> Path:
-        """Save resumable state at the current step (collective: every process calls it)."""
-        return save_checkpoint(
+        """Save resumable state at the current step (collective: every process calls it).
+
+        Never saves a run whose loss went non-finite since the last logging step, so the last
+        checkpoint is always one to resume from."""
+        self._require_finite(self.log.window_loss.peek(self.accelerator))
+        self.last_saved = save_checkpoint(
             self.accelerator,
             self.output_dir,
             self.progress,
             plan=self.plan,
             keep_last=self.keep_last,
+            run={"id": self.run_id, "identity": self.identity},
         )
+        return self.last_saved
 
     def finish(self, model: torch.nn.Module) -> dict[str, float]:
         """Save the final resumable state, export `model` with the last metrics, close trackers.
@@ -225,6 +263,8 @@ class TrainLoop:
         """
         self.log.close()
         self.metrics["train_seconds"] = self.train_seconds
+        if not all_finite(self.accelerator, model):
+            self._diverged("the weights contain NaN or infinite values")
         self.save()
         path = export_model(
             self.accelerator,
@@ -240,16 +280,114 @@ class TrainLoop:
         self.accelerator.end_training()
         return self.metrics
 
-    def _resume(self, resume: str | None) -> TrainProgress:
+    def _resume(self, resume: str | None, overwrite: bool) -> TrainProgress:
+        """Restore `resume`, or start fresh in an output folder that holds no other run."""
+        if overwrite and resume is not None:
+            raise ConfigError("--overwrite starts a new run; it cannot go with --resume")
+        remove_unfinished_saves(self.accelerator, self.output_dir)
         path = resolve_resume(resume, self.output_dir)
         if path is None:
-            if resume == "latest":
-                say(self.accelerator, f"--resume latest: no checkpoint in {self.output_dir}")
+            self._claim_output_dir(resume, overwrite)
+            self.run_id = broadcast_object_list([uuid.uuid4().hex[:12]])[0]
             return TrainProgress()
-        progress = load_checkpoint(self.accelerator, path, self.plan)
+        progress, run = load_checkpoint(
+            self.accelerator,
+            path,
+            self.plan,
+            identity=self.identity,
+            adjustable=ADJUSTABLE,
+            total_steps=self.total_steps,
+        )
+        saved = run.get("identity", {})
+        changed = describe_differences(
+            {k: saved[k] for k in ADJUSTABLE if k in saved},
+            {k: self.identity[k] for k in ADJUSTABLE if k in saved and k in self.identity},
+        )
+        if changed:
+            say(self.accelerator, f"resuming with changed settings: {changed}")
+        self.run_id = run.get("id") or broadcast_object_list([uuid.uuid4().hex[:12]])[0]
+        self.last_saved = path
+        self._last_finite_step = progress.step
         say(
             self.accelerator,
             f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
             f"{progress.samples_in_epoch} samples into it",
         )
         return progress
+
+    def _claim_output_dir(self, resume: str | None, overwrite: bool) -> None:
+        """A new run refuses a folder that holds another run's results (its checkpoints would be
+        mistaken for this run's by --resume latest, and its logs would interleave), unless
+        --overwrite, which moves that folder aside: nothing is deleted."""
+        earlier = [
+            found
+            for found in (
+                *list_checkpoints(self.output_dir)[-1:],
+                self.output_dir / "model",
+                self.output_dir / "logs" / METRICS_FILE,
+            )
+            if found.exists()
+        ]
+        if not earlier:
+            if resume == "latest":
+                say(self.accelerator, f"--resume latest: no checkpoint in {self.output_dir}")
+            return
+        if not overwrite:
+            raise CheckpointError(
+                f"--output-dir {self.output_dir} already holds another run ({earlier[0]}); "
+                "continue it with --resume latest, write this run to another --output-dir, or "
+                "pass --overwrite to move the old one aside"
+            )
+        aside = self.output_dir.with_name(
+            f"{self.output_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        if self.accelerator.is_main_process:
+            self.output_dir.rename(aside)
+            self.output_dir.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        say(self.accelerator, f"--overwrite: moved the earlier run in {self.output_dir} to {aside}")
+
+    def _require_finite(self, loss: float) -> None:
+        """Stop on a non-finite (reduced, so identical on every process) training loss."""
+        if not math.isfinite(loss):
+            self._diverged(f"the training loss is {loss}")
+        self._last_finite_step = self.progress.step
+
+    def _diverged(self, what: str) -> None:
+        seen = (
+            f"last logged finite at step {self._last_finite_step}"
+            if self._last_finite_step
+            else "not logged finite before"
+        )
+        where = (
+            f"The last good checkpoint is {self.last_saved}: resume from it with a lower --lr or "
+            "a --clip-grad"
+            if self.last_saved
+            else "No checkpoint was saved before it: lower --lr or set --clip-grad"
+        )
+        raise NonFiniteError(
+            f"{what} at optimizer step {self.progress.step} ({seen}); stopped without saving or "
+            f"exporting. {where}, or check the data for NaN and infinite values"
+        )
+
+
+def run_identity(
+    recipe: str, config: dict[str, Any], plan: BatchPlan, data_dir: Path | None
+) -> dict[str, Any]:
+    """What makes a checkpoint this run's: the settings that change the math (see NOT_IDENTITY),
+    as they read back from JSON."""
+    identity = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    identity |= {"recipe": recipe, "global_batch_size": plan.global_batch_size}
+    if data_dir is not None and Path(data_dir).is_dir():
+        identity["data_fingerprint"] = folder_fingerprint(data_dir)
+    return json.loads(json.dumps(identity, default=str))
+
+
+@torch.no_grad()
+def all_finite(accelerator: Accelerator, model: torch.nn.Module) -> bool:
+    """Whether every weight of `model` is finite on every process (collective)."""
+    bad = torch.zeros((), device=accelerator.device)
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP2
+        bad += (~torch.isfinite(local)).sum()
+    return accelerator.reduce(bad, reduction="sum").item() == 0

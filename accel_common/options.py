@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from accel_common import runtime
 from accel_common.batching import BatchPlan
+from accel_common.errors import ConfigError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
 from accel_common.tracking import ReportTo
@@ -68,11 +70,35 @@ class TrainArgs:
     save_every: int = 0
     keep_last: int = 2
     resume: str | None = None
+    overwrite: bool = False
     report_to: ReportTo = ReportTo.none
     wandb_project: str | None = None
     wandb_name: str | None = None
     cpu: bool = False
     dist_timeout: int = 0
+
+    def validate(self) -> None:
+        """Refuse values that cannot work, naming the flag, before anything starts."""
+        checks = [
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "a positive number"),
+            ("weight_decay", self.weight_decay >= 0, "0 or more"),
+            ("clip_grad", self.clip_grad >= 0, "0 (off) or more"),
+            ("seed", self.seed >= 0, "0 or more"),
+            ("workers", self.workers >= 0, "0 or more"),
+            ("epochs", self.epochs >= 1, "1 or more"),
+            ("max_steps", self.max_steps >= 0, "0 (no cap) or more"),
+            ("save_every", self.save_every >= 0, "0 (only at the end) or more"),
+            ("keep_last", self.keep_last >= 1, "1 or more"),
+            ("log_every", self.log_every >= 1, "1 or more"),
+            ("warmup_steps", self.warmup_steps >= 0, "0 or more"),
+            ("grad_accum", self.grad_accum >= 1, "1 or more"),
+            ("ref_bs", self.ref_bs >= 1, "1 or more"),
+            ("dist_timeout", self.dist_timeout >= 0, "seconds, or 0 for the default"),
+        ]
+        for name, ok, expected in checks:
+            # `not ok` is also true for NaN, which fails every comparison
+            if not ok:
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: give {expected}")
 
     def as_config(self) -> dict[str, Any]:
         return {k: v.value if hasattr(v, "value") else v for k, v in asdict(self).items()}
@@ -155,6 +181,8 @@ class TrainArgs:
             config={**self.as_config(), **config},
             output_dir=self.output_dir,
             resume=self.resume,
+            overwrite=self.overwrite,
+            data_dir=self.data or runtime.EXAMPLE_DATA_ROOT / recipe,
             log_every=self.log_every,
             save_every=self.save_every,
             keep_last=self.keep_last,
@@ -195,7 +223,12 @@ HELP = {
     "save_every": "Save resumable state every N optimizer steps (0 = only at the end).",
     "keep_last": "Resumable checkpoints to keep (older ones are deleted).",
     "resume": "Resume from 'latest' (newest complete checkpoint in --output-dir, if any) or a "
-    "checkpoint folder.",
+    "checkpoint folder. The checkpoint must come from a run with the same settings that change "
+    "the math (model, LR, schedule, epochs, seed, precision, global batch, data); a mismatch is "
+    "refused, naming what differs.",
+    "overwrite": "Start a new run in an --output-dir that holds another run's results, moving "
+    "those aside to OUTPUT.replaced-<time> (nothing is deleted). Without it such a folder is "
+    "refused: continue that run with --resume latest, or choose another --output-dir.",
     "report_to": "Trackers besides metrics.jsonl: none, wandb, tensorboard or all.",
     "wandb_project": "wandb project (default: accel-recipes-<recipe>).",
     "wandb_name": "wandb run name.",
@@ -265,6 +298,7 @@ def train_options(
             args = TrainArgs(**{name: kwargs.pop(name) for name in names})
             if args.bs is None and args.per_device_bs is None:
                 args.bs, args.per_device_bs = default_bs, default_per_device_bs
+            args.validate()
             return fn(args, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -62,7 +63,9 @@ def make_accelerator(
     """
     if dist_timeout < 0:
         raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
+    require_writable_output_dir(Path(output_dir))
     cpu = cpu or not torch.accelerator.is_available()
+    require_requested_devices(cpu)
     kwargs_handlers = list(kwargs_handlers)
     init = next((h for h in kwargs_handlers if isinstance(h, InitProcessGroupKwargs)), None)
     group_kwargs = init.to_kwargs() if init else {}
@@ -89,8 +92,45 @@ def make_accelerator(
         kwargs_handlers=kwargs_handlers,
     )
     require_requested_sharding(accelerator)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise ConfigError(
+            "fp16 mixed precision (from --mixed-precision or the launch config) does not run on "
+            "the CPU: Accelerate would train in fp32 while reporting fp16. Use --mixed-precision "
+            "bf16 or no on the CPU, or launch on a GPU"
+        )
     set_seed(seed)
     return accelerator, plan
+
+
+def require_writable_output_dir(output_dir: Path) -> None:
+    """The output folder must be a folder this process can write, before anything starts."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output-dir {output_dir} is a file; give a folder")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--output-dir {output_dir} cannot be written ({err.strerror}); choose another folder"
+        ) from None
+
+
+def require_requested_devices(cpu: bool) -> None:
+    """Refuse a multi-process launch whose config asks for GPUs on a machine without any.
+
+    `accelerate launch` with a GPU config (use_cpu: false) on a CPU-only machine starts one CPU
+    process per GPU it was told about, silently; `accel-recipes doctor --config-file` flags the
+    same config before a launch.
+    """
+    asked_for_gpus = os.environ.get("ACCELERATE_USE_CPU", "").lower() == "false"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if asked_for_gpus and world > 1 and cpu and not torch.accelerator.is_available():
+        raise ConfigError(
+            f"the launch config asks for GPUs (use_cpu: false, {world} processes), but this "
+            "machine has none, so every process would train on the CPU; use "
+            "accelerate_configs/cpu_2proc.yaml on a CPU, or launch on a machine with GPUs"
+        )
 
 
 def require_requested_sharding(accelerator: Accelerator) -> None:

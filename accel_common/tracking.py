@@ -127,6 +127,13 @@ class RunningMean:
         self.total.add_(value.detach())
         self.count += 1
 
+    def peek(self, accelerator: Accelerator) -> float:
+        """Mean over all processes since the last compute, without resetting (collective when
+        anything was added; every process adds equally often)."""
+        if self.total is None:
+            return 0.0
+        return accelerator.reduce(self.total / self.count, reduction="mean").item()
+
     def compute(self, accelerator: Accelerator) -> float:
         """Mean over all processes since the last compute; resets the sum."""
         if self.total is None:
@@ -197,12 +204,13 @@ class StepLogger:
         step: int,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         grad_norm: torch.Tensor | None,
-    ) -> None:
-        """Count an optimizer step; on logging steps, reduce and log loss, LR, grad norm, speed."""
+    ) -> float | None:
+        """Count an optimizer step; on logging steps, reduce and log loss, LR, grad norm, speed,
+        and return the logged loss (None on other steps)."""
         self.throughput.add(self.global_batch_size)
         self.bar.update()
         if not self.logs_at(step):
-            return
+            return None
         record = {
             "train/loss": self.window_loss.compute(self.accelerator),
             "train/lr": scheduler.get_last_lr()[0],
@@ -214,6 +222,7 @@ class StepLogger:
             record["train/loss_scale"] = self.accelerator.scaler.get_scale()
         self.accelerator.log(record, step=step)
         self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", refresh=False)
+        return record["train/loss"]
 
     def end_epoch(self, epoch: int, step: int, eval_metrics: dict[str, float]) -> dict[str, float]:
         """Log the epoch's mean training loss and evaluation metrics; print them once."""

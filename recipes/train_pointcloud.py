@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
 from accel_common.data.files import read_path_list
@@ -337,20 +337,26 @@ def train(
     args: TrainArgs,
     dataset: str = typer.Option("SkullBreak", help="Data set layout; SkullBreak is supported."),
     num_points: int = typer.Option(
-        512, help="Points per sample, skull + implant (original: 30720)."
+        512, min=2, help="Points per sample, skull + implant (original: 30720)."
     ),
-    num_nn: int = typer.Option(64, help="Implant points among them (original: 3072)."),
-    width: int = typer.Option(16, help="Channels of the point-voxel blocks (original: 256)."),
-    depth: int = typer.Option(2, help="Point-voxel blocks."),
-    resolution: int = typer.Option(16, help="Voxel grid resolution (original: 32)."),
-    timesteps: int = typer.Option(100, help="Diffusion steps T (original: 1000)."),
-    sample_steps: int = typer.Option(20, help="DDIM steps when sampling for evaluation."),
-    eval_every: int = typer.Option(15, help="Evaluate (sample and score) every N epochs."),
-    ema_decay: float = typer.Option(0.0, help="EMA of the weights (e.g. 0.999; 0 = off)."),
+    num_nn: int = typer.Option(64, min=1, help="Implant points among them (original: 3072)."),
+    width: int = typer.Option(
+        16, min=8, help="Channels of the point-voxel blocks, a multiple of 8 (original: 256)."
+    ),
+    depth: int = typer.Option(2, min=1, help="Point-voxel blocks."),
+    resolution: int = typer.Option(16, min=2, help="Voxel grid resolution (original: 32)."),
+    timesteps: int = typer.Option(100, min=2, help="Diffusion steps T (original: 1000)."),
+    sample_steps: int = typer.Option(20, min=1, help="DDIM steps when sampling for evaluation."),
+    eval_every: int = typer.Option(15, min=1, help="Evaluate (sample and score) every N epochs."),
+    ema_decay: float = typer.Option(
+        0.0, min=0.0, max=0.9999, help="EMA of the weights (e.g. 0.999; 0 = off)."
+    ),
 ) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
     if dataset != "SkullBreak":
         raise ConfigError(f"--dataset {dataset}: only the SkullBreak layout is supported")
+    if width % 8:
+        raise ConfigError(f"--width must be a multiple of 8 (GroupNorm in 8 groups), got {width}")
     if not 0 < num_nn < num_points:
         raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {num_nn}")
     if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
@@ -414,7 +420,7 @@ def train(
 
 
 def load_model(model_dir: Path, device: torch.device) -> tuple[PointVoxelDenoiser, dict]:
-    config = read_export_metadata(model_dir)["config"]
+    config = read_recipe_export(model_dir, RECIPE)
     model = PointVoxelDenoiser(config["width"], config["depth"], config["resolution"])
     load_exported(model_dir, model, device="cpu")
     return model.to(device).eval(), config

@@ -34,7 +34,7 @@ from scipy.stats import kendalltau, spearmanr
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from accel_common.checkpoint import load_exported, read_export_metadata, read_state_dict
+from accel_common.checkpoint import load_exported, read_recipe_export, read_state_dict
 from accel_common.data import quality as quality_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
@@ -262,18 +262,20 @@ def train(
     weights: Path = typer.Option(
         None, help="Local backbone weights (.safetensors/.pt) to start from."
     ),
-    image_size: int = typer.Option(32, help="Images are resized to this square size."),
-    dropout: float = typer.Option(0.2, help="Dropout in the MLP head."),
+    image_size: int = typer.Option(32, min=8, help="Images are resized to this square size."),
+    dropout: float = typer.Option(0.2, min=0.0, max=0.99, help="Dropout in the MLP head."),
     reliability: str = typer.Option(
         "full",
         help="full: eta per annotator in [0, 1]; global / fixed: the original's reduced form.",
     ),
     fixed_eta: float = typer.Option(0.9, help="eta for --reliability fixed, in [0.5, 1]."),
-    draw_weight: float = typer.Option(0.1, help="Penalty on |s_i - s_j| for a draw."),
+    draw_weight: float = typer.Option(0.1, min=0.0, help="Penalty on |s_i - s_j| for a draw."),
     eta_lr: float = typer.Option(
-        2e-2, help="Learning rate of the annotator reliabilities (no weight decay)."
+        2e-2, min=0.0, help="Learning rate of the annotator reliabilities (no weight decay)."
     ),
-    held_out: float = typer.Option(0.15, help="Share of comparisons held out for evaluation."),
+    held_out: float = typer.Option(
+        0.15, min=0.01, max=0.9, help="Share of comparisons held out for evaluation."
+    ),
 ) -> dict[str, float]:
     """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example)."""
     if reliability not in ("full", "global", "fixed"):
@@ -369,7 +371,7 @@ def score_folder(
     """Rate every image in a folder with an exported model, on one device, best first."""
     if out.exists():
         raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
-    config = read_export_metadata(model_dir)["config"]
+    config = read_recipe_export(model_dir, RECIPE)
     model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
     load_exported(model_dir, model)
     names, batch = load_images(images, config["image_size"])

@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import template as template_data
 from accel_common.data.files import read_numeric_csv
@@ -103,8 +103,8 @@ def evaluate(
 @train_options(default_bs=64, lr=3e-3, ref_bs=64, epochs=20, output_dir=Path("runs/template"))
 def train(
     args: TrainArgs,
-    hidden: int = typer.Option(64, help="Width of the MLP's hidden layers."),  # WORKLOAD: flags
-    depth: int = typer.Option(2, help="Number of hidden layers."),
+    hidden: int = typer.Option(64, min=1, help="Width of the MLP's hidden layers."),  # WORKLOAD
+    depth: int = typer.Option(2, min=1, help="Number of hidden layers."),
 ) -> dict[str, float]:
     """Train the template MLP regressor on CSV data (or a generated example)."""
     accelerator, plan = args.make_accelerator()
@@ -145,7 +145,7 @@ def evaluate_export(
     split: str = typer.Option("test", help="Which CSV to score: <data>/<split>.csv."),
 ) -> None:
     """Load an exported model on one device and score a CSV split against the mean baseline."""
-    config = read_export_metadata(model_dir)["config"]
+    config = read_recipe_export(model_dir, RECIPE)
     dataset = load_split(data, split)
     model = MLPRegressor(dataset.tensors[0].shape[1], config["hidden"], config["depth"])
     load_exported(model_dir, model)

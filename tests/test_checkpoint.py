@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 
 import pytest
@@ -17,11 +18,14 @@ from accel_common.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_exported,
+    read_recipe_export,
     resolve_resume,
     save_checkpoint,
     strip_wrapper_prefixes,
+    write_export,
 )
 from accel_common.errors import CheckpointError
+from tests.conftest import TEMPLATE
 
 
 class Net(nn.Module):
@@ -160,7 +164,7 @@ def test_crash_during_save_keeps_previous_checkpoint_loadable(tmp_path, accelera
 
     assert list_checkpoints(tmp_path) == [good]
     assert resolve_resume("latest", tmp_path) == good
-    progress = load_checkpoint(accelerator, good, plan)
+    progress, _ = load_checkpoint(accelerator, good, plan)
     assert progress == TrainProgress(step=5, samples_in_epoch=40)
     assert torch.equal(model.encoder.weight, saved_weight)
 
@@ -202,3 +206,114 @@ def test_resume_path_without_progress_is_refused(tmp_path):
 def test_ordered_dict_state_dicts_convert():
     state = collections.OrderedDict(reference_state())
     assert strip_wrapper_prefixes(with_prefix(state, "module.")).keys() == state.keys()
+
+
+# --------------------------------------------------------------------------- whose checkpoint
+
+
+def test_pruning_keeps_other_runs_checkpoints(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    theirs = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=640), plan=plan, run={"id": "old"}
+    )
+    for step in (100, 200, 300):
+        save_checkpoint(
+            accelerator, tmp_path, TrainProgress(step=step), plan=plan, keep_last=2,
+            run={"id": "new"},
+        )  # fmt: skip
+    assert [p.name for p in list_checkpoints(tmp_path, "new")] == ["step_200", "step_300"]
+    assert theirs in list_checkpoints(tmp_path)
+
+
+def test_leftover_unfinished_saves_are_removed_by_the_next_save(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    leftover = tmp_path / "checkpoints" / "step_7.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"\0" * 10)
+    save_checkpoint(accelerator, tmp_path, TrainProgress(step=9), plan=plan)
+    assert not leftover.exists()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_9"]
+
+
+def test_a_truncated_rng_state_is_an_error_not_skipped(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1), plan=plan)
+    rng = path / "random_states_0.pkl"
+    rng.write_bytes(rng.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing or truncated"):
+        load_checkpoint(accelerator, path, plan)
+    rng.unlink()
+    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing or truncated"):
+        load_checkpoint(accelerator, path, plan)
+
+
+def test_a_checkpoint_whose_shapes_do_not_fit_names_the_weight(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    plan = plan_batch(1, global_batch_size=8)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    saver = Accelerator(cpu=True)
+    saver.prepare(torch.nn.Linear(4, 3))
+    path = save_checkpoint(saver, tmp_path, TrainProgress(step=1), plan=plan)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    loader = Accelerator(cpu=True)
+    loader.prepare(torch.nn.Linear(4, 5))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(loader, path, plan)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert "shape mismatch: weight weight is [3, 4] in the checkpoint, [5, 4] in the model" in str(
+        error.value
+    )
+    assert "corrupt" not in str(error.value)
+
+
+def test_resume_past_the_end_of_a_shorter_schedule_is_refused(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1400), plan=plan)
+    with pytest.raises(CheckpointError, match=r"at optimizer step 1400, past the 640 steps"):
+        load_checkpoint(accelerator, path, plan, total_steps=640)
+
+
+def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    saved = {"recipe": "template", "epochs": 20, "hidden": 64, "lr": 0.003}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {**saved, "epochs": 100, "hidden": 128}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(accelerator, path, plan, identity=now)
+    message = str(error.value)
+    assert "another run (id abc)" in message
+    assert "epochs: 20 in the checkpoint, 100 now; hidden: 64 in the checkpoint, 128 now" in message
+    assert "lr" not in message.split(":", 1)[1].split(";")[0]  # only what differs is named
+    progress, run = load_checkpoint(accelerator, path, plan, identity=dict(saved))
+    assert (progress.step, run["id"]) == (64, "abc")
+
+
+def test_a_recipe_command_refuses_another_recipes_or_a_converted_export(tmp_path):
+    spec = importlib.util.spec_from_file_location("train_template", TEMPLATE)
+    template = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(template)
+    weights = {"w": torch.ones(2)}
+    write_export(weights, tmp_path / "pc", {"recipe": "pointcloud", "config": {"width": 16}})
+    with pytest.raises(CheckpointError, match=r"exported by the 'pointcloud' recipe \(width=16\)"):
+        template.evaluate_export(model_dir=tmp_path / "pc", data=tmp_path, split="test")
+    source = tmp_path / "ddp.pt"
+    torch.save({"module.w": torch.ones(2)}, source)
+    convert_checkpoint(source, tmp_path / "converted")
+    with pytest.raises(
+        CheckpointError, match=r"converted by `accel-recipes convert` from .*ddp.pt"
+    ):
+        read_recipe_export(tmp_path / "converted", "template")
+    with pytest.raises(CheckpointError, match=r"--model .*nowhere: no such folder"):
+        read_recipe_export(tmp_path / "nowhere", "template")
+    write_export(weights, tmp_path / "mine", {"recipe": "template", "config": {"hidden": 8}})
+    assert read_recipe_export(tmp_path / "mine", "template") == {"hidden": 8}

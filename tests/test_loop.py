@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from accel_common.checkpoint import list_checkpoints
+from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader
@@ -41,10 +42,17 @@ def run(tmp_path):
     """A 1-process run: 20 samples, 2 per micro-batch, 2 micro-batches per optimizer step, so an
     epoch is 10 micro-batches = 5 optimizer steps, and 3 epochs' budget is cut to 12 steps."""
 
-    def start(resume: str | None = None, max_steps: int = 12, save_every: int = 4):
+    def start(
+        resume: str | None = None,
+        max_steps: int = 12,
+        save_every: int = 4,
+        out: Path = tmp_path,
+        config: dict | None = None,
+        **loop_options,
+    ):
         AcceleratorState._reset_state(reset_partial_state=True)
         accelerator, plan = make_accelerator(
-            output_dir=tmp_path, per_device_batch_size=2, grad_accum_steps=2, cpu=True
+            output_dir=out, per_device_batch_size=2, grad_accum_steps=2, cpu=True
         )
         data = EpochAwareData()
         model = nn.Linear(3, 1)
@@ -56,8 +64,9 @@ def run(tmp_path):
             ref_bs=4, decay=Decay.constant, max_steps=max_steps,
         )  # fmt: skip
         loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=tmp_path,
-            resume=resume, log_every=1, save_every=save_every, keep_last=10,
+            accelerator, plan, loader, schedule, recipe="toy", config=config or {"lr": 1e-3},
+            output_dir=out, resume=resume, log_every=1, save_every=save_every, keep_last=10,
+            **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
 
@@ -124,13 +133,13 @@ def test_a_finished_run_resumed_is_evaluated_again(run, tmp_path):
     assert loop.metrics["epoch"] == 3.0
 
 
-def test_forgetting_record_or_batches_is_an_error(run):
+def test_forgetting_record_or_batches_is_an_error(run, tmp_path):
     loop = run()[3]
     with pytest.raises(RuntimeError, match=r"loop.record\(loss\)"):
         for _epoch in loop.epochs():
             for _batch in loop.batches():
                 pass
-    loop = run()[3]
+    loop = run(out=tmp_path / "second")[3]
     with pytest.raises(RuntimeError, match=r"loop.batches\(\)"):
         for _epoch in loop.epochs():
             pass
@@ -152,6 +161,58 @@ def test_clip_gradients_never_clips_a_partial_accumulation(run):
     assert loop._grad_norm is not None and loop._grad_norm > 0.1
     clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert clipped.item() <= 0.1 + 1e-6
+
+
+# --------------------------------------------------------------------------- never silently wrong
+
+
+def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    with pytest.raises(CheckpointError, match=r"already holds another run .*--resume latest"):
+        run()
+    with pytest.raises(CheckpointError, match=r"another run .*hidden: unset in the checkpoint, 16"):
+        run(resume="latest", config={"lr": 1e-3, "hidden": 16})
+    loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
+    assert loop.step == 12
+    _, model, _, loop, _ = run(overwrite=True)  # moves the old run aside, deletes nothing
+    aside = [p for p in tmp_path.parent.iterdir() if p.name.startswith(f"{tmp_path.name}.replaced")]
+    assert len(aside) == 1
+    assert (aside[0] / "model" / "model.safetensors").is_file()
+    assert [p.name for p in list_checkpoints(aside[0])] == ["step_4", "step_8", "step_12"]
+    assert list_checkpoints(tmp_path) == [] and not (tmp_path / "model").exists()
+
+
+def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    with pytest.raises(NonFiniteError) as error:
+        for _epoch in loop.epochs():
+            for x, y in loop.batches():
+                with accelerator.accumulate(model):
+                    loss = (model(x / 1000) - y).pow(2).mean()
+                    if loop.step >= 6:  # diverges during optimizer step 7
+                        loss = loss * float("inf")
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                loop.record(loss)
+    message = str(error.value)
+    assert "the training loss is inf at optimizer step 7 (last logged finite at step 6)" in message
+    assert f"The last good checkpoint is {tmp_path / 'checkpoints' / 'step_4'}" in message
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4"]
+    assert not (tmp_path / "model").exists()
+
+
+def test_non_finite_weights_are_never_exported(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="the weights contain NaN"):
+        loop.finish(model)
+    assert not (tmp_path / "model").exists()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_8"]
 
 
 # --------------------------------------------------------------------------- exact item means

@@ -90,7 +90,8 @@ def bad_data(tmp_path, template_data) -> Path:
 
 BAD_INPUTS = {
     "unsplittable batch": (["--bs", "30", "--grad-accum", "4"], "--bs 30 cannot be split"),
-    "non-positive lr": (["--lr", "0"], "--lr must be a positive number"),
+    "lr not a number": (["--lr", "nan"], "--lr nan: give a positive number"),
+    "diverging lr": (["--lr", "1e6", "--epochs", "1"], "the training loss is"),
     "both batch flags": (["--bs", "32", "--per-device-bs", "16"], "both were given"),
     "missing data": (["--data", "/nonexistent/data"], "--data /nonexistent/data: no such folder"),
     "malformed csv": (["--data", "{bad_data}"], "train.csv, line 5: column x2 is 'oops'"),

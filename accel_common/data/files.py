@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,3 +97,17 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """A short hash of a data folder's file names and sizes: equal for a copy of the same data
+    anywhere, different when a file is added, removed or rewritten with another size. (Hashing
+    contents would read a whole data set at every start.)"""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = path.relative_to(folder)
+        if any(part.startswith(".") for part in relative.parts):
+            continue  # caches and editor files
+        digest.update(f"{relative.as_posix()}\0{path.stat().st_size}\n".encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,102 @@
+"""Flags and launch settings that cannot work are refused before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import typer
+from accelerate.state import AcceleratorState
+from typer.testing import CliRunner
+
+from accel_common.errors import ConfigError
+from accel_common.options import TrainArgs
+from accel_common.runtime import (
+    make_accelerator,
+    require_requested_devices,
+    require_writable_output_dir,
+)
+from tests.conftest import POINTCLOUD, QUALITY, TEMPLATE
+
+OUT_OF_RANGE = [
+    ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("weight_decay", -0.1),
+    ("seed", -1), ("workers", -1), ("save_every", -1), ("keep_last", 0), ("clip_grad", math.nan),
+    ("clip_grad", -1.0), ("epochs", 0), ("max_steps", -5), ("log_every", 0), ("grad_accum", 0),
+    ("warmup_steps", -1), ("ref_bs", 0), ("dist_timeout", -1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value"), OUT_OF_RANGE)
+def test_out_of_range_flags_are_refused_by_name(name, value):
+    with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')} {value}: give"):
+        TrainArgs(**{name: value}).validate()
+
+
+def test_the_defaults_are_valid():
+    TrainArgs().validate()
+
+
+def recipe_app(path: Path) -> typer.Typer:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    app = typer.Typer()
+    app.command()(module.train)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("script", "flag", "value"),
+    [
+        (TEMPLATE, "--hidden", "0"),
+        (TEMPLATE, "--depth", "-1"),
+        (POINTCLOUD, "--width", "0"),
+        (POINTCLOUD, "--resolution", "0"),
+        (POINTCLOUD, "--timesteps", "0"),
+        (QUALITY, "--image-size", "0"),
+        (QUALITY, "--dropout", "1.5"),
+    ],
+)
+def test_model_sizes_out_of_range_are_refused_before_training(script, flag, value, tmp_path):
+    result = CliRunner().invoke(recipe_app(script), [flag, value, "--output-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{flag}'" in result.output
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_an_output_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):
+    a_file = tmp_path / "runs"
+    a_file.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"--output-dir .*runs is a file; give a folder"):
+        require_writable_output_dir(a_file)
+    with pytest.raises(ConfigError, match=r"--output-dir .*runs/sub cannot be written"):
+        require_writable_output_dir(a_file / "sub")
+
+
+@pytest.fixture
+def fresh_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_fp16_on_the_cpu_is_refused_instead_of_silently_training_fp32(fresh_state, tmp_path):
+    with pytest.raises(ConfigError, match=r"fp16 mixed precision .* does not run on the CPU"):
+        make_accelerator(output_dir=tmp_path, global_batch_size=8, mixed_precision="fp16", cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, _ = make_accelerator(
+        output_dir=tmp_path, global_batch_size=8, mixed_precision="bf16", cpu=True
+    )
+    assert accelerator.mixed_precision == "bf16"
+
+
+def test_a_gpu_launch_config_on_a_machine_without_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr("torch.accelerator.is_available", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what `accelerate launch` sets from it
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"asks for GPUs .* 8 processes"):
+        require_requested_devices(cpu=True)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # accelerate_configs/cpu_2proc.yaml
+    require_requested_devices(cpu=True)
