@@ -323,9 +323,19 @@ def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict
     save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
     tmp_meta = meta_path.with_name(meta_path.name + ".tmp")
     tmp_meta.write_text(json.dumps(metadata, indent=2, default=str))
+    # safetensors writes through a private temporary file (mode 0600): give the export the
+    # permissions any file the user creates gets, so colleagues and serving jobs can read it
+    os.chmod(tmp_model, 0o666 & ~current_umask())
     os.replace(tmp_model, model_path)
     os.replace(tmp_meta, meta_path)
     return model_path
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def export_model(
@@ -549,6 +559,17 @@ def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     return {".".join(map(str, paths[fqn][1:])): tensor for fqn, tensor in state.items()}
 
 
+def file_kind(path: Path) -> str | None:
+    """'safetensors', 'torch' (a torch.save zip archive or legacy pickle) or None, by content."""
+    with Path(path).open("rb") as handle:
+        head = handle.read(9)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
+        return "safetensors"
+    return None
+
+
 def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
     """Read weights from a .safetensors/torch.save file, an Accelerate folder or a DCP folder."""
     source = Path(source)
@@ -558,7 +579,15 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
         source = _accelerate_folder_weights(source, model_index)
     if source.is_dir():
         return read_dcp_model(source)
-    if source.suffix == ".safetensors":
+    kind = file_kind(source)
+    if kind is None and source.suffix == ".safetensors":
+        kind = "safetensors"  # too short even for a header: reported as truncated below
+    if kind is None:
+        raise CheckpointError(
+            f"{source} is neither a safetensors file nor a PyTorch checkpoint (torch.save writes "
+            "a zip archive or a pickle; this file starts with neither), so nothing was loaded"
+        )
+    if kind == "safetensors":
         try:
             return load_file(str(source))
         except (SafetensorError, OSError) as err:

@@ -14,6 +14,7 @@ R = TypeVar("R")
 
 EXIT_USER_ERROR = 2
 EXIT_DIST_FAILURE = 3  # a collective failed: another process died or hangs
+EXIT_LAUNCHER_GONE = 4  # the launcher was killed; the worker stopped on its own
 
 
 class RecipeError(Exception):
@@ -73,6 +74,16 @@ def describe_distributed_failure(err: RuntimeError, dist_timeout: int | None) ->
     )
 
 
+def one_line(err: RecipeError) -> str:
+    """The error's own message. One raised in a DataLoader worker comes back re-raised by torch
+    with the worker's whole traceback folded into its text; its last line is the message."""
+    text = str(err).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return re.sub(r"^[\w.]+: ", "", last)
+
+
 def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0) and exit code 2,
     and a failed collective into `error (rank N): ...` from each process that sees it, exit code 3.
@@ -87,7 +98,7 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except RecipeError as err:
             if is_main_launch_process():
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except RuntimeError as err:
             message = describe_distributed_failure(err, kwargs.get("dist_timeout"))

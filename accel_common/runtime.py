@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_common.batching import BatchPlan, plan_batch
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
-from accel_common.errors import ConfigError, DataError, exit_on_error
+from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, exit_on_error
 from accel_common.tracking import ReportTo, trackers_for
 
 EXAMPLE_DATA_ROOT = Path("data/example")
@@ -72,6 +74,7 @@ def make_accelerator(
     if dist_timeout:
         group_kwargs["timeout"] = timedelta(seconds=dist_timeout)
     world = PartialState(cpu=cpu, **group_kwargs).num_processes
+    exit_when_launcher_dies()
     plan = plan_batch(
         world,
         global_batch_size=global_batch_size,
@@ -100,6 +103,32 @@ def make_accelerator(
         )
     set_seed(seed)
     return accelerator, plan
+
+
+def exit_when_launcher_dies(poll_seconds: float = 0.2) -> None:
+    """Under `accelerate launch` or `torchrun`, end this worker as soon as its launcher is gone.
+
+    A SIGKILLed launcher (an OOM kill, `kill -9`, a scheduler cleaning up) cannot stop its
+    workers, which would train on and write checkpoints and an export nobody asked for. A
+    daemon thread watches the parent process; once this worker has been handed to another
+    parent, it exits at once (os._exit: no cleanup that could write files), with code 4.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return  # `python recipe.py`: no launcher to outlive
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_seconds)
+        print(
+            f"error (rank {os.environ.get('RANK', '?')}): the launcher (pid {launcher}) is gone; "
+            "this worker stops without writing anything more",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_LAUNCHER_GONE)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 def require_writable_output_dir(output_dir: Path) -> None:

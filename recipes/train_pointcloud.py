@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
-from accel_common.data.files import read_path_list
+from accel_common.data.files import read_path_list, require_finite
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
@@ -54,13 +54,19 @@ def load_points(path: Path, header_only: bool = False) -> np.ndarray:
     """
     if not path.is_file():
         raise DataError(f"{path}: file not found")
+    with path.open("rb") as handle:
+        if handle.read(6) != b"\x93NUMPY":  # else np.load calls any other file "pickled data"
+            raise DataError(f"{path}: not a .npy file (it lacks NumPy's header)")
     try:
         points = np.load(path, allow_pickle=False, mmap_mode="r" if header_only else None)
     except (ValueError, OSError) as err:
         raise DataError(f"{path}: not a readable .npy array ({err})") from None
     if points.ndim != 2 or points.shape[1] != 3 or len(points) == 0:
         raise DataError(f"{path}: expected an M x 3 point cloud, got shape {points.shape}")
-    return points if header_only else points.astype(np.float32)
+    if header_only:
+        return points
+    require_finite(points, str(path))  # index [point, coordinate]
+    return points.astype(np.float32)
 
 
 def normalisation(defective: np.ndarray) -> tuple[np.ndarray, float]:

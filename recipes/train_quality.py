@@ -88,6 +88,26 @@ def read_comparisons(data_dir: Path) -> tuple[list[tuple[str, str, int, str]], l
     return records, sorted({r[3] for r in records})
 
 
+def read_truth(path: Path, names: list[str], annotators: list[str]) -> dict | None:
+    """The optional truth.json ({"quality": {image: q}, "reliability": {annotator: eta}}) that
+    generated data carries, checked up front: every image and annotator, finite numbers."""
+    if not path.is_file():
+        return None
+    try:
+        truth = json.loads(path.read_text())
+    except ValueError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+    for key, expected in (("quality", names), ("reliability", annotators)):
+        table = truth.get(key) if isinstance(truth, dict) else None
+        if not isinstance(table, dict):
+            raise DataError(f"{path}: needs a {key!r} object")
+        for name in expected:
+            value = table.get(name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataError(f"{path}: {key}[{name!r}] is {value!r}, not a finite number")
+    return truth
+
+
 def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
     """A fixed random split of the comparisons into training and held-out ones."""
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -288,8 +308,7 @@ def train(
     names, images = load_images(data_dir / "images", image_size)
     index = {name: i for i, name in enumerate(names)}
     train_records, held_records = split_comparisons(records, held_out, args.seed)
-    truth_path = data_dir / "truth.json"
-    truth = json.loads(truth_path.read_text()) if truth_path.is_file() else None
+    truth = read_truth(data_dir / "truth.json", names, annotators)
 
     model = build_scorer(backbone, len(annotators), dropout, pretrained, weights)
     network = [p for name, p in model.named_parameters() if name != "annotator_logits"]

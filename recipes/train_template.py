@@ -46,12 +46,15 @@ RECIPE = "template"
 # --------------------------------------------------------------------------- WORKLOAD: data
 
 
-def load_split(data_dir: Path, split: str) -> TensorDataset:
-    """Read `<split>.csv` into (features, target) tensors; bad rows name their line."""
-    columns, table = read_numeric_csv(data_dir / f"{split}.csv", required=["y"])
-    target = columns.index("y")
-    features = [i for i in range(len(columns)) if i != target]
-    return TensorDataset(table[:, features], table[:, target : target + 1])
+def load_split(data_dir: Path, split: str, columns: list[str] | None = None) -> TensorDataset:
+    """Read `<split>.csv` into (features, target) tensors; bad rows name their line, and a
+    header other than `columns` (the training split's) is refused at load."""
+    names, table = read_numeric_csv(data_dir / f"{split}.csv", required=["y"], columns=columns)
+    target = names.index("y")
+    features = [i for i in range(len(names)) if i != target]
+    dataset = TensorDataset(table[:, features], table[:, target : target + 1])
+    dataset.columns = names
+    return dataset
 
 
 # --------------------------------------------------------------------------- WORKLOAD: model
@@ -109,7 +112,8 @@ def train(
     """Train the template MLP regressor on CSV data (or a generated example)."""
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, template_data.write_dataset)
-    train_set, test_set = load_split(data_dir, "train"), load_split(data_dir, "test")  # WORKLOAD
+    train_set = load_split(data_dir, "train")  # WORKLOAD
+    test_set = load_split(data_dir, "test", columns=train_set.columns)
     train_mean = train_set.tensors[1].mean().item()
 
     model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)  # WORKLOAD

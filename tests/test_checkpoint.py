@@ -317,3 +317,26 @@ def test_a_recipe_command_refuses_another_recipes_or_a_converted_export(tmp_path
         read_recipe_export(tmp_path / "nowhere", "template")
     write_export(weights, tmp_path / "mine", {"recipe": "template", "config": {"hidden": 8}})
     assert read_recipe_export(tmp_path / "mine", "template") == {"hidden": 8}
+
+
+def test_convert_a_file_that_is_neither_safetensors_nor_torch_says_so(tmp_path):
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"GARBAGE, not a checkpoint at all" * 4)
+    with pytest.raises(CheckpointError) as error:
+        convert_checkpoint(source, tmp_path / "out")
+    assert "neither a safetensors file nor a PyTorch checkpoint" in str(error.value)
+    assert "run arbitrary code" not in str(error.value)
+    renamed = tmp_path / "model.pt"  # a safetensors file under another name still converts
+    save_file({"w": torch.ones(2)}, str(renamed))
+    assert load_file(str(convert_checkpoint(renamed, tmp_path / "out"))).keys() == {"w"}
+
+
+def test_exports_get_the_users_normal_file_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_export({"w": torch.ones(2)}, tmp_path / "model", {"recipe": "x"})
+        converted = convert_checkpoint(path, tmp_path / "out.safetensors")
+    finally:
+        os.umask(old)
+    for file in (path, path.with_suffix(".json"), converted, converted.with_suffix(".json")):
+        assert file.stat().st_mode & 0o777 == 0o644, file

@@ -160,3 +160,13 @@ def test_a_recipe_imports_only_the_library_it_uses(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_plan_without_flags_prints_a_guide_table():
+    result = runner.invoke(app, ["plan"])
+    assert result.exit_code == 0, result.output
+    assert "No reference given: showing --ref-bs 32 --ref-lr 0.001" in result.output
+    eight_gpus = next(line for line in result.output.splitlines() if line.startswith("│    8 "))
+    assert [cell.strip() for cell in eight_gpus.split("│")[1:-1]] == [
+        "8", "256", "32", "1", "0.008", "0.00283",
+    ]  # fmt: skip

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -52,18 +54,31 @@ def read_path_list(csv: Path, suffix: str) -> list[tuple[int, str]]:
     return rows
 
 
-def read_numeric_csv(path: Path, required: Sequence[str]) -> tuple[list[str], torch.Tensor]:
-    """A CSV of numbers as (column names, float32 tensor of rows x columns)."""
+def read_numeric_csv(
+    path: Path, required: Sequence[str], columns: Sequence[str] | None = None
+) -> tuple[list[str], torch.Tensor]:
+    """A CSV of finite numbers as (column names, float32 tensor of rows x columns); with
+    `columns`, its header must be exactly those (a test split read like the training split)."""
     rows = read_csv_rows(path, required)
-    columns = list(rows[0][1])
+    found = list(rows[0][1])
+    if columns is not None and found != list(columns):
+        raise DataError(
+            f"{path}: columns {', '.join(found)} differ from the training split's "
+            f"{', '.join(columns)}; every split needs the same columns in the same order"
+        )
+    columns = found
     values = []
     for line, row in rows:
         try:
-            values.append([float(row[c]) for c in columns])
+            numbers = [float(row[c]) for c in columns]
         except ValueError:
             bad = next(c for c in columns if not _is_float(row[c]))
             message = f"{path}, line {line}: column {bad} is '{row[bad]}', not a number"
             raise DataError(message) from None
+        if not all(map(math.isfinite, numbers)):
+            bad = next(c for c, x in zip(columns, numbers, strict=True) if not math.isfinite(x))
+            raise DataError(f"{path}, line {line}: column {bad} is '{row[bad]}', not finite")
+        values.append(numbers)
     return columns, torch.tensor(values, dtype=torch.float32)
 
 
@@ -73,6 +88,16 @@ def _is_float(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def require_finite(values: np.ndarray | torch.Tensor, where: str) -> None:
+    """Refuse NaN and infinite values, naming the first one's position (`where` names the
+    file): a single NaN in the data turns every weight into NaN a step later."""
+    finite = np.isfinite(np.asarray(values))
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        value = np.asarray(values)[index]
+        raise DataError(f"{where}: value {value} at index {list(index)} is not finite")
 
 
 class EpochShuffleSampler(Sampler[int]):

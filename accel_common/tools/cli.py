@@ -27,15 +27,18 @@ console = Console()
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
+GUIDE_REF_BS, GUIDE_REF_LR = 32, 1e-3  # `plan` without flags
 
 
 @app.command()
 @exit_on_error
 def plan(
-    ref_bs: int = typer.Option(..., help="Global batch the reference LR was tuned at."),
-    ref_lr: float = typer.Option(..., help="LR tuned at --ref-bs."),
+    ref_bs: int = typer.Option(None, help="Global batch the reference LR was tuned at."),
+    ref_lr: float = typer.Option(None, help="LR tuned at --ref-bs."),
     per_device_bs: int = typer.Option(
-        None, help="Keep this per-GPU batch fixed; the global batch grows with the GPUs."
+        None,
+        help="Keep this per-GPU batch fixed; the global batch grows with the GPUs. The default "
+        "when neither this nor --bs is given: --ref-bs.",
     ),
     bs: int = typer.Option(
         None, help="Keep this global batch fixed; it is split over the GPUs (and accumulation)."
@@ -46,7 +49,18 @@ def plan(
     ),
     gpus: str = typer.Option("1,2,4,8,16", help="Comma-separated GPU (process) counts."),
 ) -> None:
-    """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count."""
+    """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count.
+
+    Without flags it shows a guide for --ref-bs 32 --ref-lr 1e-3 (a common Adam setting)."""
+    if ref_bs is None and ref_lr is None:
+        console.print(
+            f"No reference given: showing --ref-bs {GUIDE_REF_BS} --ref-lr {GUIDE_REF_LR:g}; pass "
+            "the batch and LR your model was tuned at for your own numbers."
+        )
+    ref_bs = GUIDE_REF_BS if ref_bs is None else ref_bs
+    ref_lr = GUIDE_REF_LR if ref_lr is None else ref_lr
+    if per_device_bs is None and bs is None:
+        per_device_bs = ref_bs
     try:
         counts = [int(g) for g in gpus.split(",") if g.strip()]
     except ValueError:

@@ -1,0 +1,82 @@
+"""The data readers refuse what would make training silently wrong: NaN, inf, wrong files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from accel_common.data.files import read_numeric_csv
+from accel_common.errors import DataError, one_line
+from tests.conftest import POINTCLOUD, QUALITY, TEMPLATE
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-Infinity"])
+def test_csv_with_a_non_finite_number_names_file_line_and_column(bad, tmp_path):
+    csv = tmp_path / "train.csv"
+    csv.write_text(f"x0,x1,y\n1,2,3\n4,{bad},6\n")
+    with pytest.raises(DataError, match=f"train.csv, line 3: column x1 is '{bad}', not finite"):
+        read_numeric_csv(csv, required=["y"])
+
+
+def test_point_cloud_with_nan_or_not_npy_at_all_is_refused(tmp_path):
+    load_points = load(POINTCLOUD).load_points
+    points = np.zeros((10, 3), dtype=np.float32)
+    points[7, 2] = np.nan
+    np.save(tmp_path / "skull.npy", points)
+    load_points(tmp_path / "skull.npy", header_only=True)  # the up-front check reads no data
+    with pytest.raises(DataError, match=r"skull.npy: value nan at index \[7, 2\] is not finite"):
+        load_points(tmp_path / "skull.npy")
+    (tmp_path / "garbage.npy").write_bytes(b"this is not an array" * 10)
+    with pytest.raises(DataError, match=r"garbage\.npy: not a \.npy file") as error:
+        load_points(tmp_path / "garbage.npy", header_only=True)
+    assert "pickled" not in str(error.value)
+
+
+def test_quality_truth_with_a_missing_or_nan_entry_is_refused(tmp_path):
+    read_truth = load(QUALITY).read_truth
+    path = tmp_path / "truth.json"
+    path.write_text(json.dumps({"quality": {"a.png": 1.0, "b.png": math.nan}, "reliability": {}}))
+    with pytest.raises(DataError, match=r"quality\['b.png'\] is nan, not a finite number"):
+        read_truth(path, ["a.png", "b.png"], ["x"])
+    path.write_text(json.dumps({"quality": {"a.png": 1.0}}))
+    with pytest.raises(DataError, match="needs a 'reliability' object"):
+        read_truth(path, ["a.png"], ["x"])
+    path.write_text(json.dumps({"quality": {"a.png": 1.0}, "reliability": {"x": 0.9}}))
+    assert read_truth(path, ["a.png"], ["x"])["reliability"] == {"x": 0.9}
+
+
+class Broken(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise DataError(f"skull_{index}.npy: value nan at index [0, 0] is not finite")
+
+
+def test_an_error_raised_in_a_loader_worker_is_reported_as_one_line():
+    with pytest.raises(DataError) as error:
+        next(iter(DataLoader(Broken(), num_workers=1)))
+    assert "Traceback" in str(error.value)  # torch folds the worker's traceback into it
+    assert one_line(error.value) == "skull_0.npy: value nan at index [0, 0] is not finite"
+
+
+def test_a_test_split_with_other_columns_is_refused_at_load(tmp_path):
+    load_split = load(TEMPLATE).load_split
+    (tmp_path / "train.csv").write_text("x0,x1,y\n1,2,3\n")
+    (tmp_path / "test.csv").write_text("x0,x2,y\n1,2,3\n")
+    train = load_split(tmp_path, "train")
+    with pytest.raises(DataError, match="columns x0, x2, y differ from the training split's x0,"):
+        load_split(tmp_path, "test", columns=train.columns)
