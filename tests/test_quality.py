@@ -77,7 +77,7 @@ def test_rank_correlations_handle_ties_whatever_the_row_order():
 @pytest.mark.slow
 def test_learns_quality_and_finds_the_unreliable_annotators(quality_data, tmp_path):
     out = tmp_path / "run"
-    args = ["--data", str(quality_data), "--output-dir", str(out), "--epochs", "10"]
+    args = ["--data", str(quality_data), "--output-dir", str(out), "--epochs", "6"]
     run_recipe(args, cwd=tmp_path, script=QUALITY, threads=2)
     metrics = json.loads((out / "model" / "model.json").read_text())["metrics"]
     assert metrics["spearman"] > metrics["baseline_spearman"] + 0.1, metrics

@@ -91,7 +91,6 @@ def bad_data(tmp_path, template_data) -> Path:
 BAD_INPUTS = {
     "unsplittable batch": (["--bs", "30", "--grad-accum", "4"], "--bs 30 cannot be split"),
     "lr not a number": (["--lr", "nan"], "--lr nan: give a positive number"),
-    "diverging lr": (["--lr", "1e6", "--epochs", "1"], "the training loss is"),
     "both batch flags": (["--bs", "32", "--per-device-bs", "16"], "both were given"),
     "missing data": (["--data", "/nonexistent/data"], "--data /nonexistent/data: no such folder"),
     "malformed csv": (["--data", "{bad_data}"], "train.csv, line 5: column x2 is 'oops'"),
@@ -111,6 +110,18 @@ def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert digest(finished_run) == before
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_and_saves_nothing(template_data, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--data", str(template_data), "--output-dir", str(out), "--lr", "1e6", "--epochs", "1"]
+    result = run_recipe(flags, cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert "error: the training loss is nan at optimizer step" in result.stderr
+    assert "No checkpoint was saved before it: lower --lr or set --clip-grad" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "checkpoints").exists() and not (out / "model").exists()
 
 
 @pytest.mark.slow
