@@ -24,14 +24,16 @@ MASTER_PORT ?= 29500
 STAMP := $(VENV)/.installed
 
 SCRIPT = recipes/train_$(RECIPE).py
+# runs the launcher so that a failure reads as one line with the worker's exit code (2, 3 or 4)
+LAUNCH = $(VENV)/bin/accel-recipes launch --
 
 # $(call launch,DEFAULT_CONFIG,EXTRA_LAUNCH_FLAGS): accelerate launch with CONFIG (or the default),
 # refusing a config file that does not exist before anything starts.
 define launch
 	@cfg="$(or $(CONFIG),$(1))"; test -f "$$cfg" || { echo "error: CONFIG=$$cfg: no such" \
 	  "accelerate config file; choose one of: $(wildcard accelerate_configs/*.yaml)" >&2; exit 2; }; \
-	set -x; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/accelerate launch --config_file "$$cfg" \
-	  $(2) $(SCRIPT) $(ARGS)
+	set -x; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(LAUNCH) $(BIN)/accelerate launch \
+	  --config_file "$$cfg" $(2) $(SCRIPT) $(ARGS)
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \

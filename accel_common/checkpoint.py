@@ -308,9 +308,11 @@ def _clean_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def export_paths(target: Path) -> tuple[Path, Path]:
     """(weights file, metadata JSON) of an export: a folder holds model.safetensors and
-    model.json; a target ending in .safetensors is the weights file, with NAME.json beside it."""
+    model.json; a target ending in .safetensors is the weights file, with NAME.json beside it
+    (model.safetensors -> model.json). An existing folder stays a folder whatever its name, so
+    one that an earlier version wrote as OUT.safetensors/ is still read and replaced as such."""
     target = Path(target)
-    if target.suffix == ".safetensors":
+    if target.suffix == ".safetensors" and not target.is_dir():
         return target, target.with_suffix(".json")
     return target / MODEL_FILE, target / META_FILE
 
@@ -618,6 +620,11 @@ def convert_checkpoint(
     """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
     is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json)."""
     model_path, _ = export_paths(target)
+    if model_path.parent.exists() and not model_path.parent.is_dir():
+        raise CheckpointError(
+            f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
+            "NAME.safetensors path"
+        )
     if model_path.exists() and not force:
         raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
     state = read_state_dict(source, model_index)

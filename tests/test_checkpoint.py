@@ -18,6 +18,7 @@ from accel_common.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_exported,
+    read_export_metadata,
     read_recipe_export,
     resolve_resume,
     save_checkpoint,
@@ -126,6 +127,53 @@ def test_convert_never_overwrites_without_force(tmp_path):
         convert_checkpoint(source, tmp_path / "out")
     assert first.read_bytes() == before
     convert_checkpoint(source, tmp_path / "out", force=True)
+
+
+def test_convert_to_a_safetensors_name_writes_that_file_and_its_json(tmp_path):
+    expected = reference_state()
+    source = tmp_path / "ckpt.pt"
+    torch.save({"model_state": with_prefix(expected, "module._orig_mod.")}, source)
+    target = tmp_path / "out" / "merged.safetensors"
+    assert convert_checkpoint(source, target) == target
+    converted = load_file(str(target))  # a file safetensors opens, not a folder
+    assert converted.keys() == expected.keys()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "merged.json",
+        "merged.safetensors",
+    ]
+    assert read_export_metadata(target)["converted_from"] == str(source)
+    assert load_exported(target, Net())["num_tensors"] == len(expected)  # strict, reads merged.json
+    before = target.read_bytes()
+    torch.save(with_prefix({k: v + 1 for k, v in expected.items()}, "module."), source)
+    with pytest.raises(CheckpointError, match=r"merged\.safetensors exists; pass --force"):
+        convert_checkpoint(source, target)
+    assert target.read_bytes() == before
+    convert_checkpoint(source, target, force=True)
+    assert torch.equal(load_file(str(target))["head.1.bias"], expected["head.1.bias"] + 1)
+
+
+def test_convert_to_a_folder_writes_model_safetensors_and_model_json(tmp_path):
+    source = _saved(tmp_path)
+    path = convert_checkpoint(source, tmp_path / "out")
+    assert path == tmp_path / "out" / "model.safetensors"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "model.json",
+        "model.safetensors",
+    ]
+    assert read_export_metadata(path)["converted_from"] == str(source)  # model.json, beside it
+    # a folder an earlier version wrote as OUT.safetensors/ is still a folder
+    (tmp_path / "old.safetensors").mkdir()
+    old = convert_checkpoint(source, tmp_path / "old.safetensors")
+    assert old == tmp_path / "old.safetensors" / "model.safetensors"
+    assert read_export_metadata(tmp_path / "old.safetensors")["num_tensors"] == 4
+
+
+def test_convert_into_a_path_that_is_a_file_is_refused(tmp_path):
+    source = _saved(tmp_path)
+    (tmp_path / "out.pt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"out\.pt is a file; give a folder"):
+        convert_checkpoint(source, tmp_path / "out.pt")
+    assert (tmp_path / "out.pt").read_text() == "mine"
 
 
 def test_export_load_rejects_a_different_architecture(tmp_path):

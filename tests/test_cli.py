@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from accel_common.checkpoint import load_exported, read_export_metadata
 from accel_common.tools.cli import app
+from accel_common.tools.example_data import generator, workloads
 from tests.conftest import TEMPLATE, recipe_env
 
 runner = CliRunner()
@@ -115,6 +116,7 @@ def test_convert_command(tmp_path):
     result = runner.invoke(app, ["convert", str(source), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "model.json").is_file()
     source.write_bytes(source.read_bytes()[:64])
     bad = runner.invoke(app, ["convert", str(source), str(tmp_path / "out2")])
     assert bad.exit_code == 2
@@ -160,6 +162,32 @@ def test_a_recipe_imports_only_the_library_it_uses(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_template_data_module_and_the_runtime_do_not_load_pil(tmp_path):
+    """What a recipe imports directly stays free of the image stack (only quality needs PIL);
+    the make-data registry lists its workloads without importing any generator."""
+    probe = (
+        "import sys\n"
+        "import accel_common.data.template, accel_common.runtime\n"
+        "from accel_common.tools.example_data import workloads\n"
+        "assert workloads() == ['template', 'pointcloud', 'quality'], workloads()\n"
+        "print(sorted(m for m in sys.modules if m == 'PIL' or m.startswith(('PIL.',"
+        " 'accel_common.data.quality', 'accel_common.data.pointcloud'))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=recipe_env(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_make_data_help_lists_the_workloads():
+    result = runner.invoke(app, ["make-data", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "One of: template, pointcloud, quality." in " ".join(result.output.split())
+    for workload in workloads():  # every "module:function" in the registry resolves
+        assert generator(workload).__name__ == "write_dataset"
 
 
 def test_plan_without_flags_prints_a_guide_table():

@@ -11,11 +11,12 @@ from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
 from accel_common.checkpoint import convert_checkpoint
-from accel_common.data import GENERATORS, make_data
 from accel_common.errors import RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench import run_benchmark
 from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
+from accel_common.tools.example_data import make_data, workloads
+from accel_common.tools.launch import run as run_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -115,13 +116,18 @@ def convert(
     output: Path = typer.Argument(
         ...,
         help="Folder to write model.safetensors + model.json into, or a NAME.safetensors file "
-        "(written with NAME.json beside it).",
+        "to write, with its metadata as NAME.json beside it.",
     ),
-    recipe: str = typer.Option("unknown", help="Recipe name recorded in model.json."),
+    recipe: str = typer.Option("unknown", help="Recipe name recorded in the JSON."),
     model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
-    force: bool = typer.Option(False, help="Overwrite an existing model.safetensors."),
+    force: bool = typer.Option(
+        False, help="Overwrite an existing export (OUTPUT/model.safetensors or NAME.safetensors)."
+    ),
 ) -> None:
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
+
+    OUTPUT is a folder (it gets model.safetensors + model.json) or a file NAME.safetensors (written
+    as named, with NAME.json beside it); an existing export is kept unless --force is given.
 
     Strips `module.`, `model.module.` and `_orig_mod.` prefixes in any nesting, unwraps
     `model_state` / `state_dict` / `model` wrappers, merges FSDP's per-rank shards
@@ -162,7 +168,7 @@ def new(
 @app.command("make-data")
 @exit_on_error
 def make_data_command(
-    workload: str = typer.Argument(..., help=f"One of: {', '.join(GENERATORS)}."),
+    workload: str = typer.Argument(..., help=f"One of: {', '.join(workloads())}."),
     out_dir: Path = typer.Argument(..., help="Folder to write the data set into."),
     seed: int = typer.Option(0, help="Random seed of the generator."),
     force: bool = typer.Option(False, help="Write into a non-empty folder."),
@@ -188,6 +194,26 @@ def bench(
     a hand-written DDP loop, all in one interleaved run (about 10 minutes on 2 cores)."""
     typer.echo(run_benchmark(out, plot, repeats, cpu))
     console.print(f"wrote {out} and {plot}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@exit_on_error
+def launch(ctx: typer.Context) -> None:
+    """Run a launcher so that a failed run reads as one line and exits with the worker's code.
+
+    accel-recipes launch -- accelerate launch --config_file CONFIG recipes/train_X.py [flags]
+
+    Output passes through; once a worker reports `error: ...`, the launcher's own 40-line report
+    becomes one line naming the rank that failed first, and the exit code is that worker's (2:
+    bad input, 3: a collective failed, 4: launcher gone) instead of the launcher's 1. The
+    Makefile's launch targets use it; ACCEL_RECIPES_FULL_REPORT=1 shows everything.
+    """
+    if not ctx.args:
+        raise RecipeError(
+            "give the launch command after --, e.g. accel-recipes launch -- accelerate launch "
+            "--config_file accelerate_configs/cpu_2proc.yaml recipes/train_template.py"
+        )
+    raise typer.Exit(run_launch(ctx.args))
 
 
 @app.command()
