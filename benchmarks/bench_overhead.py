@@ -146,14 +146,14 @@ def helper_cost_us(steps: int = 20_000, repeats: int = 5, log_every: int = 50) -
     loss.backward()  # gradients for the norm the loop measures on logging steps
     best = float("inf")
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        for _ in range(repeats):
+        for repeat in range(repeats):
             schedule = make_lr_schedule(
                 accelerator, optimizer, plan, steps_per_epoch=steps, epochs=1, lr=1e-3,
                 ref_bs=16, decay=Decay.constant,
             )  # fmt: skip
             loop = TrainLoop(
                 accelerator, plan, EmptyBatches(steps), schedule, recipe="bench", config={},
-                output_dir=out, log_every=log_every,
+                output_dir=out / f"repeat_{repeat}", log_every=log_every,
             )  # fmt: skip
             started = time.perf_counter()
             for _epoch in loop.epochs():
@@ -255,7 +255,8 @@ def main() -> None:
         f"- the recipe's helpers on top of it (recipe - bare Accelerate): {helpers_us[0]:.1f} "
         f"us/step [{helpers_us[1]:.1f}, {helpers_us[2]:.1f}]",
         "",
-        "The helpers timed directly (the loop's own calls per optimizer step, logging every 50 "
+        "The helpers timed directly (TrainLoop's calls per optimizer step, including the LR "
+        "scheduler's step that a plain loop also pays, logging every 50 "
         f"steps, to metrics.jsonl): **{helpers_direct_us:.1f} us/step** (target <= 20).",
         "",
         "Reading the tiny-model table: the plain step includes the DataLoader collating 16 rows "
