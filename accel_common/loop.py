@@ -328,9 +328,10 @@ class TrainLoop:
             )
             if found.exists()
         ]
+        if resume == "latest":  # no checkpoint yet: this run starts over (logs continue)
+            say(self.accelerator, f"--resume latest: no checkpoint in {self.output_dir}")
+            return
         if not earlier:
-            if resume == "latest":
-                say(self.accelerator, f"--resume latest: no checkpoint in {self.output_dir}")
             return
         if not overwrite:
             raise CheckpointError(

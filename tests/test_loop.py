@@ -172,6 +172,11 @@ def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
     loop.finish(model)
     with pytest.raises(CheckpointError, match=r"already holds another run .*--resume latest"):
         run()
+    # a run that died before its first save starts over under --resume latest
+    interrupted = tmp_path.parent / f"{tmp_path.name}-interrupted"
+    (interrupted / "logs").mkdir(parents=True)
+    (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
+    assert run(resume="latest", out=interrupted)[3].step == 0
     with pytest.raises(CheckpointError, match=r"another run .*hidden: unset in the checkpoint, 16"):
         run(resume="latest", config={"lr": 1e-3, "hidden": 16})
     loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
