@@ -244,7 +244,9 @@ class TrainLoop:
 
         Never saves a run whose loss went non-finite since the last logging step, so the last
         checkpoint is always one to resume from."""
-        self._require_finite(self.log.window_loss.peek(self.accelerator))
+        unlogged = self.log.window_loss.peek(self.accelerator)
+        if unlogged is not None:
+            self._require_finite(unlogged)
         self.last_saved = save_checkpoint(
             self.accelerator,
             self.output_dir,

@@ -182,7 +182,7 @@ class TrainArgs:
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,
-            data_dir=self.data or runtime.EXAMPLE_DATA_ROOT / recipe,
+            data_dir=self.data or runtime.example_data_dir(recipe),
             log_every=self.log_every,
             save_every=self.save_every,
             keep_last=self.keep_last,

@@ -206,6 +206,11 @@ def make_train_loader(
     )
 
 
+def example_data_dir(workload: str) -> Path:
+    """Where a workload's generated example lives when no --data is given."""
+    return EXAMPLE_DATA_ROOT / workload
+
+
 def resolve_data(
     accelerator: Accelerator, workload: str, data: Path | None, make_example: Callable[[Path], Any]
 ) -> Path:
@@ -214,7 +219,7 @@ def resolve_data(
         if not data.is_dir():
             raise DataError(f"--data {data}: no such folder")
         return data
-    target = EXAMPLE_DATA_ROOT / workload
+    target = example_data_dir(workload)
     with accelerator.main_process_first():
         if accelerator.is_main_process and not target.exists():
             say(accelerator, f"no --data given: writing example {workload} data to {target}")

@@ -127,11 +127,11 @@ class RunningMean:
         self.total.add_(value.detach())
         self.count += 1
 
-    def peek(self, accelerator: Accelerator) -> float:
-        """Mean over all processes since the last compute, without resetting (collective when
-        anything was added; every process adds equally often)."""
+    def peek(self, accelerator: Accelerator) -> float | None:
+        """Mean over all processes since the last compute, without resetting; None when nothing
+        was added (collective otherwise; every process adds equally often)."""
         if self.total is None:
-            return 0.0
+            return None
         return accelerator.reduce(self.total / self.count, reduction="mean").item()
 
     def compute(self, accelerator: Accelerator) -> float:
