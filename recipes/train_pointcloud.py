@@ -10,14 +10,17 @@ points only. Sampling (DDPM or DDIM) turns random points into an implant that fi
         --num-nn 3072 --width 256 --resolution 32 --timesteps 1000     # the original's size
     python recipes/train_pointcloud.py evaluate --model runs/pointcloud/model --data DIR
     python recipes/train_pointcloud.py complete --model runs/pointcloud/model \\
-        --skull defective_skull/bilateral/070.npy --out implant.npy --png view.png
+        --skull defective_skull/bilateral/070_surf.npy --out implant.npy --png view.png
 
-Data: the SkullBreak layout (train.csv / test.csv listing complete_skull/070_surf.npy; each row
-expands to the five defect types under defective_skull/<defect>/ and implant/<defect>/).
+Data: the SkullBreak layout as the original's preprocessing leaves it (train.csv / test.csv
+listing complete_skull/070_surf.npy; each row expands to the five defect types,
+defective_skull/<defect>/070_surf.npy and implant/<defect>/070_surf.npy). From the downloaded
+.nrrd volumes: `python recipes/train_pointcloud.py prepare --raw SkullBreak --out DIR`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
 from accel_common.data.files import read_path_list, require_finite
+from accel_common.data.volumes import SPACING_FILE, case_stem, prepare_skullbreak
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
@@ -75,6 +79,27 @@ def normalisation(defective: np.ndarray) -> tuple[np.ndarray, float]:
     return (low + high) / 2, float((high - low).max() / 2 / 3)
 
 
+SKULL_AND_IMPLANT = ("defective_skull", "implant")
+
+
+def point_file(root: Path, kind: str, defect: str, stem: str) -> Path:
+    """The original's `<kind>/<defect>/070_surf.npy`, or `070.npy` as this project once wrote."""
+    original = root / kind / defect / f"{stem}_surf.npy"
+    plain = original.with_name(f"{stem}.npy")
+    return plain if plain.is_file() and not original.is_file() else original
+
+
+def read_spacing(root: Path) -> dict[str, list[float]]:
+    """mm per coordinate unit per axis for each point file, as `prepare` records it."""
+    path = root / SPACING_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text())["spacing"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
+
+
 class SkullBreak(Dataset):
     """Defective skull + implant pairs of one split, five defect types per listed skull.
 
@@ -87,19 +112,25 @@ class SkullBreak(Dataset):
         self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
     ):
         csv = root / f"{split}.csv"
-        self.entries = []
-        for line, relative in read_path_list(csv, suffix=".npy"):
-            name = Path(relative).name.removesuffix(".npy").removesuffix("_surf")
+        recorded = read_spacing(root)
+        self.entries, spacings = [], []
+        for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
+            stem = case_stem(listed)
             for defect in DEFECTS:
-                pair = (
-                    root / "defective_skull" / defect / f"{name}.npy",
-                    root / "implant" / defect / f"{name}.npy",
-                )
+                pair = tuple(point_file(root, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
                 for path in pair:
                     if not path.is_file():
-                        raise DataError(f"{path}: file not found (listed by {csv}, line {line})")
+                        raise DataError(
+                            f"{path}: file not found (listed by {csv}, line {line}; "
+                            f"{stem}.npy is read too). From .nrrd volumes, make the point clouds "
+                            "with: python recipes/train_pointcloud.py prepare --raw DIR --out DIR"
+                        )
                     load_points(path, header_only=True)
                 self.entries.append(pair)
+                spacings.append(recorded.get(pair[1].relative_to(root).as_posix()))
+        # distances in mm need every implant's voxel spacing; else they stay in the files' units
+        self.unit = "mm" if all(spacings) else "units"
+        self.mm_per_unit = [np.asarray(s or (1.0, 1.0, 1.0), dtype=np.float32) for s in spacings]
         self.num_skull_points, self.num_nn = num_points - num_nn, num_nn
         self.timesteps, self.seed, self.epoch = timesteps, seed, 0
 
@@ -123,6 +154,7 @@ class SkullBreak(Dataset):
             "noise": torch.randn(self.num_nn, 3, generator=g),
             "center": torch.from_numpy(center),
             "scale": torch.tensor(scale),
+            "mm_per_unit": torch.from_numpy(self.mm_per_unit[index]),
         }
 
 
@@ -289,41 +321,39 @@ def evaluate(
     sample_steps: int,
     seed: int,
     pool: torch.Tensor,
+    unit: str,
 ) -> dict[str, float]:
-    """Chamfer distance (mm) of sampled implants to the true ones, against baselines.
+    """Chamfer distance of sampled implants to the true ones, against baselines, in `unit`.
 
-    The trivial baseline ignores the skull: points drawn from all training implants (`pool`).
-    Two stronger ones know where the true implant is: its centroid, and uniform points in its
-    bounding box.
+    Distances are in mm when the data records its voxel spacing (`unit` "mm"), else in the
+    point files' own units. The trivial baseline ignores the skull: points drawn from all
+    training implants (`pool`). Two stronger ones know where the true implant is: its centroid,
+    and uniform points in its bounding box.
     """
     model.eval()
     generator = torch.Generator().manual_seed(seed + accelerator.process_index)
     scores = []
     for batch in loader:
-        skull, implant, scale = batch["skull"], batch["implant"], batch["scale"]
+        skull, implant = batch["skull"], batch["implant"]
         generated = diffusion.sample(model, skull, implant.shape[1], sample_steps, generator)
-        to_mm = scale[:, None, None]
-        true_mm, generated_mm = implant * to_mm, generated * to_mm
-        low, high = true_mm.min(dim=1, keepdim=True).values, true_mm.max(dim=1, keepdim=True).values
-        box = low + (high - low) * torch.rand(true_mm.shape, generator=generator).to(low.device)
-        centroid = true_mm.mean(dim=1, keepdim=True).expand_as(true_mm)
-        drawn = torch.randint(len(pool), true_mm.shape[:2], generator=generator)
-        skull_agnostic = pool[drawn].to(true_mm.device) * to_mm
+        to_unit = batch["scale"][:, None, None] * batch["mm_per_unit"][:, None, :]
+        true, generated = implant * to_unit, generated * to_unit
+        low, high = true.min(dim=1, keepdim=True).values, true.max(dim=1, keepdim=True).values
+        box = low + (high - low) * torch.rand(true.shape, generator=generator).to(low.device)
+        centroid = true.mean(dim=1, keepdim=True).expand_as(true)
+        drawn = torch.randint(len(pool), true.shape[:2], generator=generator)
+        skull_agnostic = pool[drawn].to(true.device) * to_unit
         baselines = (skull_agnostic, centroid, box)
         per_sample = torch.stack(
-            [chamfer(generated_mm, true_mm), *(chamfer(b, true_mm) for b in baselines)], 1
+            [chamfer(generated, true), *(chamfer(b, true) for b in baselines)], 1
         )
         scores.append(accelerator.gather_for_metrics(per_sample))
     model.train()
     scores = torch.cat(scores)
+    names = ("chamfer", "baseline_skull_agnostic", "oracle_centroid", "oracle_bbox")
     mean = scores.mean(dim=0).tolist()
-    return {
-        "chamfer_mm": mean[0],
-        "baseline_skull_agnostic_mm": mean[1],
-        "oracle_centroid_mm": mean[2],
-        "oracle_bbox_mm": mean[3],
-        "n": len(scores),
-    }
+    metrics = {f"{name}_{unit}": value for name, value in zip(names, mean, strict=True)}
+    return metrics | {"n": len(scores)}
 
 
 # --------------------------------------------------------------------------- training
@@ -373,6 +403,11 @@ def train(
     train_set = SkullBreak(data_dir, "train", **sizes, seed=args.seed)
     test_set = SkullBreak(data_dir, "test", **sizes, seed=args.seed + 1)
     pool = implant_pool(train_set)
+    if test_set.unit != "mm":
+        accelerator.print(
+            f"note: {data_dir / SPACING_FILE} does not give every implant's voxel spacing, so "
+            "distances are in the point files' units, not mm (prepare records it)"
+        )
 
     model = PointVoxelDenoiser(width, depth, resolution)
     ema = (
@@ -403,7 +438,8 @@ def train(
 
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
-        return evaluate(accelerator, scored, test_loader, diffusion, sample_steps, args.seed, pool)
+        steps, unit = sample_steps, test_set.unit
+        return evaluate(accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit)
 
     for epoch in loop.epochs():
         for batch in loop.batches():
@@ -455,7 +491,8 @@ def evaluate_export(
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(config["timesteps"], accelerator.device)
     steps = sample_steps or config["sample_steps"]
-    print(format_metrics(evaluate(accelerator, model, loader, diffusion, steps, seed, pool)))
+    metrics = evaluate(accelerator, model, loader, diffusion, steps, seed, pool, dataset.unit)
+    print(format_metrics(metrics))
 
 
 def complete(
@@ -492,5 +529,29 @@ def complete(
         print(f"wrote {png}")
 
 
+def prepare(
+    raw: Path = typer.Option(
+        ..., help="SkullBreak folder of .nrrd volumes: complete_skull/, defective_skull/, implant/."
+    ),
+    out: Path = typer.Option(
+        None, help="Where to write the point clouds, same layout (default: beside the volumes)."
+    ),
+    points: int = typer.Option(400_000, min=1, help="Surface points per volume (original's)."),
+    workers: int = typer.Option(1, min=1, help="Volumes prepared in parallel (processes)."),
+    overwrite: bool = typer.Option(False, help="Redo point clouds that already exist."),
+) -> None:
+    """Make the training layout from downloaded SkullBreak volumes, as the original's preprocessing.
+
+    Marching cubes on each volume, then surface points, written as <stem>_surf.npy in voxel
+    units, with each file's voxel spacing in voxel_spacing.json (so distances can be reported in
+    mm) and train.csv / test.csv (kept from --raw if it has them, else the original's split).
+    Resumable: finished files are checked and skipped. Run it on a folder the original already
+    preprocessed to add the spacing alone.
+    """
+    out = out or raw
+    counts = prepare_skullbreak(raw, out, points=points, workers=workers, overwrite=overwrite)
+    print(f"{out}: {counts['written']} point clouds written, {counts['skipped']} already there")
+
+
 if __name__ == "__main__":
-    run_recipe(train, evaluate=evaluate_export, complete=complete)
+    run_recipe(train, evaluate=evaluate_export, complete=complete, prepare=prepare)

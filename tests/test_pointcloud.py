@@ -40,8 +40,8 @@ def test_generated_data_follows_the_skullbreak_layout(pointcloud_data):
     assert len(rows) == 24 and rows[0] == "complete_skull/000_surf.npy"
     complete = np.load(pointcloud_data / rows[0])
     for defect in DEFECTS:
-        defective = np.load(pointcloud_data / "defective_skull" / defect / "000.npy")
-        implant = np.load(pointcloud_data / "implant" / defect / "000.npy")
+        defective = np.load(pointcloud_data / "defective_skull" / defect / "000_surf.npy")
+        implant = np.load(pointcloud_data / "implant" / defect / "000_surf.npy")
         assert defective.shape[1] == implant.shape[1] == 3
         assert len(implant) > 50 and len(defective) + len(implant) == len(complete)
         together = np.concatenate([defective, implant])
@@ -78,7 +78,7 @@ def test_two_processes_see_the_same_noise_and_end_with_the_same_parameters(
 
 @pytest.mark.slow
 def test_complete_writes_an_implant_and_a_picture(one_process, pointcloud_data, tmp_path):
-    skull = pointcloud_data / "defective_skull" / "bilateral" / "025.npy"
+    skull = pointcloud_data / "defective_skull" / "bilateral" / "025_surf.npy"
     out, png = tmp_path / "implant.npy", tmp_path / "view.png"
     args = ["complete", "--model", str(one_process / "model"), "--skull", str(skull)]
     args += ["--out", str(out), "--png", str(png), "--sample-steps", "5"]
@@ -108,23 +108,23 @@ def broken_data(tmp_path, pointcloud_data):
 
 
 def break_missing_implant(folder):
-    (folder / "implant" / "random_2" / "003.npy").unlink()
-    return "implant/random_2/003.npy: file not found (listed by", "train.csv, line 4"
+    (folder / "implant" / "random_2" / "003_surf.npy").unlink()
+    return "implant/random_2/003_surf.npy: file not found (listed by", "train.csv, line 4"
 
 
 def break_shape(folder):
-    np.save(folder / "defective_skull" / "bilateral" / "000.npy", np.zeros((10, 2)))
-    return "bilateral/000.npy: expected an M x 3 point cloud, got shape (10, 2)", ""
+    np.save(folder / "defective_skull" / "bilateral" / "000_surf.npy", np.zeros((10, 2)))
+    return "bilateral/000_surf.npy: expected an M x 3 point cloud, got shape (10, 2)", ""
 
 
 def break_empty_split(folder):
     (folder / "test.csv").write_text("path\n")
-    return "test.csv: lists no .npy files", ""
+    return "test.csv: lists no .npy or .nrrd files", ""
 
 
 def break_not_npy(folder):
     (folder / "train.csv").write_text("complete_skull/000_surf.npy\ncomplete_skull/001.txt\n")
-    return "train.csv, line 2: 'complete_skull/001.txt' is not a .npy path", ""
+    return "train.csv, line 2: 'complete_skull/001.txt' is not a .npy or .nrrd path", ""
 
 
 @pytest.mark.parametrize(

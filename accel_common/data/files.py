@@ -34,23 +34,24 @@ def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[s
     return rows
 
 
-def read_path_list(csv: Path, suffix: str) -> list[tuple[int, str]]:
+def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]]:
     """(line number, path) for each line of a CSV that lists one file per line (SkullBreak style).
 
-    A first line that does not end in `suffix` is taken as a header and skipped.
+    A first line that does not end in one of `suffixes` is taken as a header and skipped.
     """
     if not csv.is_file():
         raise DataError(f"{csv}: file not found")
     rows = []
+    wanted = " or ".join(suffixes)
     for line, text in enumerate(csv.read_text().splitlines(), start=1):
-        entry = text.split(",")[0].strip()
-        if not entry or (line == 1 and not entry.endswith(suffix)):
+        entry = text.split(",")[0].strip().strip('"')
+        if not entry or (line == 1 and not entry.endswith(suffixes)):
             continue
-        if not entry.endswith(suffix):
-            raise DataError(f"{csv}, line {line}: '{entry}' is not a {suffix} path")
+        if not entry.endswith(suffixes):
+            raise DataError(f"{csv}, line {line}: '{entry}' is not a {wanted} path")
         rows.append((line, entry))
     if not rows:
-        raise DataError(f"{csv}: lists no {suffix} files (an empty split cannot be used)")
+        raise DataError(f"{csv}: lists no {wanted} files (an empty split cannot be used)")
     return rows
 
 

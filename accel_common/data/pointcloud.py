@@ -4,8 +4,9 @@ Layout (as the original data set):
 
     train.csv, test.csv                      one row per skull: complete_skull/070_surf.npy
     complete_skull/070_surf.npy              M x 3 surface points of the whole skull
-    defective_skull/<defect>/070.npy         the skull with a cap-shaped piece cut out
-    implant/<defect>/070.npy                 the piece that was cut out (the target)
+    defective_skull/<defect>/070_surf.npy    the skull with a cap-shaped piece cut out
+    implant/<defect>/070_surf.npy            the piece that was cut out (the target)
+    voxel_spacing.json                       mm per coordinate unit of each file (1: already mm)
 
 for the five defect types. Skulls are upper halves of bumpy ellipsoids of skull size (mm); each
 defect removes the cap of surface points within an angle of a direction typical for its type, so
@@ -14,6 +15,7 @@ the implant is fully determined by the hole: a real, learnable ground truth.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -83,15 +85,20 @@ def write_dataset(
     ):
         (out_dir / sub).mkdir(parents=True, exist_ok=True)
     ids = [f"{i:03d}" for i in range(train_skulls + test_skulls)]
+    spacing = {f"complete_skull/{skull_id}_surf.npy": [1.0, 1.0, 1.0] for skull_id in ids}
     for skull_id in ids:
         skull = skull_surface(rng, points_per_skull)
         np.save(out_dir / "complete_skull" / f"{skull_id}_surf.npy", skull)
         for defect in DEFECTS:
             angle = rng.uniform(22.0, 32.0)
             defective, implant = cut_defect(skull, defect_direction(rng, defect), angle)
-            np.save(out_dir / "defective_skull" / defect / f"{skull_id}.npy", defective)
-            np.save(out_dir / "implant" / defect / f"{skull_id}.npy", implant)
+            for kind, points in (("defective_skull", defective), ("implant", implant)):
+                relative = f"{kind}/{defect}/{skull_id}_surf.npy"
+                np.save(out_dir / relative, points)
+                spacing[relative] = [1.0, 1.0, 1.0]
     for split, chosen in (("train", ids[:train_skulls]), ("test", ids[train_skulls:])):
         rows = "".join(f"complete_skull/{skull_id}_surf.npy\n" for skull_id in chosen)
         (out_dir / f"{split}.csv").write_text(rows)
+    document = {"unit": "mm per point-coordinate unit, per axis", "spacing": spacing}
+    (out_dir / "voxel_spacing.json").write_text(json.dumps(document, indent=1, sort_keys=True))
     return out_dir
