@@ -6,6 +6,7 @@ them one at a time; `accel_common.options.TrainArgs` maps the shared recipe flag
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import tempfile
@@ -239,7 +240,7 @@ def run_recipe(train: Callable[..., Any], **subcommands: Callable[..., Any]) -> 
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     chosen = subcommands[name] if name else train
     if name is None and subcommands:
-        doc = (train.__doc__ or "").strip()
+        doc = inspect.cleandoc(train.__doc__ or "")  # dedented: the appended line has no indent
         train.__doc__ = (
             doc
             + "\n\nOther commands: "

@@ -13,14 +13,20 @@ eta_k near 1 is a careful annotator, 0.5 a coin-flipper, below 0.5 one who answe
         --data DIR --backbone efficientnet_b3 --image-size 300 --batch-size 32
     python recipes/train_quality.py score --model runs/quality/model --images DIR --out scores.csv
 
-Data: DIR/images/* and DIR/annotations/*.json, each a list of {"img1", "img2", "choice":
-"left" | "right" | "draw", "annotator"} records.
+Data: the original project's folder as it is, one folder per annotator (its S3 prefix
+quack_v2_data_user_logs/ synced to disk), images under --image-dir (default DIR/images):
+
+    DIR/<annotator>/comparison_data.json    {"comparisons": [{"img1", "img2", "choice", ...}]}
+    python recipes/train_quality.py --data quack_v2_data_user_logs --image-dir data/iter_0
+
+choice: left | right | draw | tie | equal, any case; img1/img2: paths relative to --image-dir
+(iter_0/x.png works). DIR/annotations/<annotator>.json holding a bare list of records is read too.
+Optional DIR/truth.json (synthetic data): true quality and reliabilities, for extra metrics.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -35,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from accel_common.checkpoint import load_exported, read_recipe_export, read_state_dict
+from accel_common.console import say
 from accel_common.data import quality as quality_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
@@ -42,7 +49,6 @@ from accel_common.options import TrainArgs, train_options
 from accel_common.runtime import resolve_data, run_recipe
 
 RECIPE = "quality"
-CHOICES = {"left": 1, "right": -1, "draw": 0}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
@@ -58,54 +64,6 @@ def load_image(path: Path, size: int) -> torch.Tensor:
         raise DataError(f"{path}: not a readable image ({err})") from None
     tensor = torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8)
     return tensor.view(size, size, 3).permute(2, 0, 1).float() / 127.5 - 1.0
-
-
-def read_comparisons(data_dir: Path) -> tuple[list[tuple[str, str, int, str]], list[str]]:
-    """All (img1, img2, choice, annotator) records; errors name the file and record."""
-    folder = data_dir / "annotations"
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    if not files:
-        raise DataError(f"{folder}: no annotation .json files")
-    records = []
-    for path in files:
-        try:
-            entries = json.loads(path.read_text())
-        except ValueError as err:
-            raise DataError(f"{path}: not valid JSON ({err})") from None
-        if not isinstance(entries, list):
-            raise DataError(f"{path}: expected a list of comparison records")
-        for index, entry in enumerate(entries):
-            where = f"{path}, record {index}"
-            if not isinstance(entry, dict) or not {"img1", "img2", "choice"} <= entry.keys():
-                raise DataError(f"{where}: needs img1, img2 and choice")
-            if entry["choice"] not in CHOICES:
-                raise DataError(f"{where}: choice is {entry['choice']!r}, not left|right|draw")
-            for key in ("img1", "img2"):
-                if not (data_dir / "images" / entry[key]).is_file():
-                    raise DataError(f"{where}: image {data_dir / 'images' / entry[key]} not found")
-            annotator = str(entry.get("annotator", path.stem))
-            records.append((entry["img1"], entry["img2"], CHOICES[entry["choice"]], annotator))
-    return records, sorted({r[3] for r in records})
-
-
-def read_truth(path: Path, names: list[str], annotators: list[str]) -> dict | None:
-    """The optional truth.json ({"quality": {image: q}, "reliability": {annotator: eta}}) that
-    generated data carries, checked up front: every image and annotator, finite numbers."""
-    if not path.is_file():
-        return None
-    try:
-        truth = json.loads(path.read_text())
-    except ValueError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from None
-    for key, expected in (("quality", names), ("reliability", annotators)):
-        table = truth.get(key) if isinstance(truth, dict) else None
-        if not isinstance(table, dict):
-            raise DataError(f"{path}: needs a {key!r} object")
-        for name in expected:
-            value = table.get(name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise DataError(f"{path}: {key}[{name!r}] is {value!r}, not a finite number")
-    return truth
 
 
 def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
@@ -250,14 +208,20 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-def load_images(folder: Path, size: int) -> tuple[list[str], torch.Tensor]:
-    """Every image of a folder, sorted by name, as one (N, 3, size, size) tensor."""
+def list_images(folder: Path) -> list[str]:
+    """The images under a folder and its subfolders, as sorted relative paths (iter_0/x.png)."""
     if not folder.is_dir():
         raise DataError(f"{folder}: no such folder")
-    names = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    paths = (p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    names = sorted(p.relative_to(folder).as_posix() for p in paths)
     if not names:
         raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
-    return names, torch.stack([load_image(folder / name, size) for name in names])
+    return names
+
+
+def load_images(folder: Path, names: list[str], size: int) -> torch.Tensor:
+    """The named images (paths relative to `folder`) as one (N, 3, size, size) tensor."""
+    return torch.stack([load_image(folder / name, size) for name in names])
 
 
 @train_options(
@@ -296,19 +260,46 @@ def train(
     held_out: float = typer.Option(
         0.15, min=0.01, max=0.9, help="Share of comparisons held out for evaluation."
     ),
+    image_dir: Path = typer.Option(
+        None,
+        help="Folder the records' img1/img2 names are relative to (the original's --image-dir, "
+        "e.g. data/iter_0). Default: DATA/images.",
+    ),
+    skip_missing_images: bool = typer.Option(
+        False,
+        help="Drop records naming images that are not under --image-dir, as the original did "
+        "silently, instead of stopping with a list of them.",
+    ),
 ) -> dict[str, float]:
-    """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example)."""
+    """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example).
+
+    --data takes the original project's folder as it is: DATA/<annotator>/comparison_data.json
+    (its quack_v2_data_user_logs/, synced from S3), or DATA/annotations/<annotator>.json; the
+    images are under --image-dir. See docs/recipes/quality.md."""
     if reliability not in ("full", "global", "fixed"):
         raise ConfigError(f"--reliability {reliability}: choose full, global or fixed")
     if not 0.5 <= fixed_eta <= 1:
         raise ConfigError(f"--fixed-eta must be in [0.5, 1], got {fixed_eta}")
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, quality_data.write_dataset)
-    records, annotators = read_comparisons(data_dir)
-    names, images = load_images(data_dir / "images", image_size)
+    image_dir = image_dir or data_dir / "images"
+    data = quality_data.read_comparisons(
+        data_dir, image_dir, skip_missing_images=skip_missing_images
+    )
+    records, annotators, names = data.records, data.annotators, data.images
+    truth = quality_data.read_truth(data_dir / "truth.json", names, annotators)
+    draws = sum(r[2] == 0 for r in records)
+    found = f"{len(records)} comparisons ({draws} draws) by {len(annotators)} annotators"
+    say(accelerator, f"read {found} of {len(names)} images in {image_dir} ({data.layout})")
+    if data.dropped:
+        dropped = f"{data.dropped} records naming images that are not under {image_dir}"
+        say(accelerator, f"--skip-missing-images: dropped {dropped}")
+    if truth is None:
+        skipped = "the rank correlations with true quality and eta_corr are skipped"
+        say(accelerator, f"no truth.json in {data_dir} (real data): {skipped}")
+    images = load_images(image_dir, names, image_size)
     index = {name: i for i, name in enumerate(names)}
     train_records, held_records = split_comparisons(records, held_out, args.seed)
-    truth = read_truth(data_dir / "truth.json", names, annotators)
 
     model = build_scorer(backbone, len(annotators), dropout, pretrained, weights)
     network = [p for name, p in model.named_parameters() if name != "annotator_logits"]
@@ -384,7 +375,7 @@ def score_folder(
     model_dir: Path = typer.Option(
         Path("runs/quality/model"), "--model", help="Exported model folder (train's output)."
     ),
-    images: Path = typer.Option(..., help="Folder of images to rate."),
+    images: Path = typer.Option(..., help="Folder of images to rate (subfolders too)."),
     out: Path = typer.Option(..., help="CSV to write: image,score (higher is better)."),
 ) -> None:
     """Rate every image in a folder with an exported model, on one device, best first."""
@@ -393,7 +384,8 @@ def score_folder(
     config = read_recipe_export(model_dir, RECIPE)
     model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
     load_exported(model_dir, model)
-    names, batch = load_images(images, config["image_size"])
+    names = list_images(images)
+    batch = load_images(images, names, config["image_size"])
     with torch.no_grad():
         scores = model.eval()(batch).tolist()
     ranked = sorted(zip(names, scores, strict=True), key=lambda row: -row[1])

@@ -12,8 +12,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from accel_common.data.files import read_numeric_csv
+from accel_common.data.quality import read_truth
 from accel_common.errors import DataError, one_line
-from tests.conftest import POINTCLOUD, QUALITY, TEMPLATE
+from tests.conftest import POINTCLOUD, TEMPLATE
 
 
 def load(path):
@@ -46,7 +47,6 @@ def test_point_cloud_with_nan_or_not_npy_at_all_is_refused(tmp_path):
 
 
 def test_quality_truth_with_a_missing_or_nan_entry_is_refused(tmp_path):
-    read_truth = load(QUALITY).read_truth
     path = tmp_path / "truth.json"
     path.write_text(json.dumps({"quality": {"a.png": 1.0, "b.png": math.nan}, "reliability": {}}))
     with pytest.raises(DataError, match=r"quality\['b.png'\] is nan, not a finite number"):

@@ -1,23 +1,45 @@
-"""Synthetic pairwise image-quality data for the Crowd-BT recipe, in the original's layout.
+"""Pairwise image-quality data for the Crowd-BT recipe: the reader of the original's layout (and
+of this project's earlier one) and a synthetic generator that writes the original's layout.
 
-    images/img_000.png ...                  textured scenes, each degraded by a known amount
-    annotations/<annotator>.json            [{img1, img2, choice: left|right|draw, annotator}]
-    truth.json                              true quality per image, true reliability per annotator
+The original project (hituldesai03/crowd-bt, data_loader.py) keeps one folder per annotator,
+synced from S3 (`quack_v2_data_user_logs/<annotator>/comparison_data.json`), and the images in a
+separate folder (its --image-dir, e.g. data/iter_0) that the names in the records are relative
+to:
 
-Quality is 1 - degradation, where degradation mixes blur, noise and JPEG compression. Annotators
-answer correctly with their reliability eta: experts near 1, a casual one at 0.75, a spammer at
-0.5 (coin flips) and an adversarial one at 0.1 (systematically reversed). Near-equal pairs are
-often called a draw.
+    <root>/<annotator>/comparison_data.json   {"comparisons": [{img1, img2, choice, timestamp,
+                                                time_taken, batch_number, ...}, ...]}
+    <root>/images/...                         the default image folder (--image-dir)
+    <root>/truth.json                         optional, synthetic data only: true quality per
+                                              image, true reliability per annotator
+
+The annotator is the folder's name. A choice is left, right or a draw written draw, tie or equal,
+in any case. This project's earlier layout, `<root>/annotations/<annotator>.json` holding a bare
+list of records (annotator: the record's "annotator" or the file's name), is read too.
+
+The generator's images are degraded by a known amount (quality = 1 - degradation, mixing blur,
+noise and JPEG compression). Annotators answer correctly with their reliability eta: experts near
+1, a casual one at 0.75, a spammer at 0.5 (coin flips) and an adversarial one at 0.1
+(systematically reversed). Near-equal pairs are often called a draw.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFilter
+
+from accel_common.errors import DataError
+
+ORIGINAL_FILE = "comparison_data.json"
+# the original's choice words (create_user_choice_training_data.py: lower-cased and stripped)
+CHOICES = {"left": 1, "right": -1, "draw": 0, "tie": 0, "equal": 0}
+SHOWN = 5  # missing images named in the error, before "..."
 
 ANNOTATORS = {
     "expert_a": 0.95,
@@ -28,6 +50,141 @@ ANNOTATORS = {
     "adversarial": 0.1,
 }
 DRAW_GAP = 0.04  # pairs closer than this in quality are usually called a draw
+BATCH_SIZE = 50  # comparisons per annotation batch (the records' batch_number)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Comparisons:
+    """Every vote as (img1, img2, choice in {1, -1, 0}, annotator), and what they name."""
+
+    records: list[tuple[str, str, int, str]]
+    annotators: list[str]
+    images: list[str]  # relative to the image folder, sorted
+    layout: str  # how the folder was read, for the run's log
+    dropped: int  # records dropped by skip_missing_images
+
+
+def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
+    """The layout found in `root` and its files, each with its annotator (None: per record)."""
+    folders = sorted(p for p in root.iterdir() if (p / ORIGINAL_FILE).is_file())
+    flat = root / "annotations"
+    flat_files = sorted(flat.glob("*.json")) if flat.is_dir() else []
+    if folders and flat_files:
+        raise DataError(
+            f"{root}: holds both <annotator>/{ORIGINAL_FILE} folders and annotations/*.json; "
+            "keep one layout (move the other out)"
+        )
+    if folders:
+        return f"<annotator>/{ORIGINAL_FILE}", [(p / ORIGINAL_FILE, p.name) for p in folders]
+    if flat_files:
+        return "annotations/<annotator>.json", [(p, None) for p in flat_files]
+    raise DataError(
+        f"{root}: no comparisons: expected <annotator>/{ORIGINAL_FILE} folders (the original "
+        "project's layout) or annotations/<annotator>.json files"
+    )
+
+
+def read_entries(path: Path) -> list:
+    """A file's records: {"comparisons": [...]} as the original writes it, or a bare list."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("comparisons"), list):
+        return data["comparisons"]
+    if isinstance(data, list):
+        return data
+    raise DataError(f'{path}: expected {{"comparisons": [...]}} or a list of comparison records')
+
+
+def parse_choice(value: object, where: str) -> int:
+    """1 (left wins), -1 (right wins) or 0 (draw), from the original's words in any case."""
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word not in CHOICES:
+        raise DataError(
+            f"{where}: choice is {value!r}, not left|right|draw|tie|equal (any case); "
+            "fix or remove the record"
+        )
+    return CHOICES[word]
+
+
+def read_comparisons(
+    root: Path, image_dir: Path, *, skip_missing_images: bool = False
+) -> Comparisons:
+    """Every record of `root`, checked before any training: fields, choices, and that the images
+    it names exist under `image_dir` (names are relative paths, e.g. iter_0/x.png). Records
+    naming a missing image are refused with their count and the first names, or dropped."""
+    if not image_dir.is_dir():
+        raise DataError(f"{image_dir}: no such image folder; point --image-dir at the images")
+    layout, files = annotation_files(root)
+    records, missing_at = [], []
+    found: dict[str, bool] = {}
+    for path, annotator in files:
+        for index, entry in enumerate(read_entries(path)):
+            where = f"{path}, record {index}"
+            if not isinstance(entry, dict) or not {"img1", "img2", "choice"} <= entry.keys():
+                raise DataError(f"{where}: needs img1, img2 and choice")
+            pair = entry["img1"], entry["img2"]
+            if not all(isinstance(name, str) and name for name in pair):
+                raise DataError(f"{where}: img1 and img2 must be image names, got {pair!r}")
+            choice = parse_choice(entry["choice"], where)
+            for name in pair:
+                if name not in found:  # each name stats the disk once, not once per record
+                    found[name] = (image_dir / name).is_file()
+            if not all(found[name] for name in pair):
+                missing_at.append(where)
+                continue
+            who = annotator if annotator is not None else str(entry.get("annotator", path.stem))
+            records.append((*pair, choice, who))
+    if missing_at and not skip_missing_images:
+        names = [n for n, ok in found.items() if not ok]  # in the order first met
+        shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+        raise DataError(
+            f"{image_dir}: {len(missing_at)} of {len(records) + len(missing_at)} comparison "
+            f"records name images that are not there ({len(names)} distinct: {shown}; first in "
+            f"{missing_at[0]}). Point --image-dir at the folder these names are relative to, "
+            "or pass --skip-missing-images to drop those records (the original dropped them "
+            "silently)"
+        )
+    if not records:
+        raise DataError(f"{root}: no comparison records left to train on ({layout})")
+    return Comparisons(
+        records=records,
+        annotators=sorted({r[3] for r in records}),
+        images=sorted({name for r in records for name in r[:2]}),
+        layout=layout,
+        dropped=len(missing_at),
+    )
+
+
+def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | None:
+    """The optional truth.json ({"quality": {image: q}, "reliability": {annotator: eta}}) that
+    synthetic data carries, checked up front: every image and annotator, finite numbers. Real
+    data has none (the original has no such file)."""
+    if not path.is_file():
+        return None
+    try:
+        truth = json.loads(path.read_text())
+    except ValueError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+    fix = "fix it, or remove it to train without the metrics that need true values"
+    for key, expected in (("quality", images), ("reliability", annotators)):
+        table = truth.get(key) if isinstance(truth, dict) else None
+        if not isinstance(table, dict):
+            raise DataError(f"{path}: needs a {key!r} object; {fix}")
+        for name in expected:
+            if name not in table:
+                raise DataError(f"{path}: {key} has no entry {name!r}; {fix}")
+            value = table[name]
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataError(f"{path}: {key}[{name!r}] is {value!r}, not a finite number; {fix}")
+    return truth
+
+
+# --------------------------------------------------------------------------- generating
 
 
 def scene(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -64,10 +221,12 @@ def write_dataset(
     size: int = 32,
     seed: int = 0,
 ) -> Path:
+    """Images, one <annotator>/comparison_data.json per annotator as the original writes them
+    (with its timestamp, time_taken and batch_number; draws as tie or equal), and truth.json."""
     out_dir = Path(out_dir)
     rng = np.random.default_rng(seed)
+    clock_rng = np.random.default_rng([seed, 1])  # record metadata: the votes stay seed-stable
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    (out_dir / "annotations").mkdir(exist_ok=True)
     names, quality = [], {}
     for index in range(images):
         name = f"img_{index:03d}.png"
@@ -76,19 +235,31 @@ def write_dataset(
         names.append(name)
         quality[name] = 1.0 - amount
     for annotator, eta in ANNOTATORS.items():
+        clock = datetime(2024, 1, 8, 9, 0, tzinfo=timezone.utc)
         records = []
-        for _ in range(comparisons_per_annotator):
+        for number in range(comparisons_per_annotator):
             i, j = rng.choice(len(names), size=2, replace=False)
             left_better = quality[names[i]] > quality[names[j]]
             if abs(quality[names[i]] - quality[names[j]]) < DRAW_GAP and rng.uniform() < 0.7:
-                choice = "draw"
+                choice = str(clock_rng.choice(["tie", "equal"]))
             else:
                 correct = rng.uniform() < eta
                 choice = "left" if left_better == correct else "right"
+            time_taken = round(float(clock_rng.gamma(2.0, 1.5)) + 0.5, 2)
+            clock += timedelta(seconds=time_taken + 0.3)
             records.append(
-                {"img1": names[i], "img2": names[j], "choice": choice, "annotator": annotator}
+                {
+                    "img1": names[i],
+                    "img2": names[j],
+                    "choice": choice,
+                    "timestamp": clock.isoformat(),
+                    "time_taken": time_taken,
+                    "batch_number": number // BATCH_SIZE + 1,
+                }
             )
-        (out_dir / "annotations" / f"{annotator}.json").write_text(json.dumps(records, indent=1))
+        (out_dir / annotator).mkdir(exist_ok=True)
+        comparisons = json.dumps({"comparisons": records}, indent=1)
+        (out_dir / annotator / ORIGINAL_FILE).write_text(comparisons)
     truth = {"quality": quality, "reliability": ANNOTATORS}
     (out_dir / "truth.json").write_text(json.dumps(truth, indent=1))
     return out_dir
