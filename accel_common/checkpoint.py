@@ -84,6 +84,7 @@ class TrainProgress:
     step: int = 0
     epoch: int = 0
     samples_in_epoch: int = 0
+    skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped after an overflow
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""

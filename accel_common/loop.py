@@ -220,8 +220,15 @@ class TrainLoop:
             return False  # mid-accumulation: no optimizer step happened
         self.scheduler.step()
         self.progress.step += 1
+        fp16 = self.accelerator.scaler is not None
+        if fp16 and self.accelerator.optimizer_step_was_skipped:
+            self.progress.skipped_steps += 1  # inf/NaN gradients: the scaler halved its scale
         logged = self.log.step(self.progress.step, self.scheduler, self._grad_norm)
         self._grad_norm = None
+        if logged is not None and fp16:
+            self.accelerator.log(
+                {"train/skipped_steps": self.progress.skipped_steps}, step=self.step
+            )
         if logged is not None:
             self._require_finite(logged)  # every process sees the same reduced value
         if self.save_every and self.progress.step % self.save_every == 0 and not self.done:
@@ -265,6 +272,8 @@ class TrainLoop:
         """
         self.log.close()
         self.metrics["train_seconds"] = self.train_seconds
+        if self.accelerator.scaler is not None:
+            self.metrics["skipped_steps"] = self.progress.skipped_steps
         if not all_finite(self.accelerator, model):
             self._diverged("the weights contain NaN or infinite values")
         self.save()

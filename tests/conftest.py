@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
 POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
 QUALITY = REPO / "recipes" / "train_quality.py"
+CAPTIONING = REPO / "recipes" / "train_captioning.py"
+CAPTIONING_TINY = ["--dim", "32", "--depth", "1", "--decoder-depth", "1"]
 # a point-cloud model small enough for many short runs in the tests
 POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
 POINTCLOUD_TINY += ["--resolution", "8"]
@@ -118,6 +120,14 @@ def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.pointcloud import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("pointcloud-data"))
+
+
+@pytest.fixture(scope="session")
+def captioning_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example captions (imagefolder layout): 800 training and 100 test images."""
+    from accel_common.data.captioning import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("captioning-data"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import pytest
 
 from accel_common.checkpoint import list_checkpoints
 from tests.conftest import (
+    CAPTIONING,
+    CAPTIONING_TINY,
     POINTCLOUD,
     POINTCLOUD_TINY,
     QUALITY,
@@ -33,11 +35,15 @@ CASES = {
     # 63 steps per epoch (2040 training comparisons, --batch-size 32), cut to 84 steps: killed 7
     # steps into the second epoch; dropout stays on, so the restored RNG state is tested too
     "quality": (QUALITY, "quality_data", 70, 84, ["--epochs", "2", "--max-steps", "84"]),
+    # 50 micro-batches of 16 per epoch (800 images), 4 per optimizer step, so windows run across
+    # epoch ends: 37 steps in 3 epochs, killed 3 steps into the second epoch
+    "captioning": (CAPTIONING, "captioning_data", 15, 37, ["--epochs", "3"]),
 }
 SMALL = {
     "template": ["--hidden", "256", "--depth", "3"],
     "pointcloud": POINTCLOUD_TINY,
     "quality": [],
+    "captioning": CAPTIONING_TINY,
 }
 
 

@@ -93,6 +93,10 @@ CASES = (
         "quality", "default (test_efficientnet_gn, 32 px)", "quality",
         REPO / "recipes" / "train_quality.py", 32, 150, 15,
     ),
+    Case(
+        "captioning", "default (dim 64, 2 + 2 blocks, 32 px, 4 accumulation steps)", "captioning",
+        REPO / "recipes" / "train_captioning.py", 16, 60, 6,
+    ),
 )  # fmt: skip
 # the point-cloud recipe's own target; every recipe must also reach the reference's ratio
 MIN_RATIO = {"pointcloud": 1.8}

@@ -19,6 +19,7 @@ GENERATORS: dict[str, str] = {
     "template": "accel_common.data.template:write_dataset",
     "pointcloud": "accel_common.data.pointcloud:write_dataset",
     "quality": "accel_common.data.quality:write_dataset",
+    "captioning": "accel_common.data.captioning:write_dataset",
 }
 
 

@@ -1,0 +1,242 @@
+"""The captioning recipe: three readers, learning in bf16, exact token means over processes, fp16's
+loss scaler through the loop, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from accel_common.checkpoint import list_checkpoints
+from accel_common.data.captioning import read_split, write_dataset
+from accel_common.errors import DataError
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, make_lr_schedule
+from accel_common.runtime import make_accelerator, make_train_loader
+from accel_common.tools.bench import load_recipe
+from tests.conftest import (
+    CAPTIONING,
+    CAPTIONING_TINY,
+    exported_params,
+    max_relative_difference,
+    metrics_log,
+    run_recipe,
+)
+
+
+@pytest.fixture(scope="module")
+def trained(captioning_data, tmp_path_factory) -> Path:
+    """The example at its defaults, in bf16 on the CPU (about 20 s on 2 cores)."""
+    tmp = tmp_path_factory.mktemp("caption-run")
+    args = ["--data", str(captioning_data), "--output-dir", str(tmp / "run")]
+    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp, script=CAPTIONING, threads=2)
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_bf16_on_the_cpu_learns_captions_from_pixels(trained):
+    metrics = json.loads((trained / "model" / "model.json").read_text())["metrics"]
+    assert metrics["n"] == 100
+    assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.5, metrics
+    assert metrics["cross_entropy"] < 0.3 * metrics["baseline_uniform_cross_entropy"], metrics
+    assert metrics["exact_caption_share"] > 0.5, metrics
+    assert metrics_log(trained)[0]["config"]["mixed_precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_caption_command_writes_one_line_per_image(trained, captioning_data, tmp_path):
+    out = tmp_path / "captions.tsv"
+    args = ["caption", "--model", str(trained / "model"), "--images", str(captioning_data / "test")]
+    run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING)
+    written = dict(line.split("\t") for line in out.read_text().splitlines())
+    truth = dict(read_split(captioning_data, "test")[1])
+    assert written.keys() == truth.keys()
+    assert sum(written[name] == truth[name] for name in truth) > 50  # most are exactly right
+    again = run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING, check=False)
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+@pytest.mark.dist
+def test_two_processes_with_accumulation_equal_one_process_over_varying_caption_lengths(
+    captioning_data, tmp_path
+):
+    """Captions hold 6 to 10 tokens, so a per-micro-batch mean would weigh tokens unequally;
+    the global token mean makes 2 processes x 2 micro-batches equal 1 process (fp32, 20 steps;
+    1e-5 leaves room for the order of floating-point sums only)."""
+    base = ["--data", str(captioning_data), *CAPTIONING_TINY, "--bs", "16", "--max-steps", "20"]
+    base += ["--log-every", "1", "--mixed-precision", "no"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe(
+        [*base, "--grad-accum", "1", "--output-dir", str(one)], cwd=tmp_path, script=CAPTIONING
+    )
+    run_recipe(
+        [*base, "--grad-accum", "2", "--output-dir", str(two)],
+        cwd=tmp_path,
+        script=CAPTIONING,
+        nproc=2,
+    )
+    assert metrics_log(two)[0]["config"]["num_processes"] == 2
+    assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
+    final = [
+        json.loads((run / "model" / "model.json").read_text())["metrics"] for run in (one, two)
+    ]
+    assert final[0]["token_accuracy"] == pytest.approx(final[1]["token_accuracy"], abs=1e-9)
+
+
+def test_the_three_layouts_read_the_same_records(tmp_path):
+    imagefolder = write_dataset(tmp_path / "imagefolder", train_images=12, test_images=3)
+    sidecars, manifest, csv_folder = (tmp_path / n for n in ("txt", "manifest", "csv"))
+    expected = {split: read_split(imagefolder, split)[1] for split in ("train", "test")}
+    for split, records in expected.items():
+        for folder in (sidecars, manifest, csv_folder):
+            shutil.copytree(
+                imagefolder / split, folder / split, ignore=shutil.ignore_patterns("*.jsonl")
+            )
+        for name, text in records:
+            (sidecars / split / name).with_suffix(".txt").write_text(text + "\n")
+        (manifest / split / "captions.json").write_text(json.dumps(dict(records)))
+        rows = "".join(f'{name},"{text}"\n' for name, text in records)
+        (csv_folder / split / "metadata.csv").write_text("file_name,text\n" + rows)
+    for folder in (sidecars, manifest, csv_folder):
+        for split, records in expected.items():
+            assert sorted(read_split(folder, split)[1]) == sorted(records), folder.name
+
+
+def test_a_single_folder_holds_out_every_tenth_image(tmp_path):
+    data = write_dataset(tmp_path / "d", train_images=60, test_images=0)
+    train, test = (read_split(data / "train", split)[1] for split in ("train", "test"))
+    assert len(test) > 0 and len(train) + len(test) == 60
+    assert not {name for name, _ in train} & {name for name, _ in test}
+
+
+BAD_METADATA = [
+    ('{"file_name": "00001.png"}', "line 2: no 'text' key"),
+    ('{"file_name": "gone.png", "text": "a red square"}', "line 2: image .*gone.png not found"),
+    ('{"file_name": "00001.png", "text": "  "}', "line 2: empty caption for 00001.png"),
+    ("{not json", "line 2: not JSON"),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), BAD_METADATA)
+def test_bad_metadata_names_the_file_and_line(tmp_path, line, expected):
+    data = write_dataset(tmp_path / "d", train_images=3, test_images=1)
+    metadata = data / "train" / "metadata.jsonl"
+    rows = metadata.read_text().splitlines()
+    metadata.write_text("\n".join([rows[0], line, rows[2]]) + "\n")
+    with pytest.raises(DataError, match=f"metadata.jsonl, {expected}"):
+        read_split(data, "train")
+
+
+def test_a_missing_caption_column_and_a_missing_txt_are_named(tmp_path):
+    data = write_dataset(tmp_path / "d", train_images=3, test_images=1)
+    (data / "train" / "metadata.jsonl").unlink()
+    (data / "train" / "metadata.csv").write_text("file_name,caption\n00000.png,a cat\n")
+    with pytest.raises(DataError, match=r"metadata\.csv: no 'text' column"):
+        read_split(data, "train")
+    (data / "train" / "metadata.csv").unlink()
+    with pytest.raises(DataError, match=r"00000.png: no caption file 00000.txt beside it"):
+        read_split(data, "train")
+
+
+def test_an_unreadable_image_is_named(tmp_path):
+    recipe = load_recipe("captioning")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
+        recipe.load_pixels(broken, 32)
+
+
+@pytest.fixture
+def fp16_stand_in(tmp_path):
+    """The loop with a loss scaler on the CPU: Accelerate creates no scaler for fp16 on a CPU
+    (and the recipes refuse that), so the test attaches torch's CPU GradScaler where
+    Accelerate's fp16 path keeps its own; backward, the optimizer step, the skip detection and
+    save/load then run through Accelerate's and the loop's code as they do on a GPU, in fp32."""
+
+    def start(out: Path, resume: str | None = None, inject_at: int | None = None):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator, plan = make_accelerator(output_dir=out, per_device_batch_size=4, cpu=True)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        data = TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+        loader = make_train_loader(data, plan.per_device_batch_size)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        schedule = make_lr_schedule(
+            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=2, lr=1e-2,
+            ref_bs=4, decay=Decay.constant,
+        )  # fmt: skip
+        loop = TrainLoop(
+            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out,
+            resume=resume, log_every=100, save_every=5, keep_last=10,
+        )  # fmt: skip
+        trace = []
+        for _epoch in loop.epochs():
+            for x, y in loop.batches():
+                before = [p.detach().clone() for p in model.parameters()]
+                with accelerator.accumulate(model):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    if loop.step + 1 == inject_at:
+                        loss = loss * torch.tensor(float("inf"))  # an overflow, test only
+                    accelerator.backward(loss)
+                    loop.clip_gradients(model)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                unchanged = all(
+                    (a == b).all() for a, b in zip(before, model.parameters(), strict=True)
+                )
+                trace.append((loop.step + 1, unchanged, accelerator.scaler.get_scale()))
+                # a real fp16 overflow is in the gradients, the fp32 loss stays finite; the
+                # loop would (rightly) stop a run whose recorded loss is inf
+                loop.record(loss.detach() if loop.step + 1 != inject_at else torch.zeros(()))
+            loop.end_epoch({})
+        loop.finish(model)
+        return loop, trace, accelerator
+
+    yield start
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_an_overflow_is_a_skipped_step_that_leaves_the_weights_and_survives_resume(
+    fp16_stand_in, tmp_path
+):
+    loop, trace, _ = fp16_stand_in(tmp_path / "full", inject_at=4)
+    skipped = [t for t in trace if t[1]]
+    assert [step for step, *_ in skipped] == [4]  # that step, and only it, changed nothing
+    scales = {step: scale for step, _, scale in trace}
+    assert scales[4] == scales[3] / 2  # the scale halves on the overflow ...
+    assert scales[7] == scales[4] * 2  # ... and grows back after growth_interval clean steps
+    assert loop.progress.skipped_steps == 1 and loop.metrics["skipped_steps"] == 1
+    final = exported_params(tmp_path / "full")
+
+    # resumed from the step-5 checkpoint: scale and skipped count come back exactly
+    partial = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", partial)
+    shutil.rmtree(partial / "model")
+    for later in (c for c in list_checkpoints(partial) if c.name != "step_5"):
+        shutil.rmtree(later)
+    loop, trace, _ = fp16_stand_in(partial, resume="latest", inject_at=4)
+    assert trace[0][0] == 6 and trace[0][2] == scales[6]
+    assert loop.progress.skipped_steps == 1
+    assert max_relative_difference(final, exported_params(partial)) == 0
+
+
+@pytest.mark.slow
+def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
+    data = write_dataset(tmp_path / "d", train_images=8, test_images=2)
+    metadata = data / "test" / "metadata.jsonl"
+    metadata.write_text(metadata.read_text() + '{"file_name": "lost.png", "text": "a cat"}\n')
+    args = ["--data", str(data), "--output-dir", str(tmp_path / "run"), *CAPTIONING_TINY]
+    result = run_recipe(args, cwd=tmp_path, script=CAPTIONING, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {metadata}, line 3: image {data / 'test' / 'lost.png'} not found"
+    ]
+    assert not (tmp_path / "run" / "model").exists()
