@@ -20,6 +20,8 @@ POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
 QUALITY = REPO / "recipes" / "train_quality.py"
 CAPTIONING = REPO / "recipes" / "train_captioning.py"
 CAPTIONING_TINY = ["--dim", "32", "--depth", "1", "--decoder-depth", "1"]
+CRYSTAL = REPO / "recipes" / "train_crystal.py"
+CRYSTAL_TINY = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf-bins", "16"]
 # a point-cloud model small enough for many short runs in the tests
 POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
 POINTCLOUD_TINY += ["--resolution", "8"]
@@ -128,6 +130,14 @@ def captioning_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.captioning import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("captioning-data"))
+
+
+@pytest.fixture(scope="session")
+def crystal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example crystals: 1000 EMT-labelled structures of 1 to 64 atoms."""
+    from accel_common.data.crystal import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("crystal-data"))
 
 
 @pytest.fixture(scope="session")

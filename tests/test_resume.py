@@ -13,6 +13,8 @@ from accel_common.checkpoint import list_checkpoints
 from tests.conftest import (
     CAPTIONING,
     CAPTIONING_TINY,
+    CRYSTAL,
+    CRYSTAL_TINY,
     POINTCLOUD,
     POINTCLOUD_TINY,
     QUALITY,
@@ -38,12 +40,15 @@ CASES = {
     # 50 micro-batches of 16 per epoch (800 images), 4 per optimizer step, so windows run across
     # epoch ends: 37 steps in 3 epochs, killed 3 steps into the second epoch
     "captioning": (CAPTIONING, "captioning_data", 15, 37, ["--epochs", "3"]),
+    # 12 steps per epoch (800 training structures, --bs 64): killed 3 steps into the second
+    "crystal": (CRYSTAL, "crystal_data", 15, 36, ["--epochs", "3"]),
 }
 SMALL = {
     "template": ["--hidden", "256", "--depth", "3"],
     "pointcloud": POINTCLOUD_TINY,
     "quality": [],
     "captioning": CAPTIONING_TINY,
+    "crystal": CRYSTAL_TINY,
 }
 
 

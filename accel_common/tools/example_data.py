@@ -20,6 +20,7 @@ GENERATORS: dict[str, str] = {
     "pointcloud": "accel_common.data.pointcloud:write_dataset",
     "quality": "accel_common.data.quality:write_dataset",
     "captioning": "accel_common.data.captioning:write_dataset",
+    "crystal": "accel_common.data.crystal:write_dataset",
 }
 
 

@@ -1,0 +1,181 @@
+"""The crystal recipe: extxyz targets where real files keep them, k-NN graphs, the graph cache,
+learning, exact scaling, predict, and the original's Python API."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import ase.io
+import datasets
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.build import bulk
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.neighborlist import neighbor_list
+
+from accel_common.data.crystal import knn_graph, read_frames, target_value
+from accel_common.errors import DataError
+from accel_common.tools.bench import load_recipe
+from tests.conftest import (
+    CRYSTAL,
+    CRYSTAL_TINY,
+    exported_params,
+    max_relative_difference,
+    metrics_log,
+    run_recipe,
+)
+
+recipe = load_recipe("crystal")
+
+
+def labelled_frames() -> list[Atoms]:
+    """Two frames the way real files carry targets: info keys, and calculator results."""
+    frames = []
+    for scale in (1.0, 1.05):
+        atoms = bulk("Cu", "fcc", a=3.6 * scale, cubic=True)  # 4 atoms
+        atoms.info["formation_energy_per_atom"] = -0.5 * scale
+        forces = np.tile([[3.0, 4.0, 0.0]], (4, 1))  # norm 5 on every atom
+        atoms.calc = SinglePointCalculator(atoms, energy=-8.0 * scale, forces=forces)
+        frames.append(atoms)
+    return frames
+
+
+def test_targets_are_found_in_info_calculator_results_and_arrays(tmp_path):
+    path = tmp_path / "t.extxyz"
+    ase.io.write(path, labelled_frames(), format="extxyz")
+    frames = read_frames(path, ":")
+    assert len(frames) == 2 and len(read_frames(path, "::2")) == 1
+    first = frames[0]
+    assert target_value(first, "formation_energy_per_atom", "f", False) == pytest.approx(-0.5)
+    # current ASE reads energy back into the calculator, not info
+    assert "energy" not in first.info
+    assert target_value(first, "energy", "f", per_atom=True) == pytest.approx(-2.0)
+    assert target_value(first, "forces", "f", False) == pytest.approx(5.0)  # mean per-atom norm
+    with pytest.raises(DataError, match=r"frame 1: no target 'band_gap'; this frame has info: "):
+        target_value(frames[1], "band_gap", "frame 1", False)
+
+
+def test_a_structure_without_a_lattice_is_refused_unless_asked_for(tmp_path):
+    molecule = Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
+    molecule.info["y"] = 1.0
+    path = tmp_path / "m.extxyz"
+    ase.io.write(path, [molecule], format="extxyz")
+    options = dict(index=":", target="y", per_atom=False, cutoff=4.0, max_neighbors=4, workers=1)
+    with pytest.raises(DataError, match=r"frame 0: not a periodic crystal .*--non-periodic"):
+        recipe.load_graphs(path, non_periodic=False, **options)
+    graphs, _, _ = recipe.load_graphs(path, non_periodic=True, **options)
+    assert len(graphs[0]["source"]) == len(graphs[0]["target"]) == 2
+
+
+def test_knn_graph_keeps_the_nearest_neighbours_of_every_atom_among_periodic_images():
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 1, 1))
+    atoms.rattle(0.05, seed=3)
+    graph = knn_graph(atoms, cutoff=5.0, max_neighbors=7)
+    i, d = neighbor_list("id", atoms, 5.0)  # ASE's own search, as the reference
+    for atom in range(len(atoms)):
+        mine = np.sort(graph["distance"][graph["edge_index"][1] == atom])
+        assert mine == pytest.approx(np.sort(d[i == atom])[:7], abs=1e-5)
+    assert graph["vector"].shape == (7 * len(atoms), 3)
+    assert np.linalg.norm(graph["vector"], axis=1) == pytest.approx(graph["distance"], abs=1e-5)
+    one_atom = knn_graph(bulk("Cu", "sc", a=2.0), cutoff=2.5, max_neighbors=6)
+    assert one_atom["distance"] == pytest.approx([2.0] * 6)  # its own six images
+
+
+def test_graphs_are_built_once_and_rebuilt_when_the_file_or_a_setting_changes(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "t.extxyz"
+    ase.io.write(path, labelled_frames(), format="extxyz")
+    options = dict(index=":", target="energy", per_atom=True, non_periodic=False, workers=1)
+    graphs, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    assert not cached and graphs["y"] == pytest.approx([-2.0, -2.1])
+    again, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    assert cached and again["source"] == graphs["source"]
+    _, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=4, **options)
+    assert not cached  # another setting
+    ase.io.write(path, labelled_frames()[:1], format="extxyz")
+    changed, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    assert not cached and len(changed) == 1  # another file
+
+
+@pytest.fixture(scope="module")
+def trained(crystal_data, tmp_path_factory) -> Path:
+    """The example at its defaults (about 50 s on 2 cores)."""
+    tmp = tmp_path_factory.mktemp("crystal-run")
+    args = ["--data", str(crystal_data), "--output-dir", str(tmp / "run")]
+    run_recipe(args, cwd=tmp, script=CRYSTAL, threads=2)
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_learns_the_emt_energy_far_better_than_the_mean(trained):
+    metrics = json.loads((trained / "model" / "model.json").read_text())["metrics"]
+    assert metrics["test_n"] == 100
+    assert metrics["test_mae"] < 0.6 * metrics["test_baseline_mae"], metrics
+
+
+@pytest.mark.slow
+def test_predict_writes_one_row_per_frame(trained, crystal_data, tmp_path):
+    out = tmp_path / "p.csv"
+    data = crystal_data / "structures.extxyz"
+    args = ["predict", "--model", str(trained / "model"), "--data", str(data), "--out", str(out)]
+    run_recipe([*args, "--index", ":50"], cwd=tmp_path, script=CRYSTAL)
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 50 and rows[0].keys() == {
+        "index",
+        "formula",
+        "prediction",
+        "energy_per_atom",
+    }
+    errors = [abs(float(r["prediction"]) - float(r["energy_per_atom"])) for r in rows]
+    spread = np.std([float(r["energy_per_atom"]) for r in rows])
+    assert np.mean(errors) < spread
+
+
+@pytest.mark.slow
+def test_a_missing_target_stops_with_one_line_naming_the_frame(crystal_data, tmp_path):
+    args = ["--data", str(crystal_data), "--target", "band_gap", "--output-dir", str(tmp_path)]
+    result = run_recipe(args, cwd=tmp_path, script=CRYSTAL, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "structures.extxyz, frame 0: no target 'band_gap'; this frame has info: " in line
+    assert "calculator: ['energy', 'forces', 'stress']" in line
+
+
+@pytest.mark.dist
+def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
+    """Each structure weighs the same in the loss (a mean over structures) and LayerNorm, not
+    BatchNorm, normalises: 1 and 2 processes at global batch 16 agree to float sum order."""
+    args = ["--data", str(crystal_data), *CRYSTAL_TINY, "--bs", "16", "--max-steps", "20"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe([*args, "--output-dir", str(one)], cwd=tmp_path, script=CRYSTAL)
+    run_recipe([*args, "--output-dir", str(two)], cwd=tmp_path, script=CRYSTAL, nproc=2)
+    assert metrics_log(two)[0]["config"]["num_processes"] == 2
+    assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
+
+
+@pytest.mark.dist
+def test_the_python_api_trains_in_process_and_on_two_processes(tmp_path, monkeypatch):
+    """The original's train_from_list, called as from a notebook: in this process, then on 2
+    CPU processes through Accelerate's launcher."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rng = np.random.default_rng(0)
+    elements = ["Cu", "Ag", "Au", "Ni"] * 20
+    structures = [
+        bulk(e, "fcc", a=a) for e, a in zip(elements, rng.uniform(3.5, 4.2, 80), strict=True)
+    ]
+    labels = [s.get_volume() for s in structures]
+    options = dict(n_epochs=2, batch_size=8, extra_args=tuple(CRYSTAL_TINY))
+    metrics, model_dir = recipe.train_from_list(structures, labels, output_dir="one", **options)
+    assert metrics["test_n"] == 8 and (model_dir / "model.safetensors").is_file()
+    metrics, model_dir = recipe.train_from_list(
+        structures, labels, output_dir="two", num_processes=2, **options
+    )
+    assert metrics_log(Path("two"))[0]["config"]["num_processes"] == 2
+    assert metrics["test_n"] == 8 and model_dir == Path("two") / "model"
