@@ -204,6 +204,9 @@ def test_check_comm_failure_is_caught_and_reported_with_advice():
 @pytest.mark.dist
 def test_check_comm_that_runs_past_its_deadline_is_stopped_and_reported(monkeypatch):
     monkeypatch.setattr(doctor_module, "STARTUP_ALLOWANCE_S", 0.0)  # workers are still importing
+    # children that other tests of this pytest process left (e.g. a DataLoader's workers) are
+    # not check_comm's
+    earlier = {c.pid for c in psutil.Process().children()}
     started = time.monotonic()
     result, problems = doctor_module.check_comm("gloo", 2, (0.25,), 1, timeout_s=1.0)
     assert time.monotonic() - started < 30
@@ -212,6 +215,8 @@ def test_check_comm_that_runs_past_its_deadline_is_stopped_and_reported(monkeypa
     workers = [
         c
         for c in psutil.Process().children()
-        if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())
+        if c.pid not in earlier
+        and c.status() != psutil.STATUS_ZOMBIE
+        and "resource_tracker" not in " ".join(c.cmdline())
     ]
     assert workers == []  # killed, not left running (the tracker is multiprocessing's own)
