@@ -22,6 +22,11 @@ NODE_RANK ?= 0
 MASTER_ADDR ?=
 MASTER_PORT ?= 29500
 STAMP := $(VENV)/.installed
+# the GPU targets write their logs and tables here; SETUP= skips the install step on a machine
+# whose python already holds the packages (then name its folder: BIN=/path/to/venv/bin)
+GPU_OUT ?= runs/gpu
+GPU_WORKERS ?= 5
+SETUP ?= install
 
 SCRIPT = recipes/train_$(RECIPE).py
 # runs the launcher so that a failure reads as one line with the worker's exit code (2, 3 or 4)
@@ -37,7 +42,7 @@ define launch
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \
-        test lint format bench clean check-recipe
+        test test-gpu bench-gpu gpu-pass lint format bench clean check-recipe
 
 install: $(STAMP)
 
@@ -77,6 +82,26 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest --durations=10 $(PYTEST_ARGS)
+
+# the GPU suite (tests/gpu; skipped where CUDA is absent, so CI never runs it), one recipe per
+# pytest-xdist worker on the one GPU; logs and measured tolerances go to GPU_OUT
+test-gpu: $(SETUP)
+	mkdir -p $(GPU_OUT)
+	set -o pipefail; GPU_OUT=$(abspath $(GPU_OUT)) $(BIN)/python -m pytest tests/gpu -m gpu \
+	  -n $(GPU_WORKERS) --dist loadgroup --durations=10 --junitxml=$(GPU_OUT)/gpu_suite.xml \
+	  2>&1 | tee $(GPU_OUT)/gpu_suite.log
+
+# samples/s, peak memory and TFLOP/s per recipe at the originals' sizes, fp32/bf16/fp16
+bench-gpu: $(SETUP)
+	mkdir -p $(GPU_OUT)
+	set -o pipefail; $(BIN)/python benchmarks/bench_gpu.py --out $(GPU_OUT) \
+	  --docs docs/BENCHMARKS.md 2>&1 | tee $(GPU_OUT)/gpu_bench.log
+
+# the whole GPU pass in one command (about 10 min on one H100): the suite, then the benchmark
+# even if the suite failed; the exit code is the suite's, else the benchmark's
+gpu-pass: $(SETUP)
+	$(MAKE) --no-print-directory test-gpu SETUP= ; suite=$$?; \
+	$(MAKE) --no-print-directory bench-gpu SETUP= && exit $$suite
 
 lint: install
 	$(BIN)/ruff check .

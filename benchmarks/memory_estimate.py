@@ -1,36 +1,32 @@
-"""Memory per GPU at the originals' sizes, estimated without a GPU (and without computing).
+"""Memory per GPU at the originals' sizes, estimated without a GPU (and, mostly, without computing).
 
-The point-cloud and Crowd-BT recipes are built at the original codebases' sizes on PyTorch's
-`meta` device, where tensors have shapes but no data, so one training step costs nothing. What a
-step holds on a GPU is then counted:
+The recipes' models are built at the original codebases' sizes (benchmarks/original_sizes.py) on
+PyTorch's `meta` device, where tensors have shapes but no data, so a training step costs nothing
+(the crystal model reads its batch vector, so it runs on the CPU at batch 1 and 2). What a step
+holds on a GPU is then counted:
 
 - weights, gradients and Adam's two moments: 16 bytes per fp32 parameter (DDP keeps all of them
   on every GPU; see docs/sharded.md for sharding them);
 - activations kept for the backward pass, counted with `saved_tensors_hooks` (each saved tensor
   once, by identity), per sample, in fp32; under bf16/fp16 autocast most of them halve.
 
-It leaves out the CUDA context (~0.5 GB), cuDNN workspaces and allocator fragmentation, so
-budget 20-30% on top. Run: `python benchmarks/memory_estimate.py`.
+It leaves out the CUDA context (~0.5 GB), cuDNN workspaces, the backward pass's transient
+buffers and allocator fragmentation; `make bench-gpu` measures the real peak and
+docs/BENCHMARKS.md compares the two. Run: `python benchmarks/memory_estimate.py`.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.original_sizes import Workload, workloads
+
 GIB = 2**30
-
-
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def saved_bytes(step: Callable[[], torch.Tensor]) -> int:
@@ -46,42 +42,37 @@ def saved_bytes(step: Callable[[], torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def pointcloud(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The original pcdiff size: 30720 points (3072 implant), width 256, 32^3 voxels."""
-    recipe = load_recipe("train_pointcloud")
-    model = recipe.PointVoxelDenoiser(width=256, depth=3, resolution=32).to("meta")
-    skull = torch.empty(batch, 30720 - 3072, 3, device="meta")
-    noisy = torch.empty(batch, 3072, 3, device="meta")
-    t = torch.zeros(batch, dtype=torch.long, device="meta")
-    return model, lambda: F.mse_loss(model(skull, noisy, t), noisy)
-
-
-def quality(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The original Crowd-BT scorer: EfficientNet-B3 at 300 px; a batch of pairs is 2x images."""
-    recipe = load_recipe("train_quality")
-    with torch.device("meta"):
-        model = recipe.QualityScorer("efficientnet_b3", num_annotators=8, dropout=0.2)
-    images = torch.empty(2 * batch, 3, 300, 300, device="meta")
-    return model, lambda: model(images).sum()
+def estimate(workload: Workload) -> dict[str, float]:
+    """Parameters, fixed bytes (weights + grads + Adam), activation bytes per sample, and the
+    total at the original's per-GPU batch, in fp32."""
+    device = torch.device("meta" if workload.meta_ok else "cpu")
+    torch.manual_seed(0)
+    with device:
+        model = workload.build()
+    one, two = (
+        saved_bytes(lambda n=n: workload.loss(model, workload.batch(n, device))) for n in (1, 2)
+    )
+    per_sample = two - one  # what one more sample adds
+    params = sum(p.numel() for p in model.parameters())
+    fixed = 16 * params
+    return {
+        "parameters": params,
+        "fixed_bytes": fixed,
+        "per_sample_bytes": per_sample,
+        "total_bytes": fixed + workload.per_gpu_batch * per_sample,
+    }
 
 
 def main() -> None:
-    rows = []
-    for name, build, per_gpu in (("pointcloud", pointcloud, 8), ("quality", quality, 32)):
-        one = saved_bytes(build(1)[1])
-        model, step = build(2)
-        per_sample = saved_bytes(step) - one  # what one more sample adds
-        params = sum(p.numel() for p in model.parameters())
-        fixed = 16 * params
-        total = fixed + per_gpu * per_sample
-        rows.append((name, params, fixed, per_sample, per_gpu, total))
     print("| recipe (original size) | parameters | weights + grads + Adam | activations / sample "
           "(fp32) | per-GPU batch | total at that batch (fp32) |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, params, fixed, per_sample, per_gpu, total in rows:
+    for workload in workloads():
+        e = estimate(workload)
         print(
-            f"| {name} | {params / 1e6:.1f}M | {fixed / GIB:.2f} GiB | {per_sample / GIB:.2f} GiB "
-            f"| {per_gpu} | {total / GIB:.1f} GiB |"
+            f"| {workload.name} ({workload.size}) | {e['parameters'] / 1e6:.1f}M "
+            f"| {e['fixed_bytes'] / GIB:.2f} GiB | {e['per_sample_bytes'] / GIB:.3f} GiB "
+            f"| {workload.per_gpu_batch} | {e['total_bytes'] / GIB:.1f} GiB |"
         )
 
 

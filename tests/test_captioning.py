@@ -8,17 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from accelerate.state import AcceleratorState
-from torch import nn
-from torch.utils.data import TensorDataset
 
-from accel_common.checkpoint import list_checkpoints
 from accel_common.data.captioning import read_split, write_dataset
 from accel_common.errors import DataError
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     CAPTIONING,
@@ -28,6 +20,7 @@ from tests.conftest import (
     metrics_log,
     run_recipe,
 )
+from tests.scaler_check import check_overflow_is_skipped_and_resumes
 
 
 @pytest.fixture(scope="module")
@@ -152,80 +145,9 @@ def test_an_unreadable_image_is_named(tmp_path):
         recipe.load_pixels(broken, 32)
 
 
-@pytest.fixture
-def fp16_stand_in(tmp_path):
-    """The loop with a loss scaler on the CPU: Accelerate creates no scaler for fp16 on a CPU
-    (and the recipes refuse that), so the test attaches torch's CPU GradScaler where
-    Accelerate's fp16 path keeps its own; backward, the optimizer step, the skip detection and
-    save/load then run through Accelerate's and the loop's code as they do on a GPU, in fp32."""
-
-    def start(out: Path, resume: str | None = None, inject_at: int | None = None):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator, plan = make_accelerator(output_dir=out, per_device_batch_size=4, cpu=True)
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
-        torch.manual_seed(0)
-        model = nn.Linear(3, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        data = TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
-        loader = make_train_loader(data, plan.per_device_batch_size)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        schedule = make_lr_schedule(
-            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=2, lr=1e-2,
-            ref_bs=4, decay=Decay.constant,
-        )  # fmt: skip
-        loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out,
-            resume=resume, log_every=100, save_every=5, keep_last=10,
-        )  # fmt: skip
-        trace = []
-        for _epoch in loop.epochs():
-            for x, y in loop.batches():
-                before = [p.detach().clone() for p in model.parameters()]
-                with accelerator.accumulate(model):
-                    loss = nn.functional.mse_loss(model(x), y)
-                    if loop.step + 1 == inject_at:
-                        loss = loss * torch.tensor(float("inf"))  # an overflow, test only
-                    accelerator.backward(loss)
-                    loop.clip_gradients(model)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                unchanged = all(
-                    (a == b).all() for a, b in zip(before, model.parameters(), strict=True)
-                )
-                trace.append((loop.step + 1, unchanged, accelerator.scaler.get_scale()))
-                # a real fp16 overflow is in the gradients, the fp32 loss stays finite; the
-                # loop would (rightly) stop a run whose recorded loss is inf
-                loop.record(loss.detach() if loop.step + 1 != inject_at else torch.zeros(()))
-            loop.end_epoch({})
-        loop.finish(model)
-        return loop, trace, accelerator
-
-    yield start
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def test_an_overflow_is_a_skipped_step_that_leaves_the_weights_and_survives_resume(
-    fp16_stand_in, tmp_path
-):
-    loop, trace, _ = fp16_stand_in(tmp_path / "full", inject_at=4)
-    skipped = [t for t in trace if t[1]]
-    assert [step for step, *_ in skipped] == [4]  # that step, and only it, changed nothing
-    scales = {step: scale for step, _, scale in trace}
-    assert scales[4] == scales[3] / 2  # the scale halves on the overflow ...
-    assert scales[7] == scales[4] * 2  # ... and grows back after growth_interval clean steps
-    assert loop.progress.skipped_steps == 1 and loop.metrics["skipped_steps"] == 1
-    final = exported_params(tmp_path / "full")
-
-    # resumed from the step-5 checkpoint: scale and skipped count come back exactly
-    partial = tmp_path / "part"
-    shutil.copytree(tmp_path / "full", partial)
-    shutil.rmtree(partial / "model")
-    for later in (c for c in list_checkpoints(partial) if c.name != "step_5"):
-        shutil.rmtree(later)
-    loop, trace, _ = fp16_stand_in(partial, resume="latest", inject_at=4)
-    assert trace[0][0] == 6 and trace[0][2] == scales[6]
-    assert loop.progress.skipped_steps == 1
-    assert max_relative_difference(final, exported_params(partial)) == 0
+def test_an_overflow_is_a_skipped_step_that_leaves_the_weights_and_survives_resume(tmp_path):
+    """On the CPU through the stand-in scaler; tests/gpu runs the same check on CUDA's fp16."""
+    check_overflow_is_skipped_and_resumes(tmp_path, gpu=False)
 
 
 @pytest.mark.slow

@@ -1,0 +1,65 @@
+"""The GPU suite: every test here needs a CUDA GPU and is skipped cleanly without one (CI).
+
+Run it with `make test-gpu` (or `pytest -m gpu tests/gpu`). With `GPU_OUT=DIR` in the
+environment, each test appends what it measured (tolerances met, loss scales, skipped steps) to
+DIR/gpu_suite.jsonl, so one remote command brings back the numbers with the pass/fail lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (
+    CAPTIONING,
+    CAPTIONING_TINY,
+    CRYSTAL,
+    CRYSTAL_TINY,
+    POINTCLOUD,
+    POINTCLOUD_TINY,
+    QUALITY,
+    TEMPLATE,
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark everything under tests/gpu `gpu`, and skip it where no CUDA GPU is present."""
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU machine: make test-gpu)")
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
+
+
+# recipe -> (script, data fixture, flags of a short run that logs every 5 steps). Sizes are the
+# CPU tests' small ones: the suite checks the GPU code paths; `make bench-gpu` measures the
+# originals' sizes.
+RECIPES = {
+    "template": (TEMPLATE, "template_data", ["--bs", "64", "--hidden", "256", "--depth", "3"]),
+    "pointcloud": (POINTCLOUD, "pointcloud_data", [*POINTCLOUD_TINY, "--sample-steps", "4"]),
+    "quality": (QUALITY, "quality_data", []),
+    "captioning": (CAPTIONING, "captioning_data", CAPTIONING_TINY),
+    "crystal": (CRYSTAL, "crystal_data", CRYSTAL_TINY),
+}
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest):
+    """`record(**numbers)`: keep what a test measured in $GPU_OUT/gpu_suite.jsonl (if set)."""
+
+    def write(**numbers: object) -> None:
+        out = os.environ.get("GPU_OUT")
+        if not out:
+            return
+        Path(out).mkdir(parents=True, exist_ok=True)
+        entry = {"test": request.node.nodeid, **numbers}
+        with (Path(out) / "gpu_suite.jsonl").open("a") as handle:
+            handle.write(json.dumps(entry, default=str) + "\n")
+
+    return write

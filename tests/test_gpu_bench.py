@@ -1,0 +1,53 @@
+"""The GPU benchmark's parts that run anywhere: the estimate covers every workload it measures,
+its section of docs/BENCHMARKS.md is rewritten in place, and without CUDA it says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_gpu
+from benchmarks.memory_estimate import estimate
+from benchmarks.original_sizes import workloads
+
+
+def fake_results() -> dict:
+    rates = {"no": 10.0, "bf16": 25.0, "fp16": 24.0}
+    entry = {"size": "original", "batch": 8, "estimate_gib": 2.0}
+    for precision, rate in rates.items():
+        entry[precision] = {"samples_per_s": rate, "ms_per_step": 800 / rate,
+                            "peak_gib": 2.5, "tflops": 3 * rate}  # fmt: skip
+    return {"pointcloud": entry}
+
+
+def test_its_section_replaces_itself_and_keeps_the_rest(tmp_path):
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text("# Benchmarks\n\nkept above\n")
+    first = bench_gpu.table(fake_results(), "GPU A", 800.0, "2026-01-01", "torch x")
+    bench_gpu.write_section(docs, first)
+    docs.write_text(docs.read_text() + "\nkept below\n")
+    second = bench_gpu.table(fake_results(), "GPU B", 700.0, "2026-01-02", "torch y")
+    bench_gpu.write_section(docs, second)
+    text = docs.read_text()
+    assert text.count(bench_gpu.SECTION_START) == 1 and "GPU A" not in text and "GPU B" in text
+    assert text.index("kept above") < text.index("GPU B") < text.index("kept below")
+    row = next(line for line in text.splitlines() if "| bf16 |" in line)
+    assert "| 2.50x |" in row  # throughput relative to the fp32 row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without")
+def test_without_a_gpu_it_stops_with_one_line(tmp_path, capsys):
+    assert bench_gpu.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_every_measured_workload_has_an_estimate():
+    names = set()
+    for workload in workloads():
+        e = estimate(workload)
+        assert e["per_sample_bytes"] > 0 and e["parameters"] > 0, workload.name
+        assert e["total_bytes"] == e["fixed_bytes"] + workload.per_gpu_batch * e["per_sample_bytes"]
+        names.add(workload.name)
+    assert names == {"pointcloud", "quality", "captioning", "crystal"}
