@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from accel_common.data.pointcloud import DEFECTS
+from accel_common.errors import ConfigError
+from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     POINTCLOUD,
     POINTCLOUD_TINY,
@@ -147,3 +150,16 @@ def test_bad_sizes_are_refused(tmp_path, pointcloud_data):
     result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
     assert result.returncode == 2
     assert "--num-nn must be between 1 and --num-points - 1" in result.stderr
+
+
+@pytest.mark.parametrize("module", ["nrrd", "mcubes", "trimesh"])
+def test_prepare_without_the_volumes_extra_names_it(module, monkeypatch, tmp_path):
+    """Here, not in test_prepare.py (which skips without the extra): the case a user meets."""
+    prepare = load_recipe("pointcloud").prepare
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if absent
+    with pytest.raises(ConfigError) as raised:
+        prepare(raw=tmp_path, out=tmp_path / "out", points=10, workers=1, overwrite=False)
+    message = str(raised.value)
+    assert message.startswith("prepare needs the volumes extra") and "\n" not in message
+    assert f"({module} is missing)" in message and 'pip install "accel-recipes[volumes]"' in message
+    assert not (tmp_path / "out").exists()

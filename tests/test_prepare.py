@@ -20,7 +20,12 @@ from accel_common.errors import DataError
 from accel_common.tools.bench import load_recipe
 from tests.conftest import POINTCLOUD, POINTCLOUD_TINY, run_recipe
 
-nrrd = pytest.importorskip("nrrd")
+# prepare needs the `volumes` extra; the checks of its output use scipy (the `vision` extra).
+# Without them this module skips; test_pointcloud.py checks the error prepare gives then.
+nrrd = pytest.importorskip("nrrd", reason="needs the volumes extra (pynrrd)")
+pytest.importorskip("mcubes", reason="needs the volumes extra (PyMCubes)")
+pytest.importorskip("trimesh", reason="needs the volumes extra (trimesh)")
+pytest.importorskip("scipy", reason="needs scipy (the vision extra)")
 from scipy.spatial import cKDTree  # noqa: E402
 
 from accel_common.data.volumes import prepare_skullbreak  # noqa: E402

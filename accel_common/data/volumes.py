@@ -192,8 +192,8 @@ def prepare_skullbreak(
         import trimesh  # noqa: F401
     except ImportError as err:
         raise ConfigError(
-            f"prepare needs pynrrd, PyMCubes and trimesh ({err.name} is missing): "
-            'pip install "accel-recipes[volumes]"'
+            f"prepare needs the volumes extra, pynrrd, PyMCubes and trimesh ({err.name} is "
+            'missing): pip install "accel-recipes[volumes]"'
         ) from None
     if not raw.is_dir():
         raise DataError(f"--raw {raw}: not a folder")
