@@ -151,6 +151,34 @@ def test_a_missing_volume_is_named_before_any_work(raw, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_train_csv_alone_gets_the_other_cases_as_test(raw, tmp_path):
+    """Not the original's 80/20 split, which could hold out a case train.csv trains on."""
+    given = tmp_path / "SkullBreak"
+    shutil.copytree(raw, given)
+    (given / "test.csv").unlink()
+    (given / "train.csv").write_text(f"{given / 'complete_skull' / '001.nrrd'}\n")
+    out = tmp_path / "out"
+    prepare_skullbreak(given, out, points=50, workers=1, overwrite=False)
+    assert (out / "train.csv").read_text().split() == ["complete_skull/001_surf.npy"]
+    assert (out / "test.csv").read_text().split() == [
+        "complete_skull/000_surf.npy",
+        "complete_skull/002_surf.npy",
+    ]
+
+
+def test_splits_that_would_overlap_are_refused_before_any_work(raw, tmp_path):
+    given = tmp_path / "SkullBreak"
+    shutil.copytree(raw, given)
+    (given / "test.csv").write_text("complete_skull/001.nrrd\ncomplete_skull/002.nrrd\n")
+    with pytest.raises(DataError, match=r"train.csv and .*test.csv share 1 case\(s\) \(001\)"):
+        prepare_skullbreak(given, tmp_path / "out", points=50, workers=1, overwrite=False)
+    (given / "test.csv").unlink()
+    (given / "train.csv").write_text("000.nrrd\n001.nrrd\n002.nrrd\n")
+    with pytest.raises(DataError, match=r"train.csv: lists every case, so none is left for test"):
+        prepare_skullbreak(given, tmp_path / "out", points=50, workers=1, overwrite=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_the_recipe_prepares_in_place_as_the_original_and_trains_on_it(raw, tmp_path):
     """`prepare` with no --out writes beside the volumes, exactly as the original's preprocessing;
