@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from accel_common.data import pointcloud as skull_data
 from accel_common.data.pointcloud import DEFECTS
 from accel_common.errors import ConfigError
 from accel_common.tools.bench import load_recipe
@@ -163,3 +164,33 @@ def test_prepare_without_the_volumes_extra_names_it(module, monkeypatch, tmp_pat
     assert message.startswith("prepare needs the volumes extra") and "\n" not in message
     assert f"({module} is missing)" in message and 'pip install "accel-recipes[volumes]"' in message
     assert not (tmp_path / "out").exists()
+
+
+def test_csv_rows_pointing_into_another_folder_resolve_as_the_originals(tmp_path):
+    """The original reads each row from its own folder: the path before complete_skull/,
+    relative to the CSV's folder unless absolute. A plain complete_skull/... row reads the
+    CSV's folder; an absolute row whose folder lacks the case (a data set moved after the split
+    script wrote it) falls back to the CSV's folder."""
+    SkullBreak = load_recipe("pointcloud").SkullBreak
+    elsewhere = skull_data.write_dataset(
+        tmp_path / "elsewhere", train_skulls=2, test_skulls=0, points_per_skull=400
+    )
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    (lists / "train.csv").write_text(
+        f"{elsewhere / 'complete_skull' / '000_surf.npy'}\n../elsewhere/complete_skull/001.nrrd\n"
+    )
+    sizes = {"num_points": 64, "num_nn": 16, "timesteps": 10, "seed": 0}
+    dataset = SkullBreak(lists, "train", **sizes)
+    implants = [implant for _, implant in dataset.entries]
+    assert implants[0] == elsewhere / "implant" / "bilateral" / "000_surf.npy"
+    assert implants[5] == lists / "../elsewhere/implant/bilateral/001_surf.npy"
+    assert len(dataset) == 10 and dataset.unit == "mm"  # the spacing file of the rows' folder
+    (elsewhere / "train.csv").write_text(
+        "complete_skull/000_surf.npy\n/moved/away/complete_skull/001_surf.npy\n"
+    )
+    beside = SkullBreak(elsewhere, "train", **sizes)
+    assert [implant for _, implant in beside.entries][::5] == [
+        elsewhere / "implant" / "bilateral" / "000_surf.npy",
+        elsewhere / "implant" / "bilateral" / "001_surf.npy",
+    ]
