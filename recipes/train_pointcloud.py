@@ -563,7 +563,8 @@ def prepare(
 
     Marching cubes on each volume, then surface points, written as <stem>_surf.npy in voxel
     units, with each file's voxel spacing in voxel_spacing.json (so distances can be reported in
-    mm) and train.csv / test.csv (kept from --raw if it has them, else the original's split).
+    mm) and train.csv / test.csv (kept from --raw if it has them; if it has one, the other lists
+    the remaining cases; else the original's split).
     Resumable: finished files are checked and skipped. Run it on a folder the original already
     preprocessed to add the spacing alone.
     """
