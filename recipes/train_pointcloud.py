@@ -14,8 +14,9 @@ points only. Sampling (DDPM or DDIM) turns random points into an implant that fi
 
 Data: the SkullBreak layout as the original's preprocessing leaves it (train.csv / test.csv
 listing complete_skull/070_surf.npy; each row expands to the five defect types,
-defective_skull/<defect>/070_surf.npy and implant/<defect>/070_surf.npy). From the downloaded
-.nrrd volumes: `python recipes/train_pointcloud.py prepare --raw SkullBreak --out DIR`.
+defective_skull/<defect>/070_surf.npy and implant/<defect>/070_surf.npy, in the folder before the
+row's complete_skull/: the CSV's own, or another tree's). From the downloaded .nrrd volumes:
+`python recipes/train_pointcloud.py prepare --raw SkullBreak --out DIR`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def point_file(root: Path, kind: str, defect: str, stem: str) -> Path:
     return plain if plain.is_file() and not original.is_file() else original
 
 
+def case_folder(root: Path, listed: str, stem: str) -> Path:
+    """The folder a CSV row's case lives in, as the original resolves it: the row's path up to
+    complete_skull/, relative to the CSV's folder `root` unless absolute (a row without that
+    folder: `root`). If that folder lacks the case and `root` has it, `root`: a data set moved
+    after the original's split script wrote absolute paths still loads."""
+    parts = Path(listed).parts
+    if "complete_skull" not in parts[:-1]:
+        return root
+    folder = root.joinpath(*parts[: parts.index("complete_skull")])
+    probe = SKULL_AND_IMPLANT[0], DEFECTS[0], stem
+    if not point_file(folder, *probe).is_file() and point_file(root, *probe).is_file():
+        return root
+    return folder
+
+
 def read_spacing(root: Path) -> dict[str, list[float]]:
     """mm per coordinate unit per axis for each point file, as `prepare` records it."""
     path = root / SPACING_FILE
@@ -112,12 +128,15 @@ class SkullBreak(Dataset):
         self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
     ):
         csv = root / f"{split}.csv"
-        recorded = read_spacing(root)
+        recorded: dict[Path, dict[str, list[float]]] = {}  # per case folder: its spacing file
         self.entries, spacings = [], []
         for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
             stem = case_stem(listed)
+            folder = case_folder(root, listed, stem)
+            if folder not in recorded:
+                recorded[folder] = read_spacing(folder)
             for defect in DEFECTS:
-                pair = tuple(point_file(root, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
+                pair = tuple(point_file(folder, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
                 for path in pair:
                     if not path.is_file():
                         raise DataError(
@@ -127,7 +146,7 @@ class SkullBreak(Dataset):
                         )
                     load_points(path, header_only=True)
                 self.entries.append(pair)
-                spacings.append(recorded.get(pair[1].relative_to(root).as_posix()))
+                spacings.append(recorded[folder].get(pair[1].relative_to(folder).as_posix()))
         # distances in mm need every implant's voxel spacing; else they stay in the files' units
         self.unit = "mm" if all(spacings) else "units"
         self.mm_per_unit = [np.asarray(s or (1.0, 1.0, 1.0), dtype=np.float32) for s in spacings]
@@ -544,7 +563,8 @@ def prepare(
 
     Marching cubes on each volume, then surface points, written as <stem>_surf.npy in voxel
     units, with each file's voxel spacing in voxel_spacing.json (so distances can be reported in
-    mm) and train.csv / test.csv (kept from --raw if it has them, else the original's split).
+    mm) and train.csv / test.csv (kept from --raw if it has them; if it has one, the other lists
+    the remaining cases; else the original's split).
     Resumable: finished files are checked and skipped. Run it on a folder the original already
     preprocessed to add the spacing alone.
     """

@@ -20,7 +20,8 @@ quack_v2_data_user_logs/ synced to disk), images under --image-dir (default DIR/
     python recipes/train_quality.py --data quack_v2_data_user_logs --image-dir data/iter_0
 
 choice: left | right | draw | tie | equal, any case; img1/img2: paths relative to --image-dir
-(iter_0/x.png works). DIR/annotations/<annotator>.json holding a bare list of records is read too.
+(iter_0/x.png works). A record without them stops the run (--skip-invalid-records drops it, as
+the original does). DIR/annotations/<annotator>.json holding a bare list of records is read too.
 Optional DIR/truth.json (synthetic data): true quality and reliabilities, for extra metrics.
 """
 
@@ -270,6 +271,11 @@ def train(
         help="Drop records naming images that are not under --image-dir, as the original did "
         "silently, instead of stopping with a list of them.",
     ),
+    skip_invalid_records: bool = typer.Option(
+        False,
+        help="Drop records with a null, empty or unknown choice or without img1/img2, as the "
+        "original did silently, instead of stopping at the first one.",
+    ),
 ) -> dict[str, float]:
     """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example).
 
@@ -284,13 +290,20 @@ def train(
     data_dir = resolve_data(accelerator, RECIPE, args.data, quality_data.write_dataset)
     image_dir = image_dir or data_dir / "images"
     data = quality_data.read_comparisons(
-        data_dir, image_dir, skip_missing_images=skip_missing_images
+        data_dir,
+        image_dir,
+        skip_missing_images=skip_missing_images,
+        skip_invalid_records=skip_invalid_records,
     )
     records, annotators, names = data.records, data.annotators, data.images
     truth = quality_data.read_truth(data_dir / "truth.json", names, annotators)
     draws = sum(r[2] == 0 for r in records)
     found = f"{len(records)} comparisons ({draws} draws) by {len(annotators)} annotators"
     say(accelerator, f"read {found} of {len(names)} images in {image_dir} ({data.layout})")
+    if data.invalid:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in data.invalid.items())
+        invalid = f"{sum(data.invalid.values())} invalid records ({reasons})"
+        say(accelerator, f"--skip-invalid-records: dropped {invalid}")
     if data.dropped:
         dropped = f"{data.dropped} records naming images that are not under {image_dir}"
         say(accelerator, f"--skip-missing-images: dropped {dropped}")

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
+from accel_common.data import pointcloud as skull_data
 from accel_common.data.pointcloud import DEFECTS
+from accel_common.data.volumes import SPACING_FILE, merge_spacing
+from accel_common.errors import ConfigError
+from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     POINTCLOUD,
     POINTCLOUD_TINY,
@@ -19,6 +27,12 @@ from tests.conftest import (
 )
 
 TINY = POINTCLOUD_TINY
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    """The recipe as a module, for in-process tests (imported once: torch, accelerate)."""
+    return load_recipe("pointcloud")
 
 
 @pytest.mark.slow
@@ -147,3 +161,73 @@ def test_bad_sizes_are_refused(tmp_path, pointcloud_data):
     result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
     assert result.returncode == 2
     assert "--num-nn must be between 1 and --num-points - 1" in result.stderr
+
+
+@pytest.mark.parametrize("module", ["nrrd", "mcubes", "trimesh"])
+def test_prepare_without_the_volumes_extra_names_it(recipe, module, monkeypatch, tmp_path):
+    """Here, not in test_prepare.py (which skips without the extra): the case a user meets."""
+    prepare = recipe.prepare
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if absent
+    with pytest.raises(ConfigError) as raised:
+        prepare(raw=tmp_path, out=tmp_path / "out", points=10, workers=1, overwrite=False)
+    message = str(raised.value)
+    assert message.startswith("prepare needs the volumes extra") and "\n" not in message
+    assert f"({module} is missing)" in message and 'pip install "accel-recipes[volumes]"' in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_csv_rows_pointing_into_another_folder_resolve_as_the_originals(recipe, tmp_path):
+    """The original reads each row from its own folder: the path before complete_skull/,
+    relative to the CSV's folder unless absolute. A plain complete_skull/... row reads the
+    CSV's folder; an absolute row whose folder lacks the case (a data set moved after the split
+    script wrote it) falls back to the CSV's folder."""
+    SkullBreak = recipe.SkullBreak
+    elsewhere = skull_data.write_dataset(
+        tmp_path / "elsewhere", train_skulls=2, test_skulls=0, points_per_skull=400
+    )
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    (lists / "train.csv").write_text(
+        f"{elsewhere / 'complete_skull' / '000_surf.npy'}\n../elsewhere/complete_skull/001.nrrd\n"
+    )
+    sizes = {"num_points": 64, "num_nn": 16, "timesteps": 10, "seed": 0}
+    dataset = SkullBreak(lists, "train", **sizes)
+    implants = [implant for _, implant in dataset.entries]
+    assert implants[0] == elsewhere / "implant" / "bilateral" / "000_surf.npy"
+    assert implants[5] == lists / "../elsewhere/implant/bilateral/001_surf.npy"
+    assert len(dataset) == 10 and dataset.unit == "mm"  # the spacing file of the rows' folder
+    (elsewhere / "train.csv").write_text(
+        "complete_skull/000_surf.npy\n/moved/away/complete_skull/001_surf.npy\n"
+    )
+    beside = SkullBreak(elsewhere, "train", **sizes)
+    assert [implant for _, implant in beside.entries][::5] == [
+        elsewhere / "implant" / "bilateral" / "000_surf.npy",
+        elsewhere / "implant" / "bilateral" / "001_surf.npy",
+    ]
+
+
+def test_distances_in_mm_follow_the_recorded_voxel_spacing(recipe, tmp_path):
+    """The same points with a recorded spacing of 2 mm per voxel instead of 1: every distance
+    `evaluate` reports (the model's and the baselines') doubles, with the same sampling noise."""
+    root = skull_data.write_dataset(tmp_path, train_skulls=2, test_skulls=1, points_per_skull=400)
+    torch.manual_seed(0)
+    model = recipe.PointVoxelDenoiser(width=8, depth=1, resolution=4)
+    single_process = SimpleNamespace(process_index=0, gather_for_metrics=lambda x: x)
+    sizes = {"num_points": 64, "num_nn": 16, "timesteps": 10}
+
+    def metrics() -> dict[str, float]:
+        train, test = (recipe.SkullBreak(root, name, **sizes, seed=0) for name in ("train", "test"))
+        assert test.unit == "mm"
+        loader = DataLoader(test, batch_size=5)
+        diffusion = recipe.Diffusion(sizes["timesteps"])
+        pool = recipe.implant_pool(train)
+        return recipe.evaluate(single_process, model, loader, diffusion, 2, 0, pool, test.unit)
+
+    at_1mm = metrics()
+    recorded = json.loads((root / SPACING_FILE).read_text())["spacing"]
+    merge_spacing(root, {key: [2.0, 2.0, 2.0] for key in recorded})
+    at_2mm = metrics()
+    in_mm = [name for name in at_1mm if name.endswith("_mm")]
+    assert len(in_mm) == 4 and at_2mm.keys() == at_1mm.keys() and at_2mm["n"] == at_1mm["n"] == 5
+    for name in in_mm:
+        assert at_1mm[name] > 0 and at_2mm[name] == pytest.approx(2 * at_1mm[name], rel=1e-5)

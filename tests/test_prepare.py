@@ -20,7 +20,12 @@ from accel_common.errors import DataError
 from accel_common.tools.bench import load_recipe
 from tests.conftest import POINTCLOUD, POINTCLOUD_TINY, run_recipe
 
-nrrd = pytest.importorskip("nrrd")
+# prepare needs the `volumes` extra; the checks of its output use scipy (the `vision` extra).
+# Without them this module skips; test_pointcloud.py checks the error prepare gives then.
+nrrd = pytest.importorskip("nrrd", reason="needs the volumes extra (pynrrd)")
+pytest.importorskip("mcubes", reason="needs the volumes extra (PyMCubes)")
+pytest.importorskip("trimesh", reason="needs the volumes extra (trimesh)")
+pytest.importorskip("scipy", reason="needs scipy (the vision extra)")
 from scipy.spatial import cKDTree  # noqa: E402
 
 from accel_common.data.volumes import prepare_skullbreak  # noqa: E402
@@ -143,6 +148,34 @@ def test_a_missing_volume_is_named_before_any_work(raw, tmp_path):
     (broken / "defective_skull" / "random_1" / "002.nrrd").unlink()
     with pytest.raises(DataError, match=r"random_1/002.nrrd: file not found"):
         prepare_skullbreak(broken, tmp_path / "out", points=50, workers=1, overwrite=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_train_csv_alone_gets_the_other_cases_as_test(raw, tmp_path):
+    """Not the original's 80/20 split, which could hold out a case train.csv trains on."""
+    given = tmp_path / "SkullBreak"
+    shutil.copytree(raw, given)
+    (given / "test.csv").unlink()
+    (given / "train.csv").write_text(f"{given / 'complete_skull' / '001.nrrd'}\n")
+    out = tmp_path / "out"
+    prepare_skullbreak(given, out, points=50, workers=1, overwrite=False)
+    assert (out / "train.csv").read_text().split() == ["complete_skull/001_surf.npy"]
+    assert (out / "test.csv").read_text().split() == [
+        "complete_skull/000_surf.npy",
+        "complete_skull/002_surf.npy",
+    ]
+
+
+def test_splits_that_would_overlap_are_refused_before_any_work(raw, tmp_path):
+    given = tmp_path / "SkullBreak"
+    shutil.copytree(raw, given)
+    (given / "test.csv").write_text("complete_skull/001.nrrd\ncomplete_skull/002.nrrd\n")
+    with pytest.raises(DataError, match=r"train.csv and .*test.csv share 1 case\(s\) \(001\)"):
+        prepare_skullbreak(given, tmp_path / "out", points=50, workers=1, overwrite=False)
+    (given / "test.csv").unlink()
+    (given / "train.csv").write_text("000.nrrd\n001.nrrd\n002.nrrd\n")
+    with pytest.raises(DataError, match=r"train.csv: lists every case, so none is left for test"):
+        prepare_skullbreak(given, tmp_path / "out", points=50, workers=1, overwrite=False)
     assert not (tmp_path / "out").exists()
 
 

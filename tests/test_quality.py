@@ -290,6 +290,53 @@ def test_records_naming_missing_images_are_refused_or_dropped(tmp_path):
     assert not any("gone" in name for name in data.images)
 
 
+# records the original skips silently (its data_loader.py and create_user_choice_training_data.py)
+INVALID = {
+    "choice is None, not left|right|draw|tie|equal (any case)": {"choice": None},
+    "choice is '', not left|right|draw|tie|equal (any case)": {"choice": ""},
+    "choice is 'both', not left|right|draw|tie|equal (any case)": {"choice": "both"},
+    "has no choice": {},
+    "img1 and img2 must be image names, got ('iter_0/img_00000_patch_0.png', None)": {
+        "choice": "left", "img2": None
+    },
+}  # fmt: skip
+
+
+def add_invalid_records(root: Path, fields: list[dict]) -> None:
+    """Appended to hitul's file: from record 24 on in original_layout's."""
+    path = root / "hitul" / "comparison_data.json"
+    data = json.loads(path.read_text())
+    pair = {"img1": "iter_0/img_00000_patch_0.png", "img2": "iter_1/img_00001_patch_0.png"}
+    data["comparisons"] += [pair | extra for extra in fields]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("detail", INVALID)
+def test_an_invalid_record_is_named_with_what_to_do(tmp_path, detail):
+    root = original_layout(tmp_path)
+    add_invalid_records(root, [INVALID[detail]])
+    with pytest.raises(DataError) as error:
+        quality_data.read_comparisons(root, root / "images")
+    message = one_line(error.value)
+    where = f"{root / 'hitul' / 'comparison_data.json'}, record 24"
+    assert message == (
+        f"{where}: {detail}; fix or remove the record, or pass --skip-invalid-records to drop "
+        "such records (the original skipped them silently)"
+    )
+
+
+def test_invalid_records_are_dropped_and_counted_by_reason(tmp_path):
+    root = original_layout(tmp_path)
+    add_invalid_records(root, [*INVALID.values(), {"choice": "  "}])
+    data = quality_data.read_comparisons(root, root / "images", skip_invalid_records=True)
+    assert len(data.records) == 48 and data.dropped == 0  # every valid record kept
+    assert data.invalid == {
+        "with no choice": 4,  # null, "", "  " and no choice key
+        "with an unknown choice": 1,
+        "without img1/img2": 1,
+    }
+
+
 def test_truth_problems_are_one_line_naming_file_and_key(tmp_path):
     root = original_layout(tmp_path)
     data = quality_data.read_comparisons(root, root / "images")
@@ -321,16 +368,20 @@ def test_truth_problems_are_one_line_naming_file_and_key(tmp_path):
 
 @pytest.mark.slow
 def test_trains_on_the_original_layout_without_truth(tmp_path):
-    """Annotations in one folder, images elsewhere (--image-dir), no truth.json."""
+    """Annotations in one folder, images elsewhere (--image-dir), no truth.json; records the
+    original skips (missing images, no or an unknown choice) dropped with a count."""
     root = original_layout(tmp_path / "logs")
     add_records_naming_missing_images(root)
+    add_invalid_records(root, [{"choice": None}, {"choice": "both"}, {"choice": ""}])
     shutil.move(root / "images", tmp_path / "iter_images")
     args = ["--data", str(root), "--image-dir", str(tmp_path / "iter_images")]
     args += ["--output-dir", str(tmp_path / "run"), "--bs", "8", "--epochs", "1"]
-    args += ["--image-size", "16", "--skip-missing-images"]
+    args += ["--image-size", "16", "--skip-missing-images", "--skip-invalid-records"]
     result = run_recipe(args, cwd=tmp_path, script=QUALITY)
     assert "read 48 comparisons (18 draws) by 2 annotators of 8 images" in result.stdout
     assert "--skip-missing-images: dropped 3 records" in result.stdout
+    dropped = "dropped 3 invalid records (2 with no choice, 1 with an unknown choice)"
+    assert f"--skip-invalid-records: {dropped}" in result.stdout
     assert "no truth.json" in result.stdout
     metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
     assert {"pair_acc", "baseline_pair_acc", "eta_hitul", "eta_rakshitha rp"} <= metrics.keys()

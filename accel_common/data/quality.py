@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -65,6 +66,7 @@ class Comparisons:
     images: list[str]  # relative to the image folder, sorted
     layout: str  # how the folder was read, for the run's log
     dropped: int  # records dropped by skip_missing_images
+    invalid: dict[str, int]  # records dropped by skip_invalid_records, per reason
 
 
 def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
@@ -100,37 +102,57 @@ def read_entries(path: Path) -> list:
     raise DataError(f'{path}: expected {{"comparisons": [...]}} or a list of comparison records')
 
 
-def parse_choice(value: object, where: str) -> int:
-    """1 (left wins), -1 (right wins) or 0 (draw), from the original's words in any case."""
+def record_problem(entry: object) -> tuple[str, str] | None:
+    """Why a record cannot be used, as (reason for the dropped count, detail for the error), or
+    None. The original skips these silently: no or an unknown choice, img1 or img2 missing."""
+    if not isinstance(entry, dict):
+        return "not an object", f"expected an object with img1, img2 and choice, got {entry!r:.80}"
+    pair = entry.get("img1"), entry.get("img2")
+    if not all(isinstance(name, str) and name for name in pair):
+        return "without img1/img2", f"img1 and img2 must be image names, got {pair!r}"
+    if "choice" not in entry:
+        return "with no choice", "has no choice"
+    value = entry["choice"]
     word = value.strip().lower() if isinstance(value, str) else None
     if word not in CHOICES:
-        raise DataError(
-            f"{where}: choice is {value!r}, not left|right|draw|tie|equal (any case); "
-            "fix or remove the record"
-        )
-    return CHOICES[word]
+        reason = "with no choice" if value is None or word == "" else "with an unknown choice"
+        return reason, f"choice is {value!r}, not left|right|draw|tie|equal (any case)"
+    return None
 
 
 def read_comparisons(
-    root: Path, image_dir: Path, *, skip_missing_images: bool = False
+    root: Path,
+    image_dir: Path,
+    *,
+    skip_missing_images: bool = False,
+    skip_invalid_records: bool = False,
 ) -> Comparisons:
     """Every record of `root`, checked before any training: fields, choices, and that the images
-    it names exist under `image_dir` (names are relative paths, e.g. iter_0/x.png). Records
-    naming a missing image are refused with their count and the first names, or dropped."""
+    it names exist under `image_dir` (names are relative paths, e.g. iter_0/x.png). An invalid
+    record is refused by file and index, or dropped; records naming a missing image are refused
+    with their count and the first names, or dropped."""
     if not image_dir.is_dir():
         raise DataError(f"{image_dir}: no such image folder; point --image-dir at the images")
     layout, files = annotation_files(root)
     records, missing_at = [], []
+    invalid: Counter[str] = Counter()
     found: dict[str, bool] = {}
     for path, annotator in files:
         for index, entry in enumerate(read_entries(path)):
             where = f"{path}, record {index}"
-            if not isinstance(entry, dict) or not {"img1", "img2", "choice"} <= entry.keys():
-                raise DataError(f"{where}: needs img1, img2 and choice")
+            problem = record_problem(entry)
+            if problem is not None:
+                reason, detail = problem
+                if not skip_invalid_records:
+                    raise DataError(
+                        f"{where}: {detail}; fix or remove the record, or pass "
+                        "--skip-invalid-records to drop such records (the original skipped "
+                        "them silently)"
+                    )
+                invalid[reason] += 1
+                continue
             pair = entry["img1"], entry["img2"]
-            if not all(isinstance(name, str) and name for name in pair):
-                raise DataError(f"{where}: img1 and img2 must be image names, got {pair!r}")
-            choice = parse_choice(entry["choice"], where)
+            choice = CHOICES[entry["choice"].strip().lower()]
             for name in pair:
                 if name not in found:  # each name stats the disk once, not once per record
                     found[name] = (image_dir / name).is_file()
@@ -157,6 +179,7 @@ def read_comparisons(
         images=sorted({name for r in records for name in r[:2]}),
         layout=layout,
         dropped=len(missing_at),
+        invalid=dict(invalid),
     )
 
 

@@ -17,7 +17,6 @@ Needs the `volumes` extra: pip install "accel-recipes[volumes]" (pynrrd, PyMCube
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from accel_common.data.files import read_path_list
 from accel_common.data.pointcloud import DEFECTS
 from accel_common.errors import ConfigError, DataError
 
@@ -149,25 +149,53 @@ def original_split(relatives: list[Path], seed: int = 42, train_ratio: float = 0
     return {"train": cases[:cut], "test": cases[cut:]}
 
 
-def write_split_csvs(raw: Path, out: Path, relatives: list[Path]) -> None:
-    """train.csv / test.csv of `complete_skull/<stem>_surf.npy` rows, where `out` has none.
+def plan_splits(raw: Path, out: Path, relatives: list[Path]) -> dict[str, list[str]]:
+    """The cases of each CSV that `out` lacks, checked before any volume is prepared.
 
-    A split the raw folder has is kept, its rows renamed to the point clouds (the original's
-    split script writes absolute .nrrd paths); without one, the original's split. A CSV already
-    in `out` is the user's and is left alone (the recipe reads .nrrd and absolute rows too).
+    A CSV already in `out` is the user's and is left alone (the recipe reads .nrrd and absolute
+    rows too); one in `raw` is kept (the original's split script writes absolute .nrrd paths).
+    A split given for one side only makes the other of the remaining cases, and two given
+    splits must not share a case: the held-out skulls are never trained on. Without either, the
+    original's split.
     """
-    split = original_split(relatives)
+    given: dict[str, tuple[Path, list[str]]] = {}
     for name in ("train", "test"):
-        target, source = out / f"{name}.csv", raw / f"{name}.csv"
-        if target.is_file():
-            continue
-        if source.is_file():
-            rows = [row[0] for row in csv.reader(source.read_text().splitlines()) if row]
-            listed = [row for row in rows if row.endswith((".nrrd", ".npy"))]
-        else:
-            listed = [path.name for path in split[name]]
-        stems = [case_stem(row) for row in listed]
-        target.write_text("".join(f"complete_skull/{stem}_surf.npy\n" for stem in stems))
+        source = next((f for f in (out / f"{name}.csv", raw / f"{name}.csv") if f.is_file()), None)
+        if source is not None:
+            rows = read_path_list(source, suffixes=(".nrrd", ".npy"))
+            given[name] = (source, [case_stem(row) for _, row in rows])
+    if len(given) == 2:
+        (train_csv, train), (test_csv, test) = given["train"], given["test"]
+        shared = sorted(set(train) & set(test))
+        if shared:
+            raise DataError(
+                f"{train_csv} and {test_csv} share {len(shared)} case(s) ({', '.join(shared[:5])}"
+                f"{', ...' if len(shared) > 5 else ''}); remove them from one, so that no "
+                "held-out skull is trained on"
+            )
+        splits = {"train": train, "test": test}
+    elif len(given) == 1:
+        [(name, (source, listed))] = given.items()
+        other, taken = "test" if name == "train" else "train", set(listed)
+        cases = [case_stem(r.name) for r in relatives if r.parts[0] == "complete_skull"]
+        rest = [stem for stem in cases if stem not in taken]
+        if not rest:
+            raise DataError(
+                f"{source}: lists every case, so none is left for {other}.csv; write "
+                f"{other}.csv beside it, or list fewer cases"
+            )
+        splits = {name: listed, other: rest}
+    else:
+        split = original_split(relatives)
+        splits = {name: [case_stem(r.name) for r in cases] for name, cases in split.items()}
+    return {name: stems for name, stems in splits.items() if not (out / f"{name}.csv").is_file()}
+
+
+def write_split_csvs(out: Path, splits: dict[str, list[str]]) -> None:
+    """train.csv / test.csv of `complete_skull/<stem>_surf.npy` rows, the point clouds' names."""
+    for name, stems in splits.items():
+        rows = "".join(f"complete_skull/{stem}_surf.npy\n" for stem in stems)
+        (out / f"{name}.csv").write_text(rows)
 
 
 def merge_spacing(out: Path, spacings: dict[str, list[float] | None]) -> None:
@@ -192,12 +220,13 @@ def prepare_skullbreak(
         import trimesh  # noqa: F401
     except ImportError as err:
         raise ConfigError(
-            f"prepare needs pynrrd, PyMCubes and trimesh ({err.name} is missing): "
-            'pip install "accel-recipes[volumes]"'
+            f"prepare needs the volumes extra, pynrrd, PyMCubes and trimesh ({err.name} is "
+            'missing): pip install "accel-recipes[volumes]"'
         ) from None
     if not raw.is_dir():
         raise DataError(f"--raw {raw}: not a folder")
     relatives = volume_relatives(raw)
+    splits = plan_splits(raw, out, relatives)
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(raw / r, out / r.parent / surface_name(r), points, overwrite) for r in relatives]
     counts = {"written": 0, "skipped": 0}
@@ -213,7 +242,7 @@ def prepare_skullbreak(
     finally:  # record what finished, so a resumed run has the spacing of the skipped files
         if spacings:
             merge_spacing(out, spacings)
-    write_split_csvs(raw, out, relatives)
+    write_split_csvs(out, splits)
     return counts
 
 
