@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from accel_common.tools.ports import free_port  # re-exported for the tests
@@ -108,12 +111,33 @@ def accelerator():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def shared_dataset(
+    factory: pytest.TempPathFactory, name: str, write: Callable[[Path], object]
+) -> Path:
+    """A generated data set, written once per test run: the pytest-xdist workers of one run
+    share it (generating the crystals alone takes ~15 s), under a file lock, written whole or
+    not at all. The tests only read it."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    target = root / f"data-{name}"
+    with FileLock(f"{target}.lock"):
+        if not target.is_dir():
+            partial = target.with_name(f"{target.name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            write(partial)
+            partial.rename(target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Template data whose test split (301 rows) is not divisible by 2 processes."""
     from accel_common.data.template import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("template-data"), test_size=301)
+    return shared_dataset(
+        tmp_path_factory, "template", lambda out: write_dataset(out, test_size=301)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +145,7 @@ def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example skulls: 24 train + 6 test skulls, 5 defects each."""
     from accel_common.data.pointcloud import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("pointcloud-data"))
+    return shared_dataset(tmp_path_factory, "pointcloud", write_dataset)
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +153,7 @@ def captioning_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example captions (imagefolder layout): 800 training and 100 test images."""
     from accel_common.data.captioning import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("captioning-data"))
+    return shared_dataset(tmp_path_factory, "captioning", write_dataset)
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +161,7 @@ def crystal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example crystals: 1000 EMT-labelled structures of 1 to 64 atoms."""
     from accel_common.data.crystal import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("crystal-data"))
+    return shared_dataset(tmp_path_factory, "crystal", write_dataset)
 
 
 @pytest.fixture(scope="session")
@@ -145,4 +169,4 @@ def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """160 rated images and 6 annotators (3 experts, casual, spammer, adversarial)."""
     from accel_common.data.quality import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("quality-data"))
+    return shared_dataset(tmp_path_factory, "quality", write_dataset)
