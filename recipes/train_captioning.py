@@ -350,7 +350,8 @@ def train(
     sizes = {"image_size": image_size, "patch": patch, "dim": dim, "depth": depth}
     sizes |= {"decoder_depth": decoder_depth, "heads": heads, "max_tokens": max_tokens}
     model = Captioner(vocab_size, **sizes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # Adam with L2 weight decay, as the original (not AdamW's decoupled decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size, collate_fn=collate)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
