@@ -214,7 +214,7 @@ HELP = {
     "warmup_steps": "Optimizer steps of linear warmup.",
     "min_lr_ratio": "Floor of cosine decay, as a fraction of the peak LR.",
     "gamma": "Per-step factor of exponential decay.",
-    "weight_decay": "AdamW weight decay.",
+    "weight_decay": "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.",
     "clip_grad": "Clip the global gradient norm to this value (0 = off).",
     "mixed_precision": "no, fp16 or bf16; default: the accelerate config / launcher's choice.",
     "seed": "Seed for weights, shuffling and noise; the same on every process.",

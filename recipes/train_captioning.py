@@ -12,10 +12,10 @@ N processes x accumulation give the same gradients although captions differ in l
         --image-size 224 --patch 16 --dim 512 --depth 6 --decoder-depth 6 --heads 8
     python recipes/train_captioning.py caption --model runs/captioning/model --images DIR --out FILE
 
-Data (--data DIR, with train/ and test/ folders, or one folder of which every tenth image is held
-out): Hugging Face `imagefolder` (images + metadata.jsonl or metadata.csv with file_name and text),
-a captions.json manifest {image path: caption}, or the original's images each with a same-named
-.txt caption. See accel_common/data/captioning.py.
+Data (--data DIR, with train/ and test/ (or validation/) folders, or one folder of which every
+tenth image is held out): Hugging Face `imagefolder` (images + metadata.jsonl or metadata.csv with
+file_name and text), a captions.json manifest {image path: caption}, or the original's images
+each with a same-named .txt caption. See accel_common/data/captioning.py.
 """
 
 from __future__ import annotations
@@ -350,7 +350,8 @@ def train(
     sizes = {"image_size": image_size, "patch": patch, "dim": dim, "depth": depth}
     sizes |= {"decoder_depth": decoder_depth, "heads": heads, "max_tokens": max_tokens}
     model = Captioner(vocab_size, **sizes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # Adam with L2 weight decay, as the original (not AdamW's decoupled decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size, collate_fn=collate)
     model, optimizer, train_loader, test_loader = accelerator.prepare(

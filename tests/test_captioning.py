@@ -1,12 +1,17 @@
-"""The captioning recipe: three readers, learning in bf16, exact token means over processes, fp16's
-loss scaler through the loop, bad input."""
+"""The captioning recipe: three readers (and `datasets`' imagefolder), learning in bf16, exact token
+means over processes, fp16's loss scaler through the loop, the preprocessing cache, the tokenizer,
+bad input."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
+import datasets
+import numpy as np
 import pytest
 
 from accel_common.data.captioning import read_split, write_dataset
@@ -108,6 +113,31 @@ def test_a_single_folder_holds_out_every_tenth_image(tmp_path):
     assert not {name for name, _ in train} & {name for name, _ in test}
 
 
+def test_imagefolder_reads_as_datasets_does_with_validation_as_the_held_out_split(tmp_path):
+    """Users' HF layout gives the records `datasets.load_dataset("imagefolder")` gives, and their
+    validation/ folder is the held-out split when there is no test/."""
+    data = write_dataset(tmp_path / "d", train_images=6, test_images=3)
+    (data / "test").rename(data / "validation")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(data), cache_dir=tmp_path / "hf")
+    for split, ours in (("train", "train"), ("validation", "test")):
+        rows = loaded[split].cast_column("image", datasets.Image(decode=False))
+        theirs = [(Path(r["image"]["path"]).name, r["text"]) for r in rows]
+        folder, records = read_split(data, ours)
+        assert folder == data / split
+        assert sorted(records) == sorted(theirs) and len(records) == len(rows)
+
+
+def test_a_missing_held_out_folder_is_refused_with_what_to_add(tmp_path):
+    data = write_dataset(tmp_path / "d", train_images=3, test_images=1)
+    shutil.copytree(data / "test", data / "validation")
+    assert read_split(data, "test")[0] == data / "test"  # test/ wins over validation/
+    shutil.rmtree(data / "test")
+    shutil.rmtree(data / "validation")
+    expected = f"{data}: no test/ or validation/ folder beside train/; add one"
+    with pytest.raises(DataError, match="^" + re.escape(expected)):
+        read_split(data, "test")
+
+
 BAD_METADATA = [
     ('{"file_name": "00001.png"}', "line 2: no 'text' key"),
     ('{"file_name": "gone.png", "text": "a red square"}', "line 2: image .*gone.png not found"),
@@ -135,6 +165,120 @@ def test_a_missing_caption_column_and_a_missing_txt_are_named(tmp_path):
     (data / "train" / "metadata.csv").unlink()
     with pytest.raises(DataError, match=r"00000.png: no caption file 00000.txt beside it"):
         read_split(data, "train")
+
+
+def _without_metadata(tmp_path: Path) -> Path:
+    """A train/ folder of 3 images whose captions a test writes in another layout."""
+    data = write_dataset(tmp_path / "d", train_images=3, test_images=1)
+    (data / "train" / "metadata.jsonl").unlink()
+    return data / "train"
+
+
+BAD_MANIFESTS = [
+    ("{not json", "{file}: not JSON (Expecting property name enclosed in double quotes, line 1)"),
+    ('["00000.png", "a red square"]', "{file}: expected an object mapping image path -> caption"),
+    ('{"00000.png": "a cat", "gone.png": "a dog"}', "{file}, key 'gone.png': image {gone}"),
+    ('{"00000.png": "a cat", "00001.png": " "}', "{file}, key '00001.png': empty caption"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD_MANIFESTS)
+def test_a_bad_manifest_names_the_file_and_key(tmp_path, text, expected):
+    folder = _without_metadata(tmp_path)
+    (folder / "captions.json").write_text(text)
+    expected = expected.format(file=folder / "captions.json", gone=folder / "gone.png")
+    with pytest.raises(DataError, match="^" + re.escape(expected)):
+        read_split(folder.parent, "train")
+
+
+BAD_CSV_ROWS = [
+    ("gone.png,a red square", "line 3: image {folder}/gone.png not found"),
+    ('00001.png,""', "line 3: empty caption for 00001.png"),
+    ("00001.png", "line 3: empty caption for 00001.png"),  # the text cell is missing
+]
+
+
+@pytest.mark.parametrize(("row", "expected"), BAD_CSV_ROWS)
+def test_a_bad_metadata_csv_row_names_the_file_and_line(tmp_path, row, expected):
+    folder = _without_metadata(tmp_path)
+    (folder / "metadata.csv").write_text(f"file_name,text\n00000.png,a cat\n{row}\n")
+    expected = f"{folder / 'metadata.csv'}, {expected.format(folder=folder)}"
+    with pytest.raises(DataError, match="^" + re.escape(expected)):
+        read_split(folder.parent, "train")
+
+
+def test_an_empty_txt_caption_names_the_txt_file(tmp_path):
+    folder = _without_metadata(tmp_path)
+    for name, text in (("00000", "a cat"), ("00001", "\n"), ("00002", "a dog")):
+        (folder / f"{name}.txt").write_text(text)
+    with pytest.raises(DataError, match=f"^{re.escape(str(folder / '00001.txt'))}: empty caption"):
+        read_split(folder.parent, "train")
+
+
+def test_a_caption_over_max_tokens_names_its_image(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    recipe = load_recipe("captioning")
+    folder = _without_metadata(tmp_path)
+    records = [("00000.png", "a cat"), ("00001.png", "a red square left of a blue circle")]
+    tokenizer = recipe.train_tokenizer([text for _, text in records])
+    expected = f"{folder / '00001.png'}: its caption has 10 tokens with [BOS]/[EOS], more than "
+    expected += "--max-tokens 9; raise it"
+    for _ in range(2):  # the failed preparation left no cache behind that would hide the error
+        with pytest.raises(DataError, match="^" + re.escape(expected) + "$"):
+            recipe.prepare_split(folder, records, tokenizer, 8, max_tokens=9)
+
+
+def test_preparation_is_cached_and_rebuilt_when_an_image_or_the_size_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    recipe = load_recipe("captioning")
+    data = write_dataset(tmp_path / "d", train_images=4, test_images=1)
+    folder, records = read_split(data, "train")
+    tokenizer = recipe.train_tokenizer([text for _, text in records])
+    decoded = []
+    load_pixels = recipe.load_pixels
+
+    def counted(path: Path, size: int) -> np.ndarray:
+        decoded.append(path.name)
+        return load_pixels(path, size)
+
+    monkeypatch.setattr(recipe, "load_pixels", counted)
+
+    def prepare(size: int = 16) -> tuple[datasets.Dataset, bool, int]:
+        decoded.clear()
+        prepared, _, cached = recipe.prepare_split(folder, records, tokenizer, size, max_tokens=24)
+        return prepared, cached, len(decoded)
+
+    first, cached, decodes = prepare()
+    assert (cached, decodes) == (False, 4)
+    again, cached, decodes = prepare()
+    assert (cached, decodes) == (True, 0)  # read from the Arrow file, no image decoded
+    first, again = first[:], again[:]
+    assert again["pixels"].equal(first["pixels"])
+    assert [t.tolist() for t in again["tokens"]] == [t.tolist() for t in first["tokens"]]
+    smaller, cached, decodes = prepare(size=8)
+    assert (cached, decodes, tuple(smaller[:]["pixels"].shape)) == (False, 4, (4, 3, 8, 8))
+    touched = folder / records[0][0]
+    mtime = touched.stat().st_mtime_ns + 10**9
+    os.utime(touched, ns=(mtime, mtime))
+    _, cached, decodes = prepare()
+    assert (cached, decodes) == (False, 4)
+
+
+def test_the_saved_tokenizer_adds_bos_eos_pads_with_pad_and_maps_unseen_words_to_unk(tmp_path):
+    recipe = load_recipe("captioning")
+    path = tmp_path / "tokenizer.json"
+    captions = ["a red square", "two small green triangles", "a Red circle"]
+    recipe.train_tokenizer(captions).save(str(path))
+    tokenizer = recipe.Tokenizer.from_file(str(path))  # as `caption` loads model/tokenizer.json
+    vocab = tokenizer.get_vocab()
+    assert [vocab[t] for t in ("[PAD]", "[UNK]", "[BOS]", "[EOS]")] == [recipe.PAD_ID, 1, 2, 3]
+    short, long = tokenizer.encode_batch(["A red square", "two small green triangles"])
+    assert short.tokens == ["[BOS]", "a", "red", "square", "[EOS]", "[PAD]"]
+    assert short.ids[-1] == 0 and short.attention_mask[-1] == 0
+    assert long.tokens == ["[BOS]", "two", "small", "green", "triangles", "[EOS]"]
+    unseen = tokenizer.encode("a purple square")
+    assert unseen.tokens == ["[BOS]", "a", "[UNK]", "square", "[EOS]"]
+    assert tokenizer.decode(long.ids, skip_special_tokens=True) == "two small green triangles"
 
 
 def test_an_unreadable_image_is_named(tmp_path):

@@ -1,13 +1,15 @@
 """Image-caption pairs for the captioning recipe: three on-disk layouts, one reader, a generator.
 
-A split folder (`<data>/train`, `<data>/test`) holds images and their captions in one of:
+A split folder (`<data>/train`, and `<data>/test` or, as Hugging Face `imagefolder` users often
+name it, `<data>/validation`) holds images and their captions in one of:
 
     metadata.jsonl / metadata.csv    Hugging Face `imagefolder`: {"file_name": ..., "text": ...}
     captions.json                    a manifest: {"relative/image.png": "caption", ...}
     cat.png + cat.txt                the original's: each image with a same-named .txt caption
 
-Without `train/` and `test/` folders, `<data>` itself is read and every tenth image (by a hash
-of its name, so the split is stable as files are added) is held out for testing.
+The held-out split is `test/`, else `validation/` (so a train/validation/test layout is evaluated
+on its test images). Without any of these folders, `<data>` itself is read and every tenth image
+(by a hash of its name, so the split is stable as files are added) is held out for testing.
 
 The metadata files are read here rather than with `datasets.load_dataset("imagefolder")`,
 because a user's error must name the line and key (a missing image, an empty caption, a column
@@ -32,7 +34,7 @@ from PIL import Image, ImageDraw
 from accel_common.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
-SPLITS = ("train", "test")
+HELD_OUT = ("test", "validation")  # the first that exists is the held-out split
 
 
 def _checked(folder: Path, source: str, name: object, caption: object) -> tuple[str, str]:
@@ -116,11 +118,18 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
 
 
 def read_split(data_dir: Path, split: str) -> tuple[Path, list[tuple[str, str]]]:
-    """The images folder and records of `split` ("train" or "test")."""
-    if (data_dir / split).is_dir():
-        return data_dir / split, read_folder(data_dir / split)
-    if any((data_dir / s).is_dir() for s in SPLITS):
-        raise DataError(f"{data_dir / split}: no such folder (the other split has one)")
+    """The images folder and records of `split`: "train", or "test" for the held-out images."""
+    folders = ("train",) if split == "train" else HELD_OUT
+    for name in folders:
+        if (data_dir / name).is_dir():
+            return data_dir / name, read_folder(data_dir / name)
+    present = [name for name in ("train", *HELD_OUT) if (data_dir / name).is_dir()]
+    if present:
+        wanted = " or ".join(f"{name}/" for name in folders)
+        raise DataError(
+            f"{data_dir}: no {wanted} folder beside {present[0]}/; add one, or put all images "
+            "in one folder to hold out every tenth"
+        )
     records = read_folder(data_dir)
     held_out = [zlib.crc32(name.encode()) % 10 == 0 for name, _ in records]
     chosen = [r for r, test in zip(records, held_out, strict=True) if test == (split == "test")]
