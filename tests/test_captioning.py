@@ -30,21 +30,33 @@ from tests.scaler_check import check_overflow_is_skipped_and_resumes
 
 @pytest.fixture(scope="module")
 def trained(captioning_data, tmp_path_factory) -> Path:
-    """The example at its defaults, in bf16 on the CPU (about 20 s on 2 cores)."""
+    """The example at its defaults, fp32 (about 25 s on 2 cores)."""
     tmp = tmp_path_factory.mktemp("caption-run")
     args = ["--data", str(captioning_data), "--output-dir", str(tmp / "run")]
-    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp, script=CAPTIONING, threads=2)
+    run_recipe([*args, "--mixed-precision", "no"], cwd=tmp, script=CAPTIONING, threads=2)
     return tmp / "run"
 
 
 @pytest.mark.slow
-def test_bf16_on_the_cpu_learns_captions_from_pixels(trained):
+def test_learns_to_caption_from_pixels(trained):
     metrics = json.loads((trained / "model" / "model.json").read_text())["metrics"]
     assert metrics["n"] == 100
     assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.5, metrics
     assert metrics["cross_entropy"] < 0.3 * metrics["baseline_uniform_cross_entropy"], metrics
     assert metrics["exact_caption_share"] > 0.5, metrics
-    assert metrics_log(trained)[0]["config"]["mixed_precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_bf16_on_the_cpu_learns(captioning_data, tmp_path):
+    """3 epochs only: a CPU without bf16 instructions (this project's CI machine) emulates bf16
+    matrix products, 10-30x slower than fp32. 37 optimizer steps already put token accuracy
+    far above the majority baseline (about 0.63 against 0.165)."""
+    args = ["--data", str(captioning_data), "--output-dir", str(tmp_path / "run"), "--epochs", "3"]
+    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp_path, script=CAPTIONING, threads=2)
+    metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
+    assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.3, metrics
+    assert metrics["cross_entropy"] < 0.6 * metrics["baseline_uniform_cross_entropy"], metrics
+    assert metrics_log(tmp_path / "run")[0]["config"]["mixed_precision"] == "bf16"
 
 
 @pytest.mark.slow
