@@ -16,8 +16,12 @@ from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.neighborlist import neighbor_list
 
-from accel_common.data.crystal import knn_graph, read_frames, target_value
-from accel_common.errors import DataError
+from accel_common.data.crystal import (
+    knn_graph,
+    read_frames,
+    target_value,
+)
+from accel_common.errors import ConfigError, DataError
 from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     CRYSTAL,
@@ -56,6 +60,97 @@ def test_targets_are_found_in_info_calculator_results_and_arrays(tmp_path):
     assert target_value(first, "forces", "f", False) == pytest.approx(5.0)  # mean per-atom norm
     with pytest.raises(DataError, match=r"frame 1: no target 'band_gap'; this frame has info: "):
         target_value(frames[1], "band_gap", "frame 1", False)
+
+
+def test_a_per_atom_array_becomes_the_mean_of_per_atom_norms_and_a_stress_its_norm():
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)  # 4 atoms
+    atoms.arrays["local_e"] = np.array([1.0, -1.0, 1.0, -1.0])  # opposite signs do not cancel
+    atoms.arrays["dipoles"] = np.array([[3.0, 4.0, 0.0], [0.0, 0.0, -5.0]] * 2)
+    atoms.info["config_type"] = "bulk"
+    assert target_value(atoms, "local_e", "f", False) == pytest.approx(1.0)
+    assert target_value(atoms, "dipoles", "f", False) == pytest.approx(5.0)
+    assert target_value(atoms, "local_e", "f", per_atom=True) == pytest.approx(0.25)
+    # six atoms and a six-component (Voigt) stress: still one tensor, not six atoms
+    six = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 2))[:6]
+    stress = np.array([1.0, -2.0, 2.0, 0.0, 0.0, 0.0])
+    six.calc = SinglePointCalculator(six, stress=stress, charges=[2.0, -2.0] * 3)
+    assert target_value(six, "stress", "f", False) == pytest.approx(3.0)
+    assert target_value(six, "charges", "f", False) == pytest.approx(2.0)  # per atom, declared
+    with pytest.raises(DataError, match=r"^f: target 'config_type' is 'bulk', not a number$"):
+        target_value(atoms, "config_type", "f", False)
+
+
+def test_per_atom_arrays_are_read_back_from_an_extxyz_file(tmp_path):
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.arrays["local_e"] = np.array([1.0, -1.0, 1.0, -1.0])
+    path = tmp_path / "a.extxyz"
+    ase.io.write(path, [atoms], format="extxyz")
+    (frame,) = read_frames(path, ":")
+    assert "local_e" in frame.arrays  # an arrays column, not a calculator result
+    assert target_value(frame, "local_e", "f", False) == pytest.approx(1.0)
+
+
+def write_volumes(path: Path, count: int) -> list[float]:
+    """`count` Cu cells of growing size with their volume in info["volume"]."""
+    frames = [bulk("Cu", "fcc", a=3.5 + 0.01 * i, cubic=True) for i in range(count)]
+    for atoms in frames:
+        atoms.info["volume"] = atoms.get_volume()
+    ase.io.write(path, frames, format="extxyz")
+    return [atoms.get_volume() for atoms in frames]
+
+
+def test_index_takes_slices_and_frame_numbers_as_ase_writes_them(tmp_path):
+    path = tmp_path / "v.extxyz"
+    volumes = write_volumes(path, 5)
+
+    def selected(index: str) -> list[float]:
+        return [atoms.info["volume"] for atoms in read_frames(path, index)]
+
+    assert selected(":") == pytest.approx(volumes)
+    assert selected(":1000") == pytest.approx(volumes)  # past the end: what there is
+    assert selected(":3") == pytest.approx(volumes[:3])
+    assert selected("1::2") == pytest.approx(volumes[1::2])
+    assert selected("2") == pytest.approx([volumes[2]])
+    assert selected("-1") == pytest.approx([volumes[-1]])
+    with pytest.raises(DataError, match=r"v.extxyz: --index 7 selects no frames"):
+        read_frames(path, "7")
+    with pytest.raises(ConfigError, match=r"--index first: give a frame number or a slice"):
+        read_frames(path, "first")
+
+
+def test_a_truncated_or_malformed_file_is_a_data_error_naming_the_file_and_frame(tmp_path):
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 3)
+    lines = path.read_text().splitlines(keepends=True)  # 6 lines per 4-atom frame
+    path.write_text("".join(lines[:-2]))  # the last frame cut short
+    with pytest.raises(DataError, match=r"v.extxyz, frame 2: not a readable extended XYZ file"):
+        read_frames(path, ":")
+    assert len(read_frames(path, ":2")) == 2  # the frames before it still read
+    lines[8] = "Cu 0.0 x.y 0.0\n"  # frame 1, its third line
+    path.write_text("".join(lines))
+    with pytest.raises(DataError, match=r"v.extxyz, frame 1: not a readable extended XYZ file"):
+        read_frames(path, "::1")
+    lines[6] = "four\n"  # a broken header: ASE's scan fails before any frame is read
+    path.write_text("".join(lines))
+    with pytest.raises(DataError, match=r"v.extxyz: not a readable extended XYZ file"):
+        read_frames(path, ":")
+
+
+def test_a_singular_cell_is_refused_even_with_non_periodic(tmp_path):
+    flat = Atoms("Cu2", positions=[[0, 0, 0], [1.8, 0, 0]], pbc=True)
+    flat.cell = [[3.6, 0, 0], [0, 3.6, 0], [3.6, 3.6, 0]]  # three vectors in one plane
+    flat.info["y"] = 1.0
+    crystal = bulk("Cu", "fcc", a=3.6)
+    crystal.info["y"] = 2.0
+    path = tmp_path / "flat.extxyz"
+    ase.io.write(path, [crystal, flat], format="extxyz")
+    options = dict(index=":", target="y", per_atom=False, cutoff=4.0, max_neighbors=4, workers=1)
+    for non_periodic in (False, True):
+        with pytest.raises(
+            DataError, match=r"flat.extxyz, frame 1: periodic \(pbc \[True, True, True\]\) but "
+            r"its cell is singular \(volume 0\); give the frame three independent lattice"
+        ):  # fmt: skip
+            recipe.load_graphs(path, non_periodic=non_periodic, cache=False, **options)
 
 
 def test_a_structure_without_a_lattice_is_refused_unless_asked_for(tmp_path):
@@ -144,6 +239,19 @@ def test_a_missing_target_stops_with_one_line_naming_the_frame(crystal_data, tmp
     (line,) = result.stderr.strip().splitlines()
     assert "structures.extxyz, frame 0: no target 'band_gap'; this frame has info: " in line
     assert "calculator: ['energy', 'forces', 'stress']" in line
+
+
+@pytest.mark.slow
+def test_a_truncated_file_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 3)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-2]))  # as a copy cut off in the middle of the last frame
+    args = ["--data", str(path), "--target", "volume", "--output-dir", str(tmp_path / "run")]
+    result = run_recipe(args, cwd=tmp_path, script=CRYSTAL, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {path}, frame 2: not a readable extended XYZ file (")
 
 
 @pytest.mark.dist
