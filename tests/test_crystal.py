@@ -18,6 +18,7 @@ from ase.neighborlist import neighbor_list
 
 from accel_common.data.crystal import (
     knn_graph,
+    random_crystal,
     read_frames,
     target_value,
 )
@@ -151,6 +152,32 @@ def test_a_singular_cell_is_refused_even_with_non_periodic(tmp_path):
             r"its cell is singular \(volume 0\); give the frame three independent lattice"
         ):  # fmt: skip
             recipe.load_graphs(path, non_periodic=non_periodic, cache=False, **options)
+
+
+def test_split_is_fixed_by_its_seed_disjoint_covering_and_80_10_10():
+    parts = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    assert [len(p) for p in parts] == [40, 5, 5]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(50))  # disjoint and covering
+    again = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    other = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=124)
+    assert not np.array_equal(parts[2], other[2])
+    with pytest.raises(DataError, match=r"5 structures are too few for the split ratios"):
+        recipe.split_indices(5, (0.8, 0.1, 0.1), seed=0)
+
+
+def test_two_graph_workers_build_exactly_the_graphs_of_one(tmp_path):
+    path = tmp_path / "t.extxyz"
+    frames = [random_crystal(np.random.default_rng(seed)) for seed in range(6)]
+    for atoms in frames:
+        atoms.info["y"] = len(atoms)
+    ase.io.write(path, frames, format="extxyz")
+    options = dict(index=":", target="y", per_atom=False, cutoff=5.0, max_neighbors=6)
+    options |= dict(non_periodic=False, cache=False)
+    one, _, _ = recipe.load_graphs(path, workers=1, **options)
+    two, _, _ = recipe.load_graphs(path, workers=2, **options)
+    assert one.column_names == two.column_names and len(one) == len(two) == 6
+    assert one.to_dict() == two.to_dict()  # same rows, same order, same values
 
 
 def test_a_structure_without_a_lattice_is_refused_unless_asked_for(tmp_path):
