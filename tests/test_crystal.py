@@ -4,6 +4,7 @@ learning, exact scaling, predict, and the original's Python API."""
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from pathlib import Path
 
@@ -291,6 +292,71 @@ def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
     run_recipe([*args, "--output-dir", str(two)], cwd=tmp_path, script=CRYSTAL, nproc=2)
     assert metrics_log(two)[0]["config"]["num_processes"] == 2
     assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
+
+
+def test_the_originals_call_forms_train_in_process(tmp_path, monkeypatch):
+    """train_from_list and train_from_extxyz called with the keywords of the original's README
+    and tests; its num_workers, random_seed, graph_cache_dir and weight_decay reach the run."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ("--width", "16", "--layers", "2", "--rbf-bins", "16")
+    strucs = [bulk("Cu", "fcc", a=3.5 + 0.05 * i) for i in range(10)]
+    labels = [s.get_volume() for s in strucs]
+    metrics, model_dir = recipe.train_from_list(
+        strucs=strucs,
+        labels=labels,
+        learning_rate=0.001,
+        batch_size=4,
+        n_epochs=1,
+        train_ratio=0.6,
+        val_ratio=0.2,
+        test_ratio=0.2,
+        cutoff=6.0,
+        max_neighbors=10,
+        use_lattice=True,
+        use_angle=False,
+        output_dir="./test_output",
+        num_workers=0,
+        random_seed=42,
+        cache_graphs=True,
+        graph_cache_dir="./graph_cache",
+        weight_decay=1e-5,
+        extra_args=tiny,
+    )
+    assert metrics["test_n"] == 2 and (model_dir / "model.safetensors").is_file()
+    exported = json.loads((model_dir / "model.json").read_text())["config"]
+    assert (exported["cutoff"], exported["max_neighbors"]) == (6.0, 10)
+    run = metrics_log(Path("test_output"))[0]["config"]
+    assert (run["seed"], run["workers"], run["weight_decay"]) == (42, 0, 1e-5)
+    assert len(list(Path("graph_cache").glob("crystal-*"))) == 1
+
+    path = tmp_path / "volumes.extxyz"
+    write_volumes(path, 12)
+    metrics, model_dir = recipe.train_from_extxyz(
+        extxyz_file=str(path),
+        target_property="volume",
+        index=slice(None, 10),  # the original takes an int, a slice or ASE's string
+        n_epochs=1,
+        batch_size=4,
+        output_dir="./extxyz_output",
+        cache_graphs=False,  # the original's default; nothing left in the datasets cache
+        extra_args=tiny,
+    )
+    assert metrics["test_n"] == 1 and model_dir == Path("extxyz_output") / "model"
+
+
+def test_the_originals_arguments_without_a_counterpart_are_refused_by_name(monkeypatch):
+    call = functools.partial(recipe.train_from_extxyz, "never_read.extxyz", "energy")
+    with pytest.raises(ConfigError, match=r"^model_name='eComformer': not available here"):
+        call(model_name="eComformer")
+    with pytest.raises(ConfigError, match=r"^use_angle=True: not available here .* leave use_"):
+        call(use_angle=True)
+    with pytest.raises(ConfigError, match=r"^n_early_stopping: not an argument this recipe kn"):
+        call(n_early_stopping=50)
+    monkeypatch.setattr(recipe.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^distributed=True: this machine has 0 GPU\(s\); pass"):
+        call(distributed=True)
+    with pytest.raises(ConfigError, match=r"^3 structures but 2 labels"):
+        recipe.train_from_list(strucs=[bulk("Cu")] * 3, labels=[1.0, 2.0])
 
 
 @pytest.mark.dist
