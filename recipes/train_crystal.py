@@ -320,7 +320,9 @@ def train(
     args: TrainArgs,
     target: str = typer.Option("energy_per_atom", help=f"Target: {crystal_data.TARGET_HELP}."),
     per_atom: bool = typer.Option(False, help="Divide the target by the number of atoms."),
-    index: str = typer.Option(":", help="Frames to read, as ASE takes it: ':', ':1000', '::10'."),
+    index: str = typer.Option(
+        ":", help="Frames to read, as ASE takes it: ':', ':1000', '::10', or one frame: '5'."
+    ),
     cutoff: float = typer.Option(5.0, min=0.5, help="Neighbour cutoff in angstrom (4-6)."),
     max_neighbors: int = typer.Option(12, min=1, help="Nearest neighbours per atom (25)."),
     non_periodic: bool = typer.Option(False, help="Accept non-periodic structures (molecules)."),
