@@ -112,14 +112,17 @@ def load_graphs(
     non_periodic: bool,
     workers: int,
     cache: bool = True,
+    cache_dir: Path | None = None,
 ) -> tuple[datasets.Dataset, float, bool]:
-    """Graphs of every selected frame, from the cache when the file's bytes and the settings are
-    unchanged. Returns (graphs, seconds, whether they came from the cache)."""
+    """Graphs of every selected frame, from the cache (under `cache_dir`, else the `datasets`
+    cache) when the file's bytes and the settings are unchanged. Returns (graphs, seconds,
+    whether they came from the cache)."""
     start = time.perf_counter()
     settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 3]  # 3: format
     digest = hashlib.sha256(path.read_bytes() if path.is_file() else b"").hexdigest()
     key = hashlib.sha256(json.dumps([digest, settings]).encode()).hexdigest()[:20]
-    folder = Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes" / f"crystal-{key}"
+    cache_dir = cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes"
+    folder = cache_dir / f"crystal-{key}"
     if cache and folder.is_dir():
         return datasets.load_from_disk(str(folder)), time.perf_counter() - start, True
     frames = crystal_data.read_frames(path, index)
@@ -317,7 +320,9 @@ def train(
     args: TrainArgs,
     target: str = typer.Option("energy_per_atom", help=f"Target: {crystal_data.TARGET_HELP}."),
     per_atom: bool = typer.Option(False, help="Divide the target by the number of atoms."),
-    index: str = typer.Option(":", help="Frames to read, as ASE takes it: ':', ':1000', '::10'."),
+    index: str = typer.Option(
+        ":", help="Frames to read, as ASE takes it: ':', ':1000', '::10', or one frame: '5'."
+    ),
     cutoff: float = typer.Option(5.0, min=0.5, help="Neighbour cutoff in angstrom (4-6)."),
     max_neighbors: int = typer.Option(12, min=1, help="Nearest neighbours per atom (25)."),
     non_periodic: bool = typer.Option(False, help="Accept non-periodic structures (molecules)."),
@@ -330,6 +335,9 @@ def train(
     heads: int = typer.Option(1, min=1, help="Attention heads per convolution (1)."),
     rbf_bins: int = typer.Option(256, min=2, help="RBF centres for the edge distance (256)."),
     cache_graphs: bool = typer.Option(True, help="Keep the built graphs on disk for later runs."),
+    graph_cache_dir: Path | None = typer.Option(
+        None, help="Folder of the graph cache (default: under the Hugging Face datasets cache)."
+    ),
 ) -> dict[str, float]:
     """Train the crystal graph transformer on an extended XYZ file (or a generated example)."""
     if not math.isclose(train_ratio + val_ratio + test_ratio, 1.0, abs_tol=1e-6):
@@ -343,7 +351,7 @@ def train(
         rows, seconds, cached = load_graphs(
             path, index=index, target=target, per_atom=per_atom, cutoff=cutoff,
             max_neighbors=max_neighbors, non_periodic=non_periodic, workers=args.workers,
-            cache=cache_graphs,
+            cache=cache_graphs, cache_dir=graph_cache_dir,
         )  # fmt: skip
     accelerator.print(
         f"{len(rows)} graphs {'read from the cache' if cached else 'built'} in {seconds:.2f}s"
@@ -445,12 +453,59 @@ def predict(
 # --------------------------------------------------------------------------- Python API
 
 
+# The original's arguments that have no counterpart here, with the one value each may take:
+# this recipe is iComformer regression on the lattice-aware graph. `atom_features="cgcnn"`, the
+# original's default, stands for the element features; the model learns an embedding instead.
+FIXED_IN_THIS_RECIPE: dict[str, Any] = {
+    "model_name": "iComformer",
+    "atom_features": "cgcnn",
+    "use_lattice": True,
+    "use_angle": False,
+    "classification": False,
+    "classification_threshold": None,
+}
+
+
+def original_only_flags(options: dict[str, Any]) -> list[str]:
+    """Flags for the original's remaining arguments (its `**kwargs` go into its training
+    config); one this recipe cannot honour stops the call by name instead of being ignored."""
+    argv = []
+    for name, value in options.items():
+        if name == "weight_decay":
+            argv += ["--weight-decay", str(value)]
+        elif name not in FIXED_IN_THIS_RECIPE:
+            raise ConfigError(
+                f"{name}: not an argument this recipe knows; pass its command-line flags as "
+                "extra_args=('--flag', 'value') (python recipes/train_crystal.py --help)"
+            )
+        elif value != FIXED_IN_THIS_RECIPE[name]:
+            raise ConfigError(
+                f"{name}={value!r}: not available here (this recipe trains iComformer "
+                f"regression on the lattice-aware graph); leave {name} out"
+            )
+    return argv
+
+
+def processes_for(num_processes: int, distributed: bool) -> int:
+    """The original's `distributed=True` means every GPU of this machine, here through
+    Accelerate's launcher; an explicit `num_processes` wins."""
+    if not distributed or num_processes > 1:
+        return num_processes
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise ConfigError(
+            f"distributed=True: this machine has {gpus} GPU(s); pass num_processes=N to train "
+            "on N processes (CPU processes when there is no GPU)"
+        )
+    return gpus
+
+
 def train_from_extxyz(
     extxyz_file: str | Path,
     target_property: str,
-    index: str = ":",
-    per_atom: bool = False,
+    index: int | str | slice = ":",
     *,
+    per_atom: bool = False,
     learning_rate: float = 1e-2,
     batch_size: int = 64,
     n_epochs: int = 20,
@@ -461,23 +516,42 @@ def train_from_extxyz(
     cutoff: float = 5.0,
     max_neighbors: int = 12,
     output_dir: str | Path = "runs/crystal",
+    num_workers: int = 0,
+    random_seed: int | None = None,
     cache_graphs: bool = True,
+    graph_cache_dir: str | Path | None = None,
+    distributed: bool = False,
     num_processes: int = 1,
     extra_args: tuple[str, ...] = (),
+    **original_options: Any,
 ) -> tuple[dict[str, float], Path]:
-    """Train on an extxyz file as the original's `train_from_extxyz` does (its argument names);
-    returns the final metrics and the exported model's folder.
+    """Train on an extxyz file, called as the original's `train_from_extxyz`; returns the final
+    metrics and the exported model's folder.
 
-    With `num_processes=1` the recipe runs in this process; with N it runs on N processes
-    through `accelerate launch` (GPUs when there are, else CPU processes), so a notebook can
-    train on every GPU of its machine. `extra_args` are further command-line flags."""
-    argv = ["--data", str(extxyz_file), "--target", target_property, "--index", index]
+    The original's arguments become the recipe's flags: `num_workers` -> --workers (graph
+    building and data loading), `random_seed` -> --seed, `graph_cache_dir` -> --graph-cache-dir,
+    `weight_decay` -> --weight-decay; `index` may be an int, a slice or ASE's string. Its model
+    choices (`model_name`, `atom_features`, `use_lattice`, `use_angle`, `classification`) are
+    accepted at the values this recipe is and refused otherwise. Defaults are the recipe's.
+
+    With `num_processes=1` the recipe runs in this process; with N (or `distributed=True`: every
+    GPU) it runs on N processes through `accelerate launch` (GPUs when there are, else CPU
+    processes), so a notebook can train on every GPU of its machine. `extra_args` are further
+    command-line flags (`--width`, `--layers`, ...)."""
+    if isinstance(index, slice):
+        index = ":".join("" if v is None else str(v) for v in (index.start, index.stop, index.step))
+    argv = ["--data", str(extxyz_file), "--target", target_property, "--index", str(index)]
     argv += ["--per-atom" if per_atom else "--no-per-atom", "--lr", str(learning_rate)]
     argv += ["--bs", str(batch_size), "--epochs", str(n_epochs), "--split-seed", str(split_seed)]
     argv += ["--train-ratio", str(train_ratio), "--val-ratio", str(val_ratio)]
     argv += ["--test-ratio", str(test_ratio), "--cutoff", str(cutoff)]
     argv += ["--max-neighbors", str(max_neighbors), "--output-dir", str(output_dir)]
-    argv += ["--cache-graphs" if cache_graphs else "--no-cache-graphs", *extra_args]
+    argv += ["--cache-graphs" if cache_graphs else "--no-cache-graphs"]
+    argv += ["--workers", str(num_workers)]
+    argv += [] if random_seed is None else ["--seed", str(random_seed)]
+    argv += [] if graph_cache_dir is None else ["--graph-cache-dir", str(graph_cache_dir)]
+    argv += [*original_only_flags(original_options), *extra_args]
+    num_processes = processes_for(num_processes, distributed)
     if num_processes == 1:
         from accelerate.state import AcceleratorState
 
@@ -503,15 +577,18 @@ def train_from_extxyz(
 
 
 def train_from_list(
-    structures: list, labels: list[float], **options: Any
+    strucs: list, labels: list[float], **options: Any
 ) -> tuple[dict[str, float], Path]:
-    """Train on ASE Atoms (or pymatgen Structures) and their labels, as the original's
-    `train_from_list`: they are written to `<output_dir>.structures.extxyz` with the labels as
-    `info["target"]`, then `train_from_extxyz` runs on that file with the same options."""
+    """Train on ASE Atoms (or pymatgen Structures) and their labels, called as the original's
+    `train_from_list(strucs=..., labels=..., ...)`: they are written to
+    `<output_dir>.structures.extxyz` with the labels as `info["target"]`, then
+    `train_from_extxyz` runs on that file with the same options (its arguments, above)."""
     import ase.io
 
+    if len(strucs) != len(labels):
+        raise ConfigError(f"{len(strucs)} structures but {len(labels)} labels: give one each")
     frames = []
-    for structure, label in zip(structures, labels, strict=True):
+    for structure, label in zip(strucs, labels, strict=True):
         if not hasattr(structure, "get_chemical_symbols"):  # a pymatgen Structure
             from pymatgen.io.ase import AseAtomsAdaptor
 

@@ -4,6 +4,7 @@ learning, exact scaling, predict, and the original's Python API."""
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from pathlib import Path
 
@@ -16,8 +17,13 @@ from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.neighborlist import neighbor_list
 
-from accel_common.data.crystal import knn_graph, read_frames, target_value
-from accel_common.errors import DataError
+from accel_common.data.crystal import (
+    knn_graph,
+    random_crystal,
+    read_frames,
+    target_value,
+)
+from accel_common.errors import ConfigError, DataError
 from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     CRYSTAL,
@@ -56,6 +62,123 @@ def test_targets_are_found_in_info_calculator_results_and_arrays(tmp_path):
     assert target_value(first, "forces", "f", False) == pytest.approx(5.0)  # mean per-atom norm
     with pytest.raises(DataError, match=r"frame 1: no target 'band_gap'; this frame has info: "):
         target_value(frames[1], "band_gap", "frame 1", False)
+
+
+def test_a_per_atom_array_becomes_the_mean_of_per_atom_norms_and_a_stress_its_norm():
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)  # 4 atoms
+    atoms.arrays["local_e"] = np.array([1.0, -1.0, 1.0, -1.0])  # opposite signs do not cancel
+    atoms.arrays["dipoles"] = np.array([[3.0, 4.0, 0.0], [0.0, 0.0, -5.0]] * 2)
+    atoms.info["config_type"] = "bulk"
+    assert target_value(atoms, "local_e", "f", False) == pytest.approx(1.0)
+    assert target_value(atoms, "dipoles", "f", False) == pytest.approx(5.0)
+    assert target_value(atoms, "local_e", "f", per_atom=True) == pytest.approx(0.25)
+    # six atoms and a six-component (Voigt) stress: still one tensor, not six atoms
+    six = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 2))[:6]
+    stress = np.array([1.0, -2.0, 2.0, 0.0, 0.0, 0.0])
+    six.calc = SinglePointCalculator(six, stress=stress, charges=[2.0, -2.0] * 3)
+    assert target_value(six, "stress", "f", False) == pytest.approx(3.0)
+    assert target_value(six, "charges", "f", False) == pytest.approx(2.0)  # per atom, declared
+    with pytest.raises(DataError, match=r"^f: target 'config_type' is 'bulk', not a number$"):
+        target_value(atoms, "config_type", "f", False)
+
+
+def test_per_atom_arrays_are_read_back_from_an_extxyz_file(tmp_path):
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.arrays["local_e"] = np.array([1.0, -1.0, 1.0, -1.0])
+    path = tmp_path / "a.extxyz"
+    ase.io.write(path, [atoms], format="extxyz")
+    (frame,) = read_frames(path, ":")
+    assert "local_e" in frame.arrays  # an arrays column, not a calculator result
+    assert target_value(frame, "local_e", "f", False) == pytest.approx(1.0)
+
+
+def write_volumes(path: Path, count: int) -> list[float]:
+    """`count` Cu cells of growing size with their volume in info["volume"]."""
+    frames = [bulk("Cu", "fcc", a=3.5 + 0.01 * i, cubic=True) for i in range(count)]
+    for atoms in frames:
+        atoms.info["volume"] = atoms.get_volume()
+    ase.io.write(path, frames, format="extxyz")
+    return [atoms.get_volume() for atoms in frames]
+
+
+def test_index_takes_slices_and_frame_numbers_as_ase_writes_them(tmp_path):
+    path = tmp_path / "v.extxyz"
+    volumes = write_volumes(path, 5)
+
+    def selected(index: str) -> list[float]:
+        return [atoms.info["volume"] for atoms in read_frames(path, index)]
+
+    assert selected(":") == pytest.approx(volumes)
+    assert selected(":1000") == pytest.approx(volumes)  # past the end: what there is
+    assert selected(":3") == pytest.approx(volumes[:3])
+    assert selected("1::2") == pytest.approx(volumes[1::2])
+    assert selected("2") == pytest.approx([volumes[2]])
+    assert selected("-1") == pytest.approx([volumes[-1]])
+    with pytest.raises(DataError, match=r"v.extxyz: --index 7 selects no frames"):
+        read_frames(path, "7")
+    with pytest.raises(ConfigError, match=r"--index first: give a frame number or a slice"):
+        read_frames(path, "first")
+
+
+def test_a_truncated_or_malformed_file_is_a_data_error_naming_the_file_and_frame(tmp_path):
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 3)
+    lines = path.read_text().splitlines(keepends=True)  # 6 lines per 4-atom frame
+    path.write_text("".join(lines[:-2]))  # the last frame cut short
+    with pytest.raises(DataError, match=r"v.extxyz, frame 2: not a readable extended XYZ file"):
+        read_frames(path, ":")
+    assert len(read_frames(path, ":2")) == 2  # the frames before it still read
+    lines[8] = "Cu 0.0 x.y 0.0\n"  # frame 1, its third line
+    path.write_text("".join(lines))
+    with pytest.raises(DataError, match=r"v.extxyz, frame 1: not a readable extended XYZ file"):
+        read_frames(path, "::1")
+    lines[6] = "four\n"  # a broken header: ASE's scan fails before any frame is read
+    path.write_text("".join(lines))
+    with pytest.raises(DataError, match=r"v.extxyz: not a readable extended XYZ file"):
+        read_frames(path, ":")
+
+
+def test_a_singular_cell_is_refused_even_with_non_periodic(tmp_path):
+    flat = Atoms("Cu2", positions=[[0, 0, 0], [1.8, 0, 0]], pbc=True)
+    flat.cell = [[3.6, 0, 0], [0, 3.6, 0], [3.6, 3.6, 0]]  # three vectors in one plane
+    flat.info["y"] = 1.0
+    crystal = bulk("Cu", "fcc", a=3.6)
+    crystal.info["y"] = 2.0
+    path = tmp_path / "flat.extxyz"
+    ase.io.write(path, [crystal, flat], format="extxyz")
+    options = dict(index=":", target="y", per_atom=False, cutoff=4.0, max_neighbors=4, workers=1)
+    for non_periodic in (False, True):
+        with pytest.raises(
+            DataError, match=r"flat.extxyz, frame 1: periodic \(pbc \[True, True, True\]\) but "
+            r"its cell is singular \(volume 0\); give the frame three independent lattice"
+        ):  # fmt: skip
+            recipe.load_graphs(path, non_periodic=non_periodic, cache=False, **options)
+
+
+def test_split_is_fixed_by_its_seed_disjoint_covering_and_80_10_10():
+    parts = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    assert [len(p) for p in parts] == [40, 5, 5]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(50))  # disjoint and covering
+    again = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    other = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=124)
+    assert not np.array_equal(parts[2], other[2])
+    with pytest.raises(DataError, match=r"5 structures are too few for the split ratios"):
+        recipe.split_indices(5, (0.8, 0.1, 0.1), seed=0)
+
+
+def test_two_graph_workers_build_exactly_the_graphs_of_one(tmp_path):
+    path = tmp_path / "t.extxyz"
+    frames = [random_crystal(np.random.default_rng(seed)) for seed in range(6)]
+    for atoms in frames:
+        atoms.info["y"] = len(atoms)
+    ase.io.write(path, frames, format="extxyz")
+    options = dict(index=":", target="y", per_atom=False, cutoff=5.0, max_neighbors=6)
+    options |= dict(non_periodic=False, cache=False)
+    one, _, _ = recipe.load_graphs(path, workers=1, **options)
+    two, _, _ = recipe.load_graphs(path, workers=2, **options)
+    assert one.column_names == two.column_names and len(one) == len(two) == 6
+    assert one.to_dict() == two.to_dict()  # same rows, same order, same values
 
 
 def test_a_structure_without_a_lattice_is_refused_unless_asked_for(tmp_path):
@@ -146,6 +269,19 @@ def test_a_missing_target_stops_with_one_line_naming_the_frame(crystal_data, tmp
     assert "calculator: ['energy', 'forces', 'stress']" in line
 
 
+@pytest.mark.slow
+def test_a_truncated_file_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 3)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-2]))  # as a copy cut off in the middle of the last frame
+    args = ["--data", str(path), "--target", "volume", "--output-dir", str(tmp_path / "run")]
+    result = run_recipe(args, cwd=tmp_path, script=CRYSTAL, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {path}, frame 2: not a readable extended XYZ file (")
+
+
 @pytest.mark.dist
 def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
     """Each structure weighs the same in the loss (a mean over structures) and LayerNorm, not
@@ -156,6 +292,71 @@ def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
     run_recipe([*args, "--output-dir", str(two)], cwd=tmp_path, script=CRYSTAL, nproc=2)
     assert metrics_log(two)[0]["config"]["num_processes"] == 2
     assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
+
+
+def test_the_originals_call_forms_train_in_process(tmp_path, monkeypatch):
+    """train_from_list and train_from_extxyz called with the keywords of the original's README
+    and tests; its num_workers, random_seed, graph_cache_dir and weight_decay reach the run."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ("--width", "16", "--layers", "2", "--rbf-bins", "16")
+    strucs = [bulk("Cu", "fcc", a=3.5 + 0.05 * i) for i in range(10)]
+    labels = [s.get_volume() for s in strucs]
+    metrics, model_dir = recipe.train_from_list(
+        strucs=strucs,
+        labels=labels,
+        learning_rate=0.001,
+        batch_size=4,
+        n_epochs=1,
+        train_ratio=0.6,
+        val_ratio=0.2,
+        test_ratio=0.2,
+        cutoff=6.0,
+        max_neighbors=10,
+        use_lattice=True,
+        use_angle=False,
+        output_dir="./test_output",
+        num_workers=0,
+        random_seed=42,
+        cache_graphs=True,
+        graph_cache_dir="./graph_cache",
+        weight_decay=1e-5,
+        extra_args=tiny,
+    )
+    assert metrics["test_n"] == 2 and (model_dir / "model.safetensors").is_file()
+    exported = json.loads((model_dir / "model.json").read_text())["config"]
+    assert (exported["cutoff"], exported["max_neighbors"]) == (6.0, 10)
+    run = metrics_log(Path("test_output"))[0]["config"]
+    assert (run["seed"], run["workers"], run["weight_decay"]) == (42, 0, 1e-5)
+    assert len(list(Path("graph_cache").glob("crystal-*"))) == 1
+
+    path = tmp_path / "volumes.extxyz"
+    write_volumes(path, 12)
+    metrics, model_dir = recipe.train_from_extxyz(
+        extxyz_file=str(path),
+        target_property="volume",
+        index=slice(None, 10),  # the original takes an int, a slice or ASE's string
+        n_epochs=1,
+        batch_size=4,
+        output_dir="./extxyz_output",
+        cache_graphs=False,  # the original's default; nothing left in the datasets cache
+        extra_args=tiny,
+    )
+    assert metrics["test_n"] == 1 and model_dir == Path("extxyz_output") / "model"
+
+
+def test_the_originals_arguments_without_a_counterpart_are_refused_by_name(monkeypatch):
+    call = functools.partial(recipe.train_from_extxyz, "never_read.extxyz", "energy")
+    with pytest.raises(ConfigError, match=r"^model_name='eComformer': not available here"):
+        call(model_name="eComformer")
+    with pytest.raises(ConfigError, match=r"^use_angle=True: not available here .* leave use_"):
+        call(use_angle=True)
+    with pytest.raises(ConfigError, match=r"^n_early_stopping: not an argument this recipe kn"):
+        call(n_early_stopping=50)
+    monkeypatch.setattr(recipe.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^distributed=True: this machine has 0 GPU\(s\); pass"):
+        call(distributed=True)
+    with pytest.raises(ConfigError, match=r"^3 structures but 2 labels"):
+        recipe.train_from_list(strucs=[bulk("Cu")] * 3, labels=[1.0, 2.0])
 
 
 @pytest.mark.dist

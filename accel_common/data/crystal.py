@@ -3,8 +3,9 @@
 Reading: ASE reads the frames of an .extxyz file (`index` as ASE takes it: ":", ":1000",
 "::10"). A target is looked up where real files keep it: the frame's `info`, the calculator
 results ASE fills from `energy`/`forces`/`stress`/`virial` (current ASE reads `energy` back that
-way, not into `info`), then per-atom arrays; arrays become one number per structure as the
-original does, the mean of the per-atom (or per-component) norms.
+way, not into `info`), then per-atom arrays. A per-atom array (from `arrays`, or a calculator
+result that ASE declares per atom, such as forces) becomes one number per structure as the mean
+over atoms of each atom's norm |x_i|; any other array (a Voigt stress, a virial) its norm.
 
 Graphs: for every atom, its `max_neighbors` nearest neighbours within `cutoff` angstrom among
 all periodic images. The neighbour search is matscipy's (C, the same "ijdD" interface as ASE's
@@ -22,45 +23,78 @@ from pathlib import Path
 
 import numpy as np
 
-from accel_common.errors import DataError
+from accel_common.errors import ConfigError, DataError
 
 ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt")
 TARGET_HELP = "info key, calculator result (energy, forces, stress, ...) or per-atom array"
 
 
 def read_frames(path: Path, index: str) -> list:
-    """The frames of an extended XYZ file; errors name the file."""
+    """The frames of an extended XYZ file selected by `index` as ASE takes it (":", ":1000",
+    "::10", "5"). A truncated or malformed frame is a DataError naming the file, and the frame
+    when a selected frame before it was read (before that, the error may come from ASE's scan
+    of all the frame headers, which does not say which)."""
     import ase.io
+    from ase.utils import string2index
 
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     try:
-        frames = ase.io.read(path, index=index, format="extxyz")
-    except (ValueError, KeyError, IndexError, StopIteration) as err:
-        raise DataError(f"{path}: not a readable extended XYZ file ({err})") from None
-    frames = frames if isinstance(frames, list) else [frames]
+        selection = string2index(index)  # "abc" comes back as a string, "1:2:3:4" raises
+    except (TypeError, ValueError):
+        selection = None
+    if not isinstance(selection, int | slice):
+        raise ConfigError(f"--index {index}: give a frame number or a slice (':', ':1000', '::10')")
+    frames = []
+    try:
+        for atoms in ase.io.iread(path, index=selection, format="extxyz"):
+            frames.append(atoms)
+    except (OSError, ValueError, KeyError, IndexError) as err:  # ase's XYZError is an OSError
+        where = f"{path}{_failed_frame(selection, len(frames))}"
+        raise DataError(
+            f"{where}: not a readable extended XYZ file ({err}); fix the file, or select the "
+            "frames before the broken one with --index"
+        ) from None
     if not frames:
         raise DataError(f"{path}: --index {index} selects no frames")
     return frames
 
 
-def _reduce(value: object, name: str) -> float:
-    """A scalar as it is; an array as the mean norm of its rows (one row per atom), or its
-    norm when it is one vector (a stress or virial)."""
-    array = np.asarray(value, dtype=float)
+def _failed_frame(selection: int | slice, frames_read: int) -> str:
+    """Names the frame after the `frames_read` selected ones (", frame N") when that is known."""
+    if isinstance(selection, int) or not frames_read:
+        return ""
+    start, step = selection.start or 0, selection.step or 1
+    return f", frame {start + frames_read * step}" if start >= 0 and step > 0 else ""
+
+
+def _reduce(value: object, rows_are_atoms: bool, where: str, name: str) -> float:
+    """A scalar as it is; a per-atom array (one row per atom) as the mean over atoms of |x_i|,
+    so opposite forces or charges do not cancel; any other array (a stress) as its norm."""
+    try:
+        array = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: target '{name}' is {value!r}, not a number") from None
     if array.ndim == 0:
         return float(array)
-    if array.ndim == 1:
-        return float(np.linalg.norm(array))
-    return float(np.linalg.norm(array.reshape(len(array), -1), axis=1).mean())
+    if rows_are_atoms:
+        return float(np.linalg.norm(array.reshape(len(array), -1), axis=1).mean())
+    return float(np.linalg.norm(array))
 
 
 def target_value(atoms: object, name: str, where: str, per_atom: bool) -> float:
     """The target of one frame, looked up in info, calculator results, then per-atom arrays."""
+    from ase.outputs import all_outputs
+
     results = getattr(atoms.calc, "results", {}) if atoms.calc is not None else {}
-    for source in (atoms.info, results, atoms.arrays):
+    declared_per_atom = name in all_outputs and all_outputs[name].shapespec[:1] == ("natoms",)
+    for source, rows_are_atoms in (
+        (atoms.info, False),
+        (results, declared_per_atom),
+        (atoms.arrays, True),
+    ):
         if name in source:
-            value = _reduce(source[name], name)
+            value = _reduce(source[name], rows_are_atoms, where, name)
             break
     else:
         keys = [f"info: {sorted(atoms.info)}", f"calculator: {sorted(results)}"]
@@ -74,14 +108,19 @@ def target_value(atoms: object, name: str, where: str, per_atom: bool) -> float:
 
 
 def check_periodic(atoms: object, where: str, allow_molecules: bool) -> None:
-    """A crystal needs a lattice: pbc on all three axes and a non-singular cell."""
-    if allow_molecules:
-        return
-    if not atoms.pbc.all() or abs(np.linalg.det(atoms.cell.array)) < 1e-8:
+    """A crystal needs a lattice: pbc on all three axes and a non-singular cell. A frame that is
+    periodic along some axis with a singular cell has no lattice to repeat, even as a molecule."""
+    volume = abs(np.linalg.det(atoms.cell.array))
+    if atoms.pbc.any() and volume < 1e-8:
         raise DataError(
-            f"{where}: not a periodic crystal (pbc {atoms.pbc.tolist()}, cell volume "
-            f"{abs(np.linalg.det(atoms.cell.array)):.3g}); pass --non-periodic to build plain "
-            "neighbour graphs for molecules"
+            f"{where}: periodic (pbc {atoms.pbc.tolist()}) but its cell is singular (volume "
+            f"{volume:.3g}); give the frame three independent lattice vectors, or pbc F F F "
+            "for a molecule"
+        )
+    if not allow_molecules and not atoms.pbc.all():
+        raise DataError(
+            f"{where}: not a periodic crystal (pbc {atoms.pbc.tolist()}); pass --non-periodic "
+            "to build plain neighbour graphs for molecules"
         )
 
 
