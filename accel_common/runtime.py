@@ -7,7 +7,9 @@ them one at a time; `accel_common.options.TrainArgs` maps the shared recipe flag
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import typer
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
@@ -35,6 +38,8 @@ from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, exit
 from accel_common.tracking import ReportTo, trackers_for
 
 EXAMPLE_DATA_ROOT = Path("data/example")
+# 2 CPU processes over gloo: what train_in_python launches on a machine without GPUs
+CPU_CONFIG = Path(__file__).resolve().parents[1] / "accelerate_configs" / "cpu_2proc.yaml"
 
 
 def make_accelerator(
@@ -249,3 +254,34 @@ def run_recipe(train: Callable[..., Any], **subcommands: Callable[..., Any]) -> 
     app.command()(exit_on_error(chosen))
     prog = Path(sys.argv[0]).name + (f" {name}" if name else "")
     app(args=argv[1:] if name else argv, prog_name=prog)
+
+
+def train_in_python(
+    train: Callable[..., Any],
+    argv: list[str],
+    output_dir: Path,
+    num_processes: int = 1,
+    *,
+    script: Path,
+) -> tuple[dict[str, float], Path]:
+    """Run a recipe's training command from Python (a notebook, a script): in this process, or on
+    N processes through Accelerate's launcher (one per GPU when there are GPUs, else CPU processes
+    over gloo). `argv` are its command-line flags. Returns the final metrics and the exported
+    model's folder."""
+    model_dir = output_dir / "model"
+    if num_processes == 1:
+        AcceleratorState._reset_state(reset_partial_state=True)  # a notebook may train twice
+        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+        app.command()(train)
+        metrics = typer.main.get_command(app).main(
+            args=argv, prog_name=script.name, standalone_mode=False
+        )
+        return metrics, model_dir
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes"]
+    launch += [str(num_processes), "--main_process_ip", "127.0.0.1"]
+    if torch.cuda.is_available():
+        launch += ["--multi_gpu"]
+    else:
+        launch += ["--config_file", str(CPU_CONFIG)]
+    subprocess.run([*launch, str(script), *argv], check=True)
+    return json.loads((model_dir / "model.json").read_text())["metrics"], model_dir

@@ -29,8 +29,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -56,7 +54,7 @@ from accel_common.data import crystal as crystal_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe
+from accel_common.runtime import resolve_data, run_recipe, train_in_python
 
 RECIPE = "crystal"
 
@@ -552,28 +550,7 @@ def train_from_extxyz(
     argv += [] if graph_cache_dir is None else ["--graph-cache-dir", str(graph_cache_dir)]
     argv += [*original_only_flags(original_options), *extra_args]
     num_processes = processes_for(num_processes, distributed)
-    if num_processes == 1:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state(reset_partial_state=True)  # a notebook may train twice
-        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-        app.command()(train)
-        metrics = typer.main.get_command(app).main(
-            args=argv, prog_name="train_crystal", standalone_mode=False
-        )
-        return metrics, Path(output_dir) / "model"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes"]
-    launch += [str(num_processes), "--main_process_ip", "127.0.0.1"]
-    if torch.cuda.is_available():
-        launch += ["--multi_gpu"]
-    else:
-        launch += [
-            "--config_file",
-            str(Path(__file__).parents[1] / "accelerate_configs" / "cpu_2proc.yaml"),
-        ]
-    subprocess.run([*launch, __file__, *argv], check=True)
-    model_dir = Path(output_dir) / "model"
-    return json.loads((model_dir / "model.json").read_text())["metrics"], model_dir
+    return train_in_python(train, argv, Path(output_dir), num_processes, script=Path(__file__))
 
 
 def train_from_list(
