@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
-import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError
@@ -53,28 +49,6 @@ FSDP_FULL_FILE = "pytorch_model_fsdp{suffix}.bin"
 FSDP_SHARDED_DIR = "pytorch_model_fsdp_{index}"
 DCP_METADATA = ".metadata"
 DCP_MODEL_KEY = "model"
-# `.metadata` is a pickle. These are the only globals DCP's own metadata pickles reference (plus
-# torch dtypes); anything else is refused, so reading it cannot run code. pathlib appears because
-# DCP records the folder it saved to (`pathlib._local` on Python >= 3.13).
-_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
-DCP_METADATA_GLOBALS: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-    "pathlib": _PATHS,
-    "pathlib._local": _PATHS,
-}
 
 
 @dataclass
@@ -481,87 +455,6 @@ def _accelerate_folder_weights(folder: Path, model_index: int) -> Path:
     )
 
 
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's pickled `.metadata` index, refusing every global outside that format."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in DCP_METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(
-            f"the DCP index refers to {module}.{name}, which is not part of torch.distributed."
-            "checkpoint's metadata, so it was not loaded (unpickling it could run arbitrary code). "
-            "If you trust this checkpoint, merge it with `accelerate merge-weights`, which "
-            "unpickles it unchecked"
-        )
-
-
-def read_dcp_metadata(folder: Path) -> dcp.Metadata:
-    """The index of a DCP folder (tensor shapes, dtypes, and which shard file holds each chunk)."""
-    path = Path(folder) / DCP_METADATA
-    try:
-        with path.open("rb") as stream:
-            metadata = _DCPMetadataUnpickler(stream).load()
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{path} is unreadable, corrupt or truncated: {err}") from err
-    if not isinstance(metadata, dcp.Metadata):
-        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
-    return metadata
-
-
-class _CheckedMetadataReader(dcp.FileSystemReader):
-    """DCP's file reader, handed the index already read by `read_dcp_metadata`.
-
-    FileSystemReader.read_metadata would `pickle.load` the index unchecked; the shards themselves
-    are read with torch.load(weights_only=True) by DCP.
-    """
-
-    def __init__(self, folder: Path, metadata: dcp.Metadata) -> None:
-        super().__init__(folder)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
-        return self._metadata
-
-
-def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
-    """Merge the model shards of a DCP folder (FSDP SHARDED_STATE_DICT) into full CPU tensors.
-
-    Accelerate saves `{"model": state_dict}`, so entries are named `model.<parameter>`; the
-    parameter names come from the index's own key paths, never from splitting on dots.
-    Non-tensor entries are skipped: an export holds tensors only.
-    """
-    folder = Path(folder)
-    metadata = read_dcp_metadata(folder)
-    paths = metadata.planner_data or {}
-    entries = {
-        fqn: meta
-        for fqn, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    tops = sorted({str(paths.get(fqn, (fqn,))[0]) for fqn in entries})
-    if tops != [DCP_MODEL_KEY]:
-        raise CheckpointError(
-            f"{folder}: not a model checkpoint saved by Accelerate under FSDP (its top-level keys "
-            f"are [{', '.join(tops)}], expected [{DCP_MODEL_KEY}]); an optimizer_N folder holds "
-            f"optimizer state, the weights are in {FSDP_SHARDED_DIR.format(index='N')}"
-        )
-    state = {
-        fqn: torch.empty(meta.size, dtype=meta.properties.dtype) for fqn, meta in entries.items()
-    }
-    try:
-        with warnings.catch_warnings():  # single-process on purpose; DCP warns about that
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_CheckedMetadataReader(folder, metadata), no_dist=True)
-    except (Exception, dcp.CheckpointException) as err:  # DCP wraps shard errors in the latter
-        raise CheckpointError(
-            f"{folder}: the shard files are missing, corrupt or truncated "
-            f"({type(err).__name__}: {str(err).strip().splitlines()[-1]})"
-        ) from err
-    return {".".join(map(str, paths[fqn][1:])): tensor for fqn, tensor in state.items()}
-
-
 def file_kind(path: Path) -> str | None:
     """'safetensors', 'torch' (a torch.save zip archive or legacy pickle) or None, by content."""
     with Path(path).open("rb") as handle:
@@ -581,6 +474,9 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
     if source.is_dir() and not (source / DCP_METADATA).is_file():
         source = _accelerate_folder_weights(source, model_index)
     if source.is_dir():
+        # imported here: torch.distributed.checkpoint costs a recipe ~1.3 s of start-up
+        from accel_common.dcp_reader import read_dcp_model
+
         return read_dcp_model(source)
     kind = file_kind(source)
     if kind is None and source.suffix == ".safetensors":
