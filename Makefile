@@ -78,13 +78,15 @@ train-multinode: install check-recipe
 	  --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) --rdzv_backend c10d)
 
 # lint first (fast), then the suite on TEST_WORKERS pytest-xdist workers (0: one process), each
-# test module on one worker, so a module's trained fixture runs once; PYTEST_ARGS="-k resume"
-# narrows it
+# test module on one worker, so a module's trained fixture runs once; one thread per worker, and
+# idle OpenMP threads sleep rather than spin (two busy workers share the 2 cores of CI);
+# PYTEST_ARGS="-k resume" narrows it
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=10 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(TEST_WORKERS) \
+	  --dist loadscope --durations=10 $(PYTEST_ARGS)
 
 # the GPU suite (tests/gpu; skipped where CUDA is absent, so CI never runs it), one recipe per
 # pytest-xdist worker on the one GPU; logs and measured tolerances go to GPU_OUT

@@ -31,13 +31,11 @@ import csv
 import math
 from pathlib import Path
 
-import timm
 import torch
 import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from PIL import Image, UnidentifiedImageError
-from scipy.stats import kendalltau, spearmanr
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -101,6 +99,10 @@ class QualityScorer(nn.Module):
         self, backbone: str, num_annotators: int, dropout: float, pretrained: bool = False
     ) -> None:
         super().__init__()
+        # imported here, as scipy below: timm (torchvision behind it) takes ~6 s to import, and
+        # a run with bad data or flags is refused before any model is built
+        import timm
+
         self.backbone = timm.create_model(backbone, pretrained=pretrained, num_classes=0)
         self.head = nn.Sequential(
             nn.Linear(self.backbone.num_features, 512),
@@ -150,6 +152,8 @@ def rank_correlations(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """Spearman's rho and Kendall's tau-b, both with ties handled (scipy): tied scores share
     their average rank, so the result does not depend on the order of the rows. The win-rate
     baseline ties often; breaking its ties arbitrarily would understate it."""
+    from scipy.stats import kendalltau, spearmanr
+
     x, y = a.double().numpy(), b.double().numpy()
     return float(spearmanr(x, y).statistic), float(kendalltau(x, y, variant="b").statistic)
 

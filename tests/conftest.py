@@ -36,6 +36,10 @@ def recipe_env(tmp: Path, threads: int = 1) -> dict[str, str]:
     return {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
+        # idle OpenMP threads sleep instead of spinning: beside another busy process (a test
+        # running on the other pytest-xdist worker), spinning threads made a 2-thread run 2x
+        # slower; passive, it ran as fast as alone
+        "OMP_WAIT_POLICY": "PASSIVE",
         "PYTHONUNBUFFERED": "1",
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
