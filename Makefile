@@ -4,6 +4,7 @@
 #   make train RECIPE=template ARGS="--epochs 5"
 #   make train-8gpu RECIPE=template ARGS="--bs 512"
 #   make train-multinode NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500
+#   make train-8gpu MAX_RESTARTS=3 ARGS="--save-every 500"   (restart after a rank dies)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -21,6 +22,9 @@ NODE_RANK ?= 0
 # default would leave the other nodes waiting for a head that is not there)
 MASTER_ADDR ?=
 MASTER_PORT ?= 29500
+# launch targets: restarts of the worker group after a rank dies (torch elastic); the restarted
+# workers continue from the newest complete checkpoint by themselves (docs/multinode.md)
+MAX_RESTARTS ?= 0
 STAMP := $(VENV)/.installed
 # the GPU targets write their logs and tables here; SETUP= skips the install step on a machine
 # whose python already holds the packages (then name its folder: BIN=/path/to/venv/bin)
@@ -38,7 +42,7 @@ define launch
 	@cfg="$(or $(CONFIG),$(1))"; test -f "$$cfg" || { echo "error: CONFIG=$$cfg: no such" \
 	  "accelerate config file; choose one of: $(wildcard accelerate_configs/*.yaml)" >&2; exit 2; }; \
 	set -x; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(LAUNCH) $(BIN)/accelerate launch \
-	  --config_file "$$cfg" $(2) $(SCRIPT) $(ARGS)
+	  --config_file "$$cfg" $(2) --max_restarts $(MAX_RESTARTS) $(SCRIPT) $(ARGS)
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \

@@ -59,6 +59,7 @@ class TrainProgress:
     epoch: int = 0
     samples_in_epoch: int = 0
     skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped after an overflow
+    nonfinite_skipped: int = 0  # --on-nonfinite skip: steps skipped on every process
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""

@@ -15,6 +15,9 @@ R = TypeVar("R")
 EXIT_USER_ERROR = 2
 EXIT_DIST_FAILURE = 3  # a collective failed: another process died or hangs
 EXIT_LAUNCHER_GONE = 4  # the launcher was killed; the worker stopped on its own
+# preempted (SIGTERM/SIGUSR1): a checkpoint of the step in progress was saved; requeue the job.
+# 75 is EX_TEMPFAIL in sysexits.h, "try again later"; the SLURM scripts requeue on it
+EXIT_PREEMPTED = 75
 
 
 class RecipeError(Exception):
@@ -35,6 +38,11 @@ class CheckpointError(RecipeError):
 
 class NonFiniteError(RecipeError):
     """The loss or the weights became NaN or infinite: nothing more is saved or exported."""
+
+
+class Preempted(Exception):
+    """A stop signal arrived, every process finished the same optimizer step, and the state
+    was saved: not an error, so it leaves with its own exit code (EXIT_PREEMPTED)."""
 
 
 def is_main_launch_process() -> bool:
@@ -86,7 +94,8 @@ def one_line(err: RecipeError) -> str:
 
 def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0) and exit code 2,
-    and a failed collective into `error (rank N): ...` from each process that sees it, exit code 3.
+    a failed collective into `error (rank N): ...` from each process that sees it, exit code 3,
+    and a preemption into `preempted: ...` (rank 0) and exit code 75.
 
     A dead or hung peer shows up on the survivors as a gloo/NCCL error deep inside backward();
     one line saying what happened beats a 40-line traceback from the wrong process.
@@ -100,6 +109,13 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             if is_main_launch_process():
                 print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except Preempted as stop:
+            if is_main_launch_process():
+                print(f"preempted: {stop}", file=sys.stderr, flush=True)
+            elif os.environ.get("LOCAL_RANK") == "0":  # every node's launcher must see it
+                rank = os.environ.get("RANK", "?")
+                print(f"preempted (rank {rank}): saved too", file=sys.stderr, flush=True)
+            sys.exit(EXIT_PREEMPTED)
         except RuntimeError as err:
             message = describe_distributed_failure(err, kwargs.get("dist_timeout"))
             if message is None:

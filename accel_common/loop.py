@@ -31,21 +31,38 @@ optimizer step of the previous one:
 depend on the epoch are the same on 1 or N processes), and skips what a resumed run already
 trained on. A run resumed after it had finished yields one epoch with no batches, so the
 recipe's evaluation runs again and the export carries its metrics.
+
+Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
+processes all-reduce one small flag vector (any non-finite loss in the step, any stop signal
+received), so every process sees the same answer at the same step:
+
+- a non-finite loss stops the run there (`on_nonfinite="stop"`), naming the step, the
+  processes and the last good checkpoint; with `"skip"` the gradients are checked in
+  `clip_gradients` and a step whose gradients are non-finite on any process is skipped on all;
+- SIGTERM or SIGUSR1 (a scheduler's warning) lets every process finish the optimizer step in
+  progress, saves it, and raises `Preempted` (exit code 75: requeue me);
+- a process the launcher restarted (torchrun / `accelerate launch --max_restarts`, or a SLURM
+  requeue) resumes from the newest complete checkpoint without being told to.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
 from torch.utils.data import DataLoader
 
 from accel_common.batching import BatchPlan
@@ -61,7 +78,7 @@ from accel_common.checkpoint import (
 )
 from accel_common.console import print_banner, say
 from accel_common.data.files import folder_fingerprint
-from accel_common.errors import CheckpointError, ConfigError, NonFiniteError
+from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
 from accel_common.lr import LRSchedule
 from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
 
@@ -76,7 +93,29 @@ NOT_IDENTITY = frozenset(
         "report_to", "wandb_project", "wandb_name",
     }
 )  # fmt: skip
-ADJUSTABLE = frozenset({"lr", "clip_grad"})
+ADJUSTABLE = frozenset({"lr", "clip_grad", "on_nonfinite"})
+# what a scheduler sends before it ends a job: SLURM (--signal=USR1@120, then SIGTERM at the end),
+# Kubernetes and torchrun's agent (SIGTERM)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class OnNonFinite(str, Enum):
+    stop = "stop"
+    skip = "skip"
+
+
+def launcher_restart() -> str | None:
+    """How this process was restarted, or None for a first start: torch elastic (torchrun,
+    `accelerate launch --max_restarts N`) counts its restarts of the worker group in
+    TORCHELASTIC_RESTART_COUNT; SLURM counts requeues of the job in SLURM_RESTART_COUNT."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if count not in ("", "0"):
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        return f"restart {count} of {limit} by the launcher"
+    count = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if count not in ("", "0"):
+        return f"SLURM requeue {count}"
+    return None
 
 
 class TrainLoop:
@@ -107,18 +146,32 @@ class TrainLoop:
         clip_grad: float = 0.0,
         tracker_project: str | None = None,
         tracker_run_name: str | None = None,
+        on_nonfinite: OnNonFinite | str = OnNonFinite.stop,
     ) -> None:
         self.accelerator, self.plan, self.loader = accelerator, plan, loader
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
         self.save_every, self.keep_last, self.clip_grad = save_every, keep_last, clip_grad
+        self.on_nonfinite = OnNonFinite(on_nonfinite)
+        if self.on_nonfinite is OnNonFinite.skip and (
+            accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
+            raise ConfigError(
+                "--on-nonfinite skip does not work under DeepSpeed, whose engine takes the "
+                "optimizer step itself; use --on-nonfinite stop (fp16 runs: DeepSpeed's loss "
+                "scaler already skips overflowing steps)"
+            )
         self.metrics: dict[str, float] = {}
         self.train_seconds = 0.0
         self.last_saved: Path | None = None
         self._epoch_number = 0
-        self._last_finite_step = 0
         self._grad_norm: torch.Tensor | None = None
         self._recorded = False
+        self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
+        self._flags: tuple[int, int] | None = None  # reduced early by clip_gradients (skip mode)
+        self._skip_step = False
+        self._stop_signal: signal.Signals | None = None
+        self._previous_handlers: dict[signal.Signals, Any] = {}
         self.identity = run_identity(recipe, config, plan, data_dir)
 
         print_banner(
@@ -129,6 +182,7 @@ class TrainLoop:
             total_steps=self.total_steps,
         )
         self.progress = self._resume(resume, overwrite)
+        self._catch_stop_signals()
         start_tracking(
             accelerator,
             project=tracker_project or f"accel-recipes-{recipe}",
@@ -197,17 +251,30 @@ class TrainLoop:
         """Call between `backward` and `optimizer.step()`: on the micro-batch that ends an
         accumulation window, clip the gradient norm to `clip_grad` (if set) and keep the norm
         for logging (measured only on logging steps when not clipping). Elsewhere a no-op:
-        clipping a partial sum of gradients would change the update."""
+        clipping a partial sum of gradients would change the update.
+
+        With `on_nonfinite="skip"` it also decides, on every process alike, whether this step is
+        taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
+        gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
+        Under fp16 the loss scaler makes that decision itself."""
         if not self.accelerator.sync_gradients:
             return
+        skip_mode = self.on_nonfinite is OnNonFinite.skip and self.accelerator.scaler is None
         if self.clip_grad > 0:
             self._grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.clip_grad)
-        elif self.log.logs_at(self.progress.step + 1):
+        elif skip_mode or self.log.logs_at(self.progress.step + 1):
             self._grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        if skip_mode:
+            self._flags = self._reduce_flags(grad_norm=self._grad_norm)
+            self._skip_step = self._flags[0] > 0
+            if self._skip_step:
+                for parameter in model.parameters():
+                    parameter.grad = None  # optimizers pass over parameters without a gradient
 
     def record(self, loss: torch.Tensor) -> None:
-        """The micro-batch's loss, for the logged means (no host sync: summed on the device)."""
-        self.log.add_loss(loss)
+        """The micro-batch's loss, for the logged means and the step's non-finite check (no host
+        sync: kept on the device until the optimizer step ends)."""
+        self._window_losses.append(loss.detach())
         self._recorded = True
 
     def _after_micro_batch(self) -> bool:
@@ -218,11 +285,28 @@ class TrainLoop:
         self.progress.samples_in_epoch += self.plan.per_device_batch_size * self.plan.num_processes
         if not self.accelerator.sync_gradients:
             return False  # mid-accumulation: no optimizer step happened
+        skip_mode = self.on_nonfinite is OnNonFinite.skip and self.accelerator.scaler is None
+        if skip_mode and self._flags is None:
+            raise RuntimeError(
+                "TrainLoop: --on-nonfinite skip needs loop.clip_gradients(model) between "
+                "accelerator.backward(loss) and optimizer.step()"
+            )
+        nonfinite, stop_signals = self._flags or self._reduce_flags()
+        skipped, self._flags, self._skip_step = self._skip_step, None, False
         self.scheduler.step()
         self.progress.step += 1
         fp16 = self.accelerator.scaler is not None
         if fp16 and self.accelerator.optimizer_step_was_skipped:
             self.progress.skipped_steps += 1  # inf/NaN gradients: the scaler halved its scale
+            skipped = self.on_nonfinite is OnNonFinite.skip
+        losses, self._window_losses = self._window_losses, []
+        if skipped:
+            self._skipped_nonfinite()
+        elif nonfinite:
+            self._nonfinite_loss(losses)
+        else:
+            for loss in losses:
+                self.log.add_loss(loss)
         logged = self.log.step(self.progress.step, self.scheduler, self._grad_norm)
         self._grad_norm = None
         if logged is not None and fp16:
@@ -231,9 +315,77 @@ class TrainLoop:
             )
         if logged is not None:
             self._require_finite(logged)  # every process sees the same reduced value
+        if stop_signals and not self.done:
+            self._preempted()
         if self.save_every and self.progress.step % self.save_every == 0 and not self.done:
             self.save()  # the final save comes from finish()
         return self.done
+
+    def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
+        """(processes with a non-finite loss or gradient norm in this optimizer step, processes
+        that received a stop signal): one all-reduce, the same answer on every process."""
+        device = self.accelerator.device
+        local = torch.zeros(2, device=device)
+        values = [loss.float().reshape(-1) for loss in self._window_losses]
+        if grad_norm is not None:
+            values.append(grad_norm.float().reshape(-1).to(device))
+        if values:
+            local[0] = (~torch.isfinite(torch.cat(values))).any()
+        local[1] = self._stop_signal is not None
+        nonfinite, stop_signals = self.accelerator.reduce(local, reduction="sum").tolist()
+        return int(nonfinite), int(stop_signals)
+
+    def _skipped_nonfinite(self) -> None:
+        """Count and report a step that every process skipped (its losses are not logged)."""
+        self.progress.nonfinite_skipped += 1
+        self.accelerator.log(
+            {"train/nonfinite_skipped": self.progress.nonfinite_skipped}, step=self.step
+        )
+        say(
+            self.accelerator,
+            f"optimizer step {self.step}: non-finite loss or gradients on some process; every "
+            f"process skipped this step ({self.progress.nonfinite_skipped} skipped so far)",
+        )
+
+    def _nonfinite_loss(self, losses: list[torch.Tensor]) -> None:
+        """Stop every process at this step, naming the processes whose loss was non-finite."""
+        local = torch.cat([loss.float().reshape(-1) for loss in losses])
+        bad = ~torch.isfinite(local)
+        value = local[bad][0].item() if bad.any() else float("nan")
+        flags = self.accelerator.gather(bad.any().reshape(1).float()).tolist()
+        where = ", ".join(str(rank) for rank, flag in enumerate(flags) if flag) or "?"
+        self._diverged(f"the training loss went non-finite ({value}) on process {where}")
+
+    def _catch_stop_signals(self) -> None:
+        """Turn SIGTERM/SIGUSR1 into a save at the end of the optimizer step in progress. The
+        signal often arrives more than once (from the scheduler and again from the launcher);
+        every copy after the first is ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            self._stop_signal = self._stop_signal or signal.Signals(signum)
+
+        for sig in STOP_SIGNALS:
+            self._previous_handlers[sig] = signal.signal(sig, on_signal)
+
+    def _release_stop_signals(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def _preempted(self) -> None:
+        """Save the step every process just finished, then leave with Preempted."""
+        path = self.save()
+        self._release_stop_signals()
+        self.log.close()
+        self.accelerator.end_training()
+        received = self._stop_signal.name if self._stop_signal else "A stop signal (elsewhere)"
+        raise Preempted(
+            f"{received} arrived during optimizer step {self.step}; every process finished it "
+            f"and saved {path}. Exit code 75 asks the scheduler to requeue the job; it resumes "
+            "from there: a SLURM requeue by itself, any other relaunch with --resume latest"
+        )
 
     # ----------------------------------------------------------------------- around the loop
 
@@ -249,11 +401,8 @@ class TrainLoop:
     def save(self) -> Path:
         """Save resumable state at the current step (collective: every process calls it).
 
-        Never saves a run whose loss went non-finite since the last logging step, so the last
-        checkpoint is always one to resume from."""
-        unlogged = self.log.window_loss.peek(self.accelerator)
-        if unlogged is not None:
-            self._require_finite(unlogged)
+        Called only after the step's non-finite check, so the last checkpoint is always one to
+        resume from."""
         self.last_saved = save_checkpoint(
             self.accelerator,
             self.output_dir,
@@ -271,9 +420,12 @@ class TrainLoop:
         collective).
         """
         self.log.close()
+        self._release_stop_signals()
         self.metrics["train_seconds"] = self.train_seconds
         if self.accelerator.scaler is not None:
             self.metrics["skipped_steps"] = self.progress.skipped_steps
+        if self.on_nonfinite is OnNonFinite.skip:
+            self.metrics["nonfinite_skipped"] = self.progress.nonfinite_skipped
         if not all_finite(self.accelerator, model):
             self._diverged("the weights contain NaN or infinite values")
         self.save()
@@ -296,6 +448,11 @@ class TrainLoop:
         if overwrite and resume is not None:
             raise ConfigError("--overwrite starts a new run; it cannot go with --resume")
         remove_unfinished_saves(self.accelerator, self.output_dir)
+        restart = launcher_restart()
+        if restart and (resume is None or list_checkpoints(self.output_dir)):
+            # the first start claimed the folder (and moved an old run aside on --overwrite)
+            say(self.accelerator, f"{restart}: continuing from the newest complete checkpoint")
+            resume, overwrite = "latest", False
         path = resolve_resume(resume, self.output_dir)
         if path is None:
             self._claim_output_dir(resume, overwrite)
@@ -318,7 +475,6 @@ class TrainLoop:
             say(self.accelerator, f"resuming with changed settings: {changed}")
         self.run_id = run.get("id") or broadcast_object_list([uuid.uuid4().hex[:12]])[0]
         self.last_saved = path
-        self._last_finite_step = progress.step
         say(
             self.accelerator,
             f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
@@ -363,14 +519,8 @@ class TrainLoop:
         """Stop on a non-finite (reduced, so identical on every process) training loss."""
         if not math.isfinite(loss):
             self._diverged(f"the training loss is {loss}")
-        self._last_finite_step = self.progress.step
 
     def _diverged(self, what: str) -> None:
-        seen = (
-            f"last logged finite at step {self._last_finite_step}"
-            if self._last_finite_step
-            else "not logged finite before"
-        )
         where = (
             f"The last good checkpoint is {self.last_saved}: resume from it with a lower --lr or "
             "a --clip-grad"
@@ -378,8 +528,9 @@ class TrainLoop:
             else "No checkpoint was saved before it: lower --lr or set --clip-grad"
         )
         raise NonFiniteError(
-            f"{what} at optimizer step {self.progress.step} ({seen}); stopped without saving or "
-            f"exporting. {where}, or check the data for NaN and infinite values"
+            f"{what} at optimizer step {self.progress.step}; stopped without saving or "
+            f"exporting. {where}, pass --on-nonfinite skip to skip such steps, or check the data "
+            "for NaN and infinite values"
         )
 
 

@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 from accel_common import runtime
 from accel_common.batching import BatchPlan
 from accel_common.errors import ConfigError
-from accel_common.loop import TrainLoop
+from accel_common.loop import OnNonFinite, TrainLoop
 from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
+from accel_common.memory import memory_flags, parse_max_per_device_bs
 from accel_common.tracking import ReportTo
 
 
@@ -63,6 +64,7 @@ class TrainArgs:
     gamma: float = 1.0
     weight_decay: float = 0.0
     clip_grad: float = 0.0
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
     mixed_precision: MixedPrecision | None = None
     seed: int = 0
     workers: int = 0
@@ -189,6 +191,7 @@ class TrainArgs:
             clip_grad=self.clip_grad,
             tracker_project=self.wandb_project,
             tracker_run_name=self.wandb_name,
+            on_nonfinite=self.on_nonfinite,
         )
 
 
@@ -203,7 +206,8 @@ HELP = {
     "per_device_bs": "Batch on EACH device per forward pass; the global batch grows with the "
     "number of processes. Give this or --bs, not both.",
     "max_per_device_bs": "Memory cap on the per-device batch: anything above it becomes gradient "
-    "accumulation, keeping the global batch.",
+    "accumulation, keeping the global batch. 'auto': the largest batch that fits this device, "
+    "from `accel-recipes plan --measure RECIPE` (runs/memory/RECIPE.json).",
     "grad_accum": "Micro-batches accumulated per optimizer step.",
     "lr": "Peak learning rate at the reference global batch --ref-bs.",
     "ref_bs": "Global batch that --lr was tuned for; --lr-scaling carries --lr from it to the "
@@ -216,6 +220,8 @@ HELP = {
     "gamma": "Per-step factor of exponential decay.",
     "weight_decay": "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.",
     "clip_grad": "Clip the global gradient norm to this value (0 = off).",
+    "on_nonfinite": "A NaN/inf loss or gradient on any process: stop (naming the step and the "
+    "last good checkpoint) or skip that optimizer step on every process (counted and logged).",
     "mixed_precision": "no, fp16 or bf16; default: the accelerate config / launcher's choice.",
     "seed": "Seed for weights, shuffling and noise; the same on every process.",
     "workers": "DataLoader worker processes per training process.",
@@ -238,6 +244,11 @@ HELP = {
     "alike. 0 = torch's default: 30 min on gloo, 10 min on NCCL. Keep it above the longest time "
     "one process works alone: the main process's data preparation, saving or evaluation.",
 }
+
+
+# flags whose command-line form differs from the value TrainArgs holds: the memory cap may be
+# 'auto', which becomes a number before the run starts
+CLI_TYPES: dict[str, Any] = {"max_per_device_bs": str | None}
 
 
 def _flag(name: str) -> str:
@@ -287,15 +298,22 @@ def train_options(
                     *aliases.get(f.name, []),
                     help=helps[f.name],
                 ),
-                annotation=hints[f.name],
+                annotation=CLI_TYPES.get(f.name, hints[f.name]),
             )
             for f in fields(TrainArgs)
         ]
         names = [f.name for f in fields(TrainArgs)]
+        recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
-            args = TrainArgs(**{name: kwargs.pop(name) for name in names})
+            shared = {name: kwargs.pop(name) for name in names}
+            shared["max_per_device_bs"] = parse_max_per_device_bs(
+                shared["max_per_device_bs"],
+                recipe,
+                memory_flags(kwargs, shared["mixed_precision"]),
+            )
+            args = TrainArgs(**shared)
             if args.bs is None and args.per_device_bs is None:
                 args.bs, args.per_device_bs = default_bs, default_per_device_bs
             args.validate()

@@ -79,6 +79,7 @@ def make_accelerator(
     group_kwargs = init.to_kwargs() if init else {}
     if dist_timeout:
         group_kwargs["timeout"] = timedelta(seconds=dist_timeout)
+    group_kwargs |= restarted_group_store()
     world = PartialState(cpu=cpu, **group_kwargs).num_processes
     exit_when_launcher_dies()
     plan = plan_batch(
@@ -109,6 +110,30 @@ def make_accelerator(
         )
     set_seed(seed)
     return accelerator, plan
+
+
+def restarted_group_store() -> dict[str, Any]:
+    """For a worker group that torch elastic restarted: a namespace of its own in the launcher's
+    store, as `init_process_group` arguments ({} on a first start).
+
+    The restarted workers get the same store (MASTER_ADDR:MASTER_PORT, served by the agent) with
+    the keys of the group they replace still in it: without a namespace of their own they read
+    the dead processes' addresses and fail (gloo: "connectFullMesh failed ... Connection
+    refused"). DeepSpeed creates its process group itself and takes no store.
+    """
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    if count in ("", "0") or not agent_store or deepspeed:
+        return {}
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    return {
+        "store": torch.distributed.PrefixStore(f"accel-recipes/restart_{count}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def exit_when_launcher_dies(poll_seconds: float = 0.2) -> None:

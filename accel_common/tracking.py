@@ -127,13 +127,6 @@ class RunningMean:
         self.total.add_(value.detach())
         self.count += 1
 
-    def peek(self, accelerator: Accelerator) -> float | None:
-        """Mean over all processes since the last compute, without resetting; None when nothing
-        was added (collective otherwise; every process adds equally often)."""
-        if self.total is None:
-            return None
-        return accelerator.reduce(self.total / self.count, reduction="mean").item()
-
     def compute(self, accelerator: Accelerator) -> float:
         """Mean over all processes since the last compute; resets the sum."""
         if self.total is None:

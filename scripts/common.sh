@@ -3,6 +3,10 @@
 # mistake found here costs seconds, the same mistake found by a rendezvous timeout costs minutes
 # of every node's time.
 
+# a worker's exit code after SIGTERM/SIGUSR1 once its checkpoint is saved: requeue the job
+# (accel_common.errors.EXIT_PREEMPTED)
+EXIT_PREEMPTED=75
+
 die() {
   echo "error: $*" >&2
   exit 2

@@ -8,7 +8,8 @@
 # GPUS_PER_NODE (default: nvidia-smi's count); RECIPE (default pointcloud); ARGS (recipe flags,
 # before the arguments); RDZV_ID (default accel-recipes, the same on every node); TORCHRUN (the
 # binary); ACCELERATE_MIXED_PRECISION (default bf16, as in accelerate_configs/; a recipe's
-# --mixed-precision flag overrides it).
+# --mixed-precision flag overrides it); MAX_RESTARTS (default 0: how often torchrun restarts the
+# workers after a rank dies; they continue from the newest complete checkpoint by themselves).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/common.sh
@@ -22,17 +23,22 @@ require_int NODE_RANK 0 "0 on the head node, 1..NNODES-1 on the others"
   "on every node (not 127.0.0.1 unless all 'nodes' are this machine)"
 MASTER_PORT=${MASTER_PORT:-29500}
 require_int MASTER_PORT 1
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+require_int MAX_RESTARTS 0 "worker-group restarts after a failure"
 check_recipe
 detect_gpus_per_node
 # plain torchrun reads no accelerate config; keep the configs' bf16 unless told otherwise
 export ACCELERATE_MIXED_PRECISION=${ACCELERATE_MIXED_PRECISION:-bf16}
+# torchrun's --signals-to-handle: pass SIGUSR1 (SLURM's warning) on to the workers, which save a
+# checkpoint and stop; without it SIGUSR1 kills torchrun and orphans them
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
 read -ra recipe_args <<<"${ARGS:-}"
 cmd=(
   "$(resolve_bin TORCHRUN torchrun)"
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
-  --rdzv_id "${RDZV_ID:-accel-recipes}"
+  --rdzv_id "${RDZV_ID:-accel-recipes}" --max-restarts "$MAX_RESTARTS"
   "$RECIPE_SCRIPT" "${recipe_args[@]}" "$@"
 )
 echo "[node $NODE_RANK of $NNODES, $(hostname)] $(printf '%q ' "${cmd[@]}")"

@@ -96,6 +96,13 @@ with open(os.environ["FAKE_LOG"], "a") as log:
 print("fake launcher ran:", *sys.argv[1:])
 """
 
+# `accel-recipes launch -- CMD` (node.sh runs the launcher under it) as a pass-through
+FAKE_WRAPPER = """
+import os, sys
+assert sys.argv[1:3] == ["launch", "--"], sys.argv
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
 # a GPU machine's nvidia-smi must not leak into the tests: by default it reports no driver
 FAKE_NVIDIA_SMI_NONE = "import sys\nsys.exit('NVIDIA-SMI has failed: no driver')\n"
 FAKE_NVIDIA_SMI_TWO = "print('GPU 0: NVIDIA H100 (UUID: a)\\nGPU 1: NVIDIA H100 (UUID: b)')\n"
@@ -115,6 +122,7 @@ def fakes(tmp_path: Path) -> Path:
     write_tool(folder, "srun", FAKE_SRUN)
     write_tool(folder, "accelerate", FAKE_LAUNCHER)
     write_tool(folder, "torchrun", FAKE_LAUNCHER)
+    write_tool(folder, "accel-recipes", FAKE_WRAPPER)
     write_tool(folder, "nvidia-smi", FAKE_NVIDIA_SMI_NONE)
     return folder
 
@@ -136,6 +144,7 @@ def slurm_env(tmp_path: Path, fakes: Path, **extra: str) -> dict[str, str]:
         "SLURM_SUBMIT_DIR": str(REPO),
         "LOG_DIR": str(tmp_path / "logs"),
         "ACCELERATE": str(fakes / "accelerate"),
+        "ACCEL_RECIPES": str(fakes / "accel-recipes"),
     }
     return base_env(tmp_path, fakes, **{**defaults, **extra})
 
@@ -157,7 +166,7 @@ def accelerate_argv(nodes: int, gpus: int, rank: int, head: str, port: int, conf
         "launch", "--config_file", config,
         "--num_machines", str(nodes), "--num_processes", str(nodes * gpus),
         "--machine_rank", str(rank), "--main_process_ip", head, "--main_process_port", str(port),
-        "--rdzv_backend", rdzv,
+        "--rdzv_backend", rdzv, "--max_restarts", "0",
     ]  # fmt: skip
 
 
@@ -189,9 +198,10 @@ def test_multinode_sbatch_builds_one_launch_per_node(tmp_path, fakes):
         assert launch["cwd"] == str(REPO)
 
     (srun,) = calls(tmp_path, "srun")
-    assert srun["argv"][:7] == [
+    assert srun["argv"][:8] == [
         "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        "--export=ALL", f"--output={tmp_path}/logs/%x-%j-%N.out", "--cpus-per-task=32",
+        "--export=ALL", f"--output={tmp_path}/logs/%x-%j-%N.out", "--open-mode=append",
+        "--cpus-per-task=32",
     ]  # fmt: skip
     # one log per node, each holding that node's own command line
     for rank, host in enumerate(["gpu07", "gpu08"]):
@@ -324,6 +334,7 @@ def test_node_step_refuses_two_tasks_on_one_node(tmp_path, fakes):
         SLURM_NODEID="0",
         SLURM_PROCID="1",
         ACCELERATE=str(fakes / "accelerate"),
+        ACCEL_RECIPES=str(fakes / "accel-recipes"),
     )
     result = run(["bash", str(NODE_SH)], env)
     assert result.returncode == 2
@@ -348,7 +359,7 @@ def test_torchrun_script_builds_the_command(tmp_path, fakes):
     assert launch["argv"] == [
         "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "8",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "10.0.0.1:29501", "--rdzv_id", "accel-recipes",
-        "recipes/train_template.py", "--bs", "1024", "--epochs", "2",
+        "--max-restarts", "0", "recipes/train_template.py", "--bs", "1024", "--epochs", "2",
     ]  # fmt: skip
     assert launch["cwd"] == str(REPO)  # works from any directory
     assert launch["mixed_precision"] == "bf16"  # as the accelerate configs
@@ -468,6 +479,7 @@ def test_two_node_job_really_trains(tmp_path, fakes, template_data):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
             ACCELERATE=str(BIN / "accelerate"),
+            ACCEL_RECIPES=str(BIN / "accel-recipes"),
             CONFIG=str(config),
             RECIPE="template",
             ARGS=f"--data {template_data} --output-dir {out} --bs 128 --max-steps 4",

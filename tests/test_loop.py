@@ -203,7 +203,7 @@ def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(run, tmp_pa
                     optimizer.zero_grad()
                 loop.record(loss)
     message = str(error.value)
-    assert "the training loss is inf at optimizer step 7 (last logged finite at step 6)" in message
+    assert "the training loss went non-finite (inf) on process 0 at optimizer step 7" in message
     assert f"The last good checkpoint is {tmp_path / 'checkpoints' / 'step_4'}" in message
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4"]
     assert not (tmp_path / "model").exists()

@@ -5,7 +5,12 @@
 #
 # Environment: RECIPE (default pointcloud), ARGS (recipe flags), GPUS_PER_NODE (default: from
 # SLURM or nvidia-smi), MASTER_ADDR (default: first host of the allocation), MASTER_PORT
-# (default: from the job id), LOG_DIR (default runs/slurm), CONFIG, LAUNCH_ARGS, ACCELERATE.
+# (default: from the job id), LOG_DIR (default runs/slurm), MAX_RESTARTS (default 0: restarts of
+# the worker group after a rank dies), CONFIG, LAUNCH_ARGS, ACCELERATE, ACCEL_RECIPES.
+#
+# Preemption: the sbatch files ask for SIGUSR1 120 s before the time limit; the workers save a
+# checkpoint and exit 75, and this script requeues the job (scontrol requeue), which resumes from
+# that checkpoint by itself (SLURM_RESTART_COUNT tells the recipe it is a requeue).
 set -euo pipefail
 REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 [[ -f $REPO_DIR/scripts/common.sh ]] || {
@@ -36,8 +41,13 @@ MASTER_ADDR=${MASTER_ADDR:-${hosts[0]}}
 MASTER_PORT=${MASTER_PORT:-$((10000 + 10#$SLURM_JOB_ID % 20000))}
 require_int MASTER_PORT 1
 LOG_DIR=${LOG_DIR:-runs/slurm}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+require_int MAX_RESTARTS 0 "worker-group restarts after a failure"
 mkdir -p "$LOG_DIR"
-export REPO_DIR NNODES GPUS_PER_NODE MASTER_ADDR MASTER_PORT RECIPE
+# a node whose workers saved a checkpoint on preemption leaves this file (on the shared filesystem)
+PREEMPT_MARKER=$LOG_DIR/.preempted-$SLURM_JOB_ID
+rm -f "$PREEMPT_MARKER"
+export REPO_DIR NNODES GPUS_PER_NODE MASTER_ADDR MASTER_PORT RECIPE MAX_RESTARTS PREEMPT_MARKER
 
 echo "job $SLURM_JOB_ID: $NNODES node(s) x $GPUS_PER_NODE GPU(s) = $((NNODES * GPUS_PER_NODE))" \
   "processes; rendezvous $MASTER_ADDR:$MASTER_PORT; $RECIPE_SCRIPT ${ARGS:-} $*"
@@ -49,7 +59,16 @@ srun_args=(
   --kill-on-bad-exit=1
   --export=ALL
   --output="$LOG_DIR/%x-%j-%N.out"
+  --open-mode=append # a requeued job keeps the earlier attempts' logs
 )
 # since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task
 [[ -z ${SLURM_CPUS_PER_TASK:-} ]] || srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
-srun "${srun_args[@]}" bash scripts/slurm/node.sh "$@"
+code=0
+srun "${srun_args[@]}" bash scripts/slurm/node.sh "$@" || code=$?
+if ((code == EXIT_PREEMPTED)) || [[ -e $PREEMPT_MARKER ]]; then
+  rm -f "$PREEMPT_MARKER"
+  echo "job $SLURM_JOB_ID: preempted, checkpoint saved; requeueing (it resumes by itself)"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$code"

@@ -3,9 +3,13 @@
 # task per node. Every node runs the same `accelerate launch` line except --machine_rank, which
 # comes from the node's place in the allocation (SLURM_NODEID; SLURM_PROCID must agree).
 #
-# Environment (set by launch.sh): NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, RECIPE, ARGS;
-# optional CONFIG, LAUNCH_ARGS (extra `accelerate launch` flags), ACCELERATE (the binary).
-# Arguments are appended to the recipe's flags.
+# Environment (set by launch.sh): NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, RECIPE, ARGS,
+# MAX_RESTARTS, PREEMPT_MARKER; optional CONFIG, LAUNCH_ARGS (extra `accelerate launch` flags),
+# ACCELERATE and ACCEL_RECIPES (the binaries). Arguments are appended to the recipe's flags.
+#
+# The launch runs under `accel-recipes launch`, which passes SIGUSR1/SIGTERM on to the workers and
+# exits 75 once they have saved a checkpoint on preemption; this node then leaves PREEMPT_MARKER
+# for launch.sh, which requeues the job (srun may report another code for a node it stopped).
 set -euo pipefail
 cd "${REPO_DIR:-$PWD}"
 # shellcheck source=scripts/common.sh
@@ -15,6 +19,8 @@ require_int NNODES 1 "the number of nodes; scripts/slurm/launch.sh sets it"
 require_int GPUS_PER_NODE 1 "GPUs on each node; scripts/slurm/launch.sh sets it"
 [[ -n ${MASTER_ADDR:-} ]] || die "MASTER_ADDR is not set (the head node's address)"
 require_int MASTER_PORT 1 "the rendezvous port on the head node"
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+require_int MAX_RESTARTS 0 "worker-group restarts after a failure"
 check_recipe
 
 rank=${SLURM_NODEID:-${SLURM_PROCID:-}}
@@ -53,8 +59,13 @@ cmd=(
   "$(resolve_bin ACCELERATE accelerate)" launch --config_file "$config"
   --num_machines "$NNODES" --num_processes "$((NNODES * GPUS_PER_NODE))"
   --machine_rank "$rank" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"
-  --rdzv_backend "$rdzv" "${launch_args[@]}"
+  --rdzv_backend "$rdzv" --max_restarts "$MAX_RESTARTS" "${launch_args[@]}"
   "$RECIPE_SCRIPT" "${recipe_args[@]}" "$@"
 )
 echo "[node $rank of $NNODES, $(hostname)] $(printf '%q ' "${cmd[@]}")"
-exec "${cmd[@]}"
+code=0
+"$(resolve_bin ACCEL_RECIPES accel-recipes)" launch -- "${cmd[@]}" || code=$?
+if ((code == EXIT_PREEMPTED)) && [[ -n ${PREEMPT_MARKER:-} ]]; then
+  touch "$PREEMPT_MARKER"
+fi
+exit "$code"
