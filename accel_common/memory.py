@@ -31,10 +31,10 @@ class MemoryFit:
     buckets with more than one process), from peaks measured in fresh processes."""
 
     recipe: str
-    device_kind: str  # "cuda" (the allocator's peak) or "cpu" (the process's peak resident size)
+    device_kind: str  # "cuda" (the allocator's peak) or "cpu" (torch's CPU allocations' peak)
     device_name: str
     device_bytes: int
-    baseline_bytes: int  # the process before training (interpreter and libraries; 0 on a GPU)
+    baseline_bytes: int  # resident before the recipe ran (interpreter, libraries; 0 on a GPU)
     fixed_bytes: float  # weights, gradients, optimizer state, data
     per_sample_bytes: float  # activations and their gradients
     grad_bytes: int  # the parameters' size: DDP's gradient buckets with 2+ processes

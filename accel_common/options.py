@@ -320,6 +320,7 @@ def train_options(
             return fn(args, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
+        command.default_batch = (default_bs, default_per_device_bs)  # type: ignore[attr-defined]
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
         del command.__wrapped__  # type: ignore[attr-defined]

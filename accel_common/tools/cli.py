@@ -31,9 +31,10 @@ TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
 GUIDE_REF_BS, GUIDE_REF_LR = 32, 1e-3  # `plan` without flags
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @exit_on_error
 def plan(
+    ctx: typer.Context,
     ref_bs: int = typer.Option(None, help="Global batch the reference LR was tuned at."),
     ref_lr: float = typer.Option(None, help="LR tuned at --ref-bs."),
     per_device_bs: int = typer.Option(
@@ -49,10 +50,37 @@ def plan(
         None, help="Per-GPU memory cap; larger per-GPU batches become accumulation."
     ),
     gpus: str = typer.Option("1,2,4,8,16", help="Comma-separated GPU (process) counts."),
+    measure: str = typer.Option(
+        None,
+        help="RECIPE (a name such as template, or a path): measure its memory at --measure-bs "
+        "on this device and plan the per-device batch from it; the recipe's own flags follow.",
+    ),
+    measure_bs: str = typer.Option(
+        "8,16,32", help="Per-device batches to measure (2 or 3, each in a fresh process)."
+    ),
 ) -> None:
     """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count.
 
-    Without flags it shows a guide for --ref-bs 32 --ref-lr 1e-3 (a common Adam setting)."""
+    Without flags it shows a guide for --ref-bs 32 --ref-lr 1e-3 (a common Adam setting).
+
+    With --measure RECIPE [recipe flags] it runs a few training steps of the recipe at each
+    --measure-bs batch, fits memory = fixed + per-sample x batch, and prints for each device count
+    and memory size (this device, 24/40/80/141 GB) the largest per-device batch that fits, the
+    accumulation that reaches --bs and the LR; `--max-per-device-bs auto` then uses it."""
+    if measure is not None:
+        recipe_argv = [*ctx.args]
+        for flag, value in (
+            ("--bs", bs), ("--per-device-bs", per_device_bs), ("--grad-accum", grad_accum),
+            ("--ref-bs", ref_bs), ("--lr", ref_lr),
+        ):  # fmt: skip
+            if value is not None and not (flag == "--grad-accum" and value == 1):
+                recipe_argv += [flag, str(value)]
+        measured_plan(measure, recipe_argv, measure_bs, gpus)
+        return
+    if ctx.args:
+        raise RecipeError(
+            f"unknown arguments {' '.join(ctx.args)} (recipe flags go with --measure)"
+        )
     if ref_bs is None and ref_lr is None:
         console.print(
             f"No reference given: showing --ref-bs {GUIDE_REF_BS} --ref-lr {GUIDE_REF_LR:g}; pass "
@@ -62,10 +90,7 @@ def plan(
     ref_lr = GUIDE_REF_LR if ref_lr is None else ref_lr
     if per_device_bs is None and bs is None:
         per_device_bs = ref_bs
-    try:
-        counts = [int(g) for g in gpus.split(",") if g.strip()]
-    except ValueError:
-        raise RecipeError(f"--gpus {gpus!r}: give comma-separated integers, e.g. 1,2,4,8") from None
+    counts = parse_counts(gpus, "--gpus")
     scale_lr(ref_lr, ref_bs, ref_bs, LRScaling.none)  # validates --ref-lr and --ref-bs
     keep = "per-GPU batch" if bs is None else "global batch"
     table = Table(title=f"Batch and LR plan (reference: lr {ref_lr:g} at global batch {ref_bs})")
@@ -103,6 +128,35 @@ def plan(
     )
     for note in notes:
         console.print(f"[yellow]{note}[/yellow]")
+
+
+def measured_plan(recipe: str, argv: list[str], batches: str, gpus: str) -> None:
+    """plan --measure: measure, save the fit for --max-per-device-bs auto, print the table."""
+    from accel_common.memory import MEMORY_DIR  # imported here: they load torch and accelerate
+    from accel_common.tools.measure import describe, measure, plan_rows
+
+    fit, params = measure(recipe, argv, parse_counts(batches, "--measure-bs"))
+    path = fit.save(MEMORY_DIR / f"{fit.recipe}.json")
+    target = f"global batch {params['bs']}" if params["bs"] else "per-device batch"
+    table = Table(title=f"{fit.recipe}: per-device batch from measured memory ({target})")
+    columns = ("memory", "devices", "fits", "per-device batch", "accum", "global")
+    for column in (*columns, "LR", "basis"):
+        table.add_column(column, justify="right")
+    for row in plan_rows(fit, params, parse_counts(gpus, "--gpus")):
+        cells = (row.devices, row.fits, row.per_device, row.accum, row.global_batch)
+        lr = "-" if row.lr is None else f"{row.lr:.3g}"
+        table.add_row(row.memory, *("-" if c is None else str(c) for c in cells), lr, row.basis)
+    console.print(table)
+    for line in describe(fit):
+        console.print(line)
+    console.print(f"wrote {path}")
+
+
+def parse_counts(text: str, flag: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise RecipeError(f"{flag} {text!r}: give comma-separated integers, e.g. 1,2,4,8") from None
 
 
 @app.command()
