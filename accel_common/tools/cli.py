@@ -259,8 +259,10 @@ def launch(ctx: typer.Context) -> None:
 
     Output passes through; once a worker reports `error: ...`, the launcher's own 40-line report
     becomes one line naming the rank that failed first, and the exit code is that worker's (2:
-    bad input, 3: a collective failed, 4: launcher gone) instead of the launcher's 1. The
-    Makefile's launch targets use it; ACCEL_RECIPES_FULL_REPORT=1 shows everything.
+    bad input, 3: a collective failed, 4: launcher gone) instead of the launcher's 1. SIGTERM and
+    SIGUSR1 reach the workers, which save the step in progress: exit code 75 (preempted, requeue
+    me). The Makefile's launch targets and the SLURM scripts use it; ACCEL_RECIPES_FULL_REPORT=1
+    shows everything.
     """
     if not ctx.args:
         raise RecipeError(
