@@ -362,6 +362,7 @@ class Deliveries:
         self.over = list_column(rows, "legal_before")[0][self.flat] // balls_per_over
         self.wickets = list_column(rows, "wickets")[0][self.flat].astype(np.int64)
         self.split = rows.data.column("split").to_numpy()[self.row]
+        self.rank = np.arange(len(self.row)) - sample_offsets[self.row]  # legal ball number
         self.state = list_column(rows, "state_x")[0].reshape(-1, 4, cricket_data.STATE_DIM)
         self.actor = list_column(rows, "actor_x")[0].reshape(-1, 3, cricket_data.ACTOR_DIM)
         self.actor_ids = list_column(rows, "actor_ids")[0].reshape(-1, 3).astype(np.int64)
@@ -589,6 +590,12 @@ def train(
         2, min=1, help="Training matches a player, venue or team needs for its own embedding."
     ),
     history: int = typer.Option(24, min=1, help="Recent deliveries in the ball chain."),
+    sample_every: int = typer.Option(
+        1,
+        min=1,
+        help="Use every Nth legal delivery of an innings as a sample (neighbours share "
+        "most of their 5-over window; 1 = all, as the original).",
+    ),
     hidden: int = typer.Option(128, min=8, help="Hidden width (128)."),
     layers: int = typer.Option(3, min=1, help="HeteroConv layers (3)."),
     heads: int = typer.Option(4, min=1, help="Attention heads (4)."),
@@ -610,11 +617,13 @@ def train(
         min_matches=min_matches, cache_dir=graph_cache_dir,
     )  # fmt: skip
     deliveries = Deliveries(rows)
-    train = deliveries.split == 0
+    used = deliveries.rank % sample_every == 0
+    train = used & (deliveries.split == 0)
     y_train = deliveries.y[train]
     baseline = PhaseBaseline.fit(deliveries.over[train], deliveries.wickets[train], y_train)
     train_set, val_set, test_set = (
-        CricketGraphs(deliveries, deliveries.split == k, history, baseline) for k in range(3)
+        CricketGraphs(deliveries, used & (deliveries.split == k), history, baseline)
+        for k in range(3)
     )
     vocab_sizes = {k: len(v) for k, v in info["vocab"].items()}
     std = float(y_train.std() or 1.0)
@@ -631,7 +640,13 @@ def train(
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     config = {"hidden": hidden, "layers": layers, "heads": heads, "dropout": dropout}
-    config |= {"history": history, "vocab_sizes": vocab_sizes, "mean": baseline.mean, "std": std}
+    config |= {
+        "sample_every": sample_every,
+        "history": history,
+        "vocab_sizes": vocab_sizes,
+        "mean": baseline.mean,
+        "std": std,
+    }
     config |= {"baseline": baseline.table.tolist(), "match_types": match_types}
     config |= {"split_by_date": split_by_date, "val_ratio": val_ratio, "test_ratio": test_ratio}
     config |= {"split_seed": split_seed, "min_matches": min_matches, "huber_delta": huber_delta}

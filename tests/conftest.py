@@ -182,7 +182,7 @@ def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cricket_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """60 simulated T20 matches in Cricsheet JSON (about 14,000 legal deliveries)."""
+    """100 simulated T20 matches in Cricsheet JSON (about 23,000 legal deliveries)."""
     from accel_common.data.cricket import write_dataset
 
-    return shared_dataset(tmp_path_factory, "cricket", lambda out: write_dataset(out, matches=60))
+    return shared_dataset(tmp_path_factory, "cricket", lambda out: write_dataset(out, matches=100))

@@ -288,9 +288,9 @@ class InningsSimulator:
             self.squads[team] = names
             for k, name in enumerate(names):
                 # batters first, bowlers last; everyone has both skills
-                self.skill[name] = (rng.normal(0.6 - 0.1 * k, 0.5), rng.normal(-0.6 + 0.1 * k, 0.5))
+                self.skill[name] = (rng.normal(0.6 - 0.1 * k, 0.6), rng.normal(-0.6 + 0.1 * k, 0.6))
                 self.registry[name] = f"{rng.integers(16**8):08x}"
-        self.venue = {v: rng.normal(0.0, 0.25) for v in VENUES}
+        self.venue = {v: rng.normal(0.0, 0.4) for v in VENUES}
 
     def innings(
         self, batting: list[str], bowling: list[str], venue: str, max_balls: int,
