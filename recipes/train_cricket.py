@@ -465,15 +465,18 @@ class CricketGNN(nn.Module):
                 return SAGEConv((hidden, hidden), hidden, aggr="mean")
             return GATv2Conv((hidden, hidden), per_head, heads=heads, add_self_loops=False)
 
+        # the last layer updates only the query node, the one read out (an update of the others
+        # would be parameters without gradients, which DDP refuses)
         edges = [*FIXED_EDGES, CHAIN, BALL_QUERY]
+        per_layer = [edges] * (layers - 1) + [[e for e in edges if e[2] == "query"]]
         with warnings.catch_warnings():  # context nodes are inputs only, by design
             warnings.filterwarnings("ignore", "There exist node types", UserWarning)
             self.convs = nn.ModuleList(
-                HeteroConv({edge: conv(edge) for edge in edges}, aggr="sum") for _ in range(layers)
+                HeteroConv({edge: conv(edge) for edge in layer}, aggr="sum") for layer in per_layer
             )
-        updated = sorted({edge[2] for edge in edges})
         self.norms = nn.ModuleList(
-            nn.ModuleDict({kind: nn.LayerNorm(hidden) for kind in updated}) for _ in range(layers)
+            nn.ModuleDict({kind: nn.LayerNorm(hidden) for kind in sorted({e[2] for e in layer})})
+            for layer in per_layer
         )
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Sequential(
