@@ -632,14 +632,13 @@ def train(
     std = float(y_train.std() or 1.0)
     model = CricketGNN(vocab_sizes, hidden, layers, heads, dropout, baseline.mean, std)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    collate = Collater(train_set)
-    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
-    val_loader, test_loader = (
-        DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
-        for s in (val_set, test_set)
-    )
+    collate = Collater(train_set)  # PyG's batching of HeteroData
+    loaders = [args.make_train_loader(train_set, plan, collate_fn=collate)]
+    loaders += [
+        DataLoader(s, plan.per_device_batch_size, collate_fn=collate) for s in (val_set, test_set)
+    ]
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, test_loader
+        model, optimizer, *loaders
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     config = {"hidden": hidden, "layers": layers, "heads": heads, "dropout": dropout}
@@ -683,16 +682,16 @@ def train(
 
 
 def predict(
+    match: Path = typer.Option(..., help="One Cricsheet match JSON file."),
+    out: Path = typer.Option(..., help="CSV to write, one row per legal delivery."),
     model_dir: Path = typer.Option(
         Path("runs/cricket/model"), "--model", help="Exported model folder (train's output)."
     ),
-    match: Path = typer.Option(..., help="One Cricsheet match JSON file."),
-    out: Path = typer.Option(..., help="CSV to write, one row per legal delivery."),
 ) -> None:
     """Predict the runs in the next 5 overs before every legal delivery of one match."""
+    config = read_recipe_export(model_dir, RECIPE)
     if out.exists():
         raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
-    config = read_recipe_export(model_dir, RECIPE)
     vocab_path = model_dir / VOCAB_FILE
     if not vocab_path.is_file():
         raise DataError(f"{vocab_path}: missing; export the model again with train")
