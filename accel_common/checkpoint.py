@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,12 @@ class TrainProgress:
     samples_in_epoch: int = 0
     skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped after an overflow
     nonfinite_skipped: int = 0  # --on-nonfinite skip: steps skipped on every process
+    # early stopping (TrainLoop's `monitor`): the best value so far, the metrics of the epoch
+    # that reached it, epochs since, and whether the run stopped for want of improvement
+    best: float | None = None
+    best_metrics: dict[str, float] = field(default_factory=dict)
+    bad_epochs: int = 0
+    stopped: bool = False
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""

@@ -27,6 +27,12 @@ optimizer step of the previous one:
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
 
+With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
+model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
+run stops after N epochs without improvement. Both decide from the value the main process holds,
+broadcast to all, so every process stops at the same epoch (none waits alone in a collective);
+a resumed run restores the best value and the count.
+
 `epochs()` sets the epoch on the loader and on a dataset that has `set_epoch` (so samples that
 depend on the epoch are the same on 1 or N processes), and skips what a resumed run already
 trained on. A run resumed after it had finished yields one epoch with no batches, so the
@@ -63,18 +69,22 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
+    MODEL_FILE,
     TrainProgress,
     describe_differences,
     export_model,
     list_checkpoints,
     load_checkpoint,
+    read_export_metadata,
     remove_unfinished_saves,
     resolve_resume,
     save_checkpoint,
+    write_export,
 )
 from accel_common.console import print_banner, say
 from accel_common.data.files import folder_fingerprint
@@ -94,6 +104,7 @@ NOT_IDENTITY = frozenset(
     }
 )  # fmt: skip
 ADJUSTABLE = frozenset({"lr", "clip_grad", "on_nonfinite"})
+BEST_DIR = "best"  # the best epoch's export, with a `monitor`
 # what a scheduler sends before it ends a job: SLURM (--signal=USR1@120, then SIGTERM at the end),
 # Kubernetes and torchrun's agent (SIGTERM)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -147,7 +158,12 @@ class TrainLoop:
         tracker_project: str | None = None,
         tracker_run_name: str | None = None,
         on_nonfinite: OnNonFinite | str = OnNonFinite.stop,
+        monitor: str | None = None,
+        patience: int = 0,
     ) -> None:
+        if patience and not monitor:
+            raise ConfigError("TrainLoop: patience needs a metric to monitor")
+        self.monitor, self.patience = monitor, patience
         self.accelerator, self.plan, self.loader = accelerator, plan, loader
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
@@ -206,8 +222,8 @@ class TrainLoop:
 
     @property
     def done(self) -> bool:
-        """Whether the run has taken all its optimizer steps."""
-        return self.progress.step >= self.total_steps
+        """Whether the run has taken all its optimizer steps, or stopped early."""
+        return self.progress.step >= self.total_steps or self.progress.stopped
 
     # ----------------------------------------------------------------------- the loop itself
 
@@ -389,14 +405,41 @@ class TrainLoop:
 
     # ----------------------------------------------------------------------- around the loop
 
-    def end_epoch(self, eval_metrics: dict[str, float]) -> dict[str, float]:
+    def end_epoch(
+        self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
+    ) -> dict[str, float]:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
-        processes by the recipe); print them once. They become the export's metrics."""
+        processes by the recipe); print them once. They become the export's metrics. With a
+        `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
         trained = self.log.epoch_loss.count > 0  # not so after resuming a finished run
         self.metrics = self.log.end_epoch(self._epoch_number, self.progress.step, eval_metrics)
         if trained:
             self._require_finite(self.metrics["train_loss"])
+            if self.monitor:
+                self._track_best(model)
         return self.metrics
+
+    def _track_best(self, model: torch.nn.Module | None) -> None:
+        """Export the model when the monitored metric improved; count the epochs it did not."""
+        if model is None or self.monitor not in self.metrics:
+            raise TypeError(f"TrainLoop: end_epoch needs the model and a '{self.monitor}' metric")
+        # the main process's value decides for all: no process can stop alone
+        value = float(broadcast_object_list([self.metrics[self.monitor]])[0])
+        progress = self.progress
+        if progress.best is None or value < progress.best:
+            progress.best, progress.bad_epochs = value, 0
+            progress.best_metrics = {**self.metrics, "best_epoch": self._epoch_number}
+            self._export(model, self.output_dir / BEST_DIR, progress.best_metrics)
+            return
+        progress.bad_epochs += 1
+        if self.patience and progress.bad_epochs >= self.patience:
+            progress.stopped = True
+            say(
+                self.accelerator,
+                f"early stopping: {self.monitor} has not improved for {self.patience} epochs "
+                f"(best {progress.best:.4g} at epoch {progress.best_metrics['best_epoch']}); "
+                "the export is that epoch's model",
+            )
 
     def save(self) -> Path:
         """Save resumable state at the current step (collective: every process calls it).
@@ -429,19 +472,36 @@ class TrainLoop:
         if not all_finite(self.accelerator, model):
             self._diverged("the weights contain NaN or infinite values")
         self.save()
-        path = export_model(
+        if self.monitor and self.progress.best_metrics:
+            self.metrics = {**self.progress.best_metrics, "train_seconds": self.train_seconds}
+            path = self._export_best()
+        else:
+            path = self._export(model, self.output_dir / "model", self.metrics)
+        say(self.accelerator, f"exported {path}")
+        self.accelerator.end_training()
+        return self.metrics
+
+    def _export(self, model: torch.nn.Module, folder: Path, metrics: dict[str, float]) -> Path:
+        return export_model(
             self.accelerator,
             model,
-            self.output_dir / "model",
+            folder,
             recipe=self.recipe,
             config=self.config,
             plan=self.plan,
             step=self.progress.step,
-            metrics=self.metrics,
+            metrics=metrics,
         )
-        say(self.accelerator, f"exported {path}")
-        self.accelerator.end_training()
-        return self.metrics
+
+    def _export_best(self) -> Path:
+        """The best epoch's export becomes the run's export, with the run's final metrics."""
+        best, final = self.output_dir / BEST_DIR, self.output_dir / "model"
+        if self.accelerator.is_main_process:
+            metadata = read_export_metadata(best)
+            metadata["metrics"] = self.metrics
+            write_export(load_file(str(best / MODEL_FILE)), final, metadata)
+        self.accelerator.wait_for_everyone()
+        return final / MODEL_FILE
 
     def _resume(self, resume: str | None, overwrite: bool) -> TrainProgress:
         """Restore `resume`, or start fresh in an output folder that holds no other run."""

@@ -171,9 +171,12 @@ class TrainArgs:
         *,
         recipe: str,
         config: dict[str, Any],
+        monitor: str | None = None,
+        patience: int = 0,
     ) -> TrainLoop:
         """The run's TrainLoop (loop.TrainLoop); `config` is the workload's own settings, stored
-        with every flag here in the trackers and the export."""
+        with every flag here in the trackers and the export; `monitor` and `patience` keep the
+        best epoch's model and stop early (see TrainLoop)."""
         return TrainLoop(
             accelerator,
             plan,
@@ -192,6 +195,8 @@ class TrainArgs:
             tracker_project=self.wandb_project,
             tracker_run_name=self.wandb_name,
             on_nonfinite=self.on_nonfinite,
+            monitor=monitor,
+            patience=patience,
         )
 
 

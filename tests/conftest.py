@@ -28,6 +28,8 @@ CRYSTAL_TINY = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf
 # a point-cloud model small enough for many short runs in the tests
 POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
 POINTCLOUD_TINY += ["--resolution", "8"]
+CRICKET = REPO / "recipes" / "train_cricket.py"
+CRICKET_TINY = ["--hidden", "16", "--heads", "2", "--layers", "2", "--history", "6"]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 BIN = Path(sys.executable).parent
 
@@ -45,6 +47,8 @@ def recipe_env(tmp: Path, threads: int = 1) -> dict[str, str]:
         "WANDB_SILENT": "true",
         "HF_HOME": str(tmp / "hf"),
         "HF_HUB_OFFLINE": "1",  # nothing may wait on the network
+        # the tree under test, ahead of any installed copy of accel_common
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
 
 
@@ -174,3 +178,11 @@ def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.quality import write_dataset
 
     return shared_dataset(tmp_path_factory, "quality", write_dataset)
+
+
+@pytest.fixture(scope="session")
+def cricket_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """100 simulated T20 matches in Cricsheet JSON (about 23,000 legal deliveries)."""
+    from accel_common.data.cricket import write_dataset
+
+    return shared_dataset(tmp_path_factory, "cricket", lambda out: write_dataset(out, matches=100))

@@ -247,3 +247,33 @@ def test_item_weighted_loss_is_exact_over_processes_and_accumulation(tmp_path):
     assert max_relative_difference(runs["naive-1"], runs["naive-2x2"]) > 1e-5
     # in one process without accumulation both are the plain mean over the batch's items
     assert max_relative_difference(runs["exact-1"], runs["naive-1"]) <= 1e-5
+
+
+def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run, tmp_path):
+    """val_mae 2, then 3 with patience 1: the run stops after epoch 2 of 3, and the export
+    holds epoch 1's weights and metrics, not the last epoch's."""
+    values = iter([2.0, 3.0])
+    accelerator, model, optimizer, loop, _ = run(monitor="val_mae", patience=1)
+    weights_at = {}
+    for epoch in loop.epochs():
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                accelerator.backward((model(x / 1000) - y).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(torch.zeros(()))
+        weights_at[epoch] = model.weight.detach().clone()
+        loop.end_epoch({"val_mae": next(values)}, model)
+    assert epoch == 2 and loop.done and loop.step == 10  # 5 optimizer steps an epoch
+    metrics = loop.finish(model)
+    assert (metrics["val_mae"], metrics["best_epoch"]) == (2.0, 1)
+    exported = exported_params(tmp_path)["weight"]
+    assert torch.equal(exported, weights_at[1]) and not torch.equal(exported, weights_at[2])
+    # a resumed stopped run trains no more and exports the same best epoch again
+    accelerator, model, optimizer, loop, _ = run(resume="latest", monitor="val_mae", patience=1)
+    assert loop.done and (loop.progress.best, loop.progress.bad_epochs) == (2.0, 1)
+    for _ in loop.epochs():
+        assert list(loop.batches()) == []
+        loop.end_epoch({"val_mae": 9.0}, model)
+    assert loop.finish(model)["best_epoch"] == 1
+    assert torch.equal(exported_params(tmp_path)["weight"], weights_at[1])

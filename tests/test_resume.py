@@ -13,6 +13,8 @@ from accel_common.checkpoint import list_checkpoints
 from tests.conftest import (
     CAPTIONING,
     CAPTIONING_TINY,
+    CRICKET,
+    CRICKET_TINY,
     CRYSTAL,
     CRYSTAL_TINY,
     POINTCLOUD,
@@ -42,6 +44,10 @@ CASES = {
     "captioning": (CAPTIONING, "captioning_data", 15, 37, ["--epochs", "3"]),
     # 12 steps per epoch (800 training structures, --bs 64): killed 3 steps into the second
     "crystal": (CRYSTAL, "crystal_data", 15, 36, ["--epochs", "3"]),
+    # every 8th delivery of 100 matches: about 2,300 training graphs, ~36 steps at --bs 64,
+    # cut to 20 steps (one evaluation, so the exported best epoch is the final model): killed
+    # 15 steps into the epoch; dropout stays on
+    "cricket": (CRICKET, "cricket_data", 15, 20, ["--epochs", "1", "--max-steps", "20"]),
 }
 SMALL = {
     "template": ["--hidden", "256", "--depth", "3"],
@@ -49,6 +55,7 @@ SMALL = {
     "quality": [],
     "captioning": CAPTIONING_TINY,
     "crystal": CRYSTAL_TINY,
+    "cricket": [*CRICKET_TINY, "--sample-every", "8"],
 }
 
 

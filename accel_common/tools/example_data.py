@@ -21,6 +21,7 @@ GENERATORS: dict[str, str] = {
     "quality": "accel_common.data.quality:write_dataset",
     "captioning": "accel_common.data.captioning:write_dataset",
     "crystal": "accel_common.data.crystal:write_dataset",
+    "cricket": "accel_common.data.cricket:write_dataset",
 }
 
 

@@ -1,0 +1,295 @@
+"""The cricket recipe: Cricsheet files as real ones are, the reader's edge cases, the cache and
+vocabularies, learning against both baselines, exact scaling, and predict."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import re
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from accel_common.data import cricket
+from accel_common.errors import DataError
+from accel_common.tools.bench import load_recipe
+from tests.conftest import (
+    CRICKET,
+    CRICKET_TINY,
+    exported_params,
+    global_relative_difference,
+    max_relative_difference,
+    metrics_log,
+    run_recipe,
+)
+
+recipe = load_recipe("cricket")
+T20 = cricket.DEFAULT_MATCH_TYPES
+SPLIT = dict(ratios=(0.6, 0.2), split_seed=42, split_by_date=False, min_matches=2, workers=1)
+
+
+def a_match(seed: int = 0, day: str = "2019-05-01") -> dict:
+    sim = cricket.InningsSimulator(np.random.default_rng(seed))
+    return cricket.simulate_match(sim, 1, cricket.date.fromisoformat(day))
+
+
+def deliveries(inning: dict) -> list[dict]:
+    return [d for over in inning["overs"] for d in over["deliveries"]]
+
+
+def write(path: Path, match: object) -> Path:
+    path.write_text(json.dumps(match))
+    return path
+
+
+def test_generated_files_follow_the_cricsheet_format_field_by_field(cricket_data):
+    files = sorted(cricket_data.glob("*.json"))
+    assert len(files) == 100 and (cricket_data / "README.txt").is_file()
+    versions = set()
+    for path in files:
+        match = json.loads(path.read_text())
+        assert set(match) == {"meta", "info", "innings"}
+        assert set(match["meta"]) == {"data_version", "created", "revision"}
+        versions.add(match["meta"]["data_version"])
+        info = match["info"]
+        assert {"teams", "venue", "city", "dates", "match_type", "gender", "players", "registry",
+                "toss", "outcome", "overs", "balls_per_over", "event"} <= set(info)  # fmt: skip
+        assert info["match_type"] == "T20" and info["overs"] == 20 and info["balls_per_over"] == 6
+        assert len(info["teams"]) == 2 and set(info["players"]) == set(info["teams"])
+        assert all(len(xi) == 11 for xi in info["players"].values())
+        people = info["registry"]["people"]
+        assert all(re.fullmatch(r"[0-9a-f]{8}", people[p]) for xi in info["players"].values()
+                   for p in xi)  # fmt: skip
+        assert (
+            set(info["toss"]) == {"winner", "decision"} and info["toss"]["winner"] in info["teams"]
+        )
+        outcome = info["outcome"]
+        assert ("winner" in outcome and "by" in outcome) or "result" in outcome
+        for number, inning in enumerate(match["innings"]):
+            batting = inning["team"]
+            bowling = next(t for t in info["teams"] if t != batting)
+            assert [o["over"] for o in inning["overs"]] == list(range(len(inning["overs"])))
+            if number == 1 and match["meta"]["data_version"] == "1.1.0":
+                assert set(inning["target"]) == {"overs", "runs"}
+            for over in inning["overs"]:
+                legal = 0
+                for d in over["deliveries"]:
+                    assert {d["batter"], d["non_striker"]} <= set(info["players"][batting])
+                    assert d["bowler"] in info["players"][bowling]
+                    runs, extras = d["runs"], d.get("extras", {})
+                    assert (
+                        runs["total"]
+                        == runs["batter"] + runs["extras"]
+                        == runs["batter"] + sum(extras.values())
+                    )
+                    assert set(extras) <= {"wides", "noballs", "byes", "legbyes", "penalty"}
+                    legal += not {"wides", "noballs"} & set(extras)
+                    for w in d.get("wickets", []):
+                        assert w["player_out"] in info["players"][batting] and w["kind"]
+                        assert all(set(f) == {"name"} for f in w.get("fields", []))
+                assert legal <= 6
+        assert cricket.parse_match(path, T20)[0] in ("ok", "no_result")
+    assert versions == {"1.0.0", "1.1.0"}
+
+
+def test_targets_by_data_version_dls_and_no_result(tmp_path):
+    match = a_match()
+    first_total = sum(d["runs"]["total"] for d in deliveries(match["innings"][0]))
+    old = copy.deepcopy(match)
+    old["meta"]["data_version"] = "1.0.0"
+    old["innings"][1].pop("target", None)  # 1.0.0 files may have no target
+    _, records = cricket.parse_match(write(tmp_path / "old.json", old), T20)
+    assert records[1]["target_runs"] == first_total + 1 and records[1]["max_balls"] == 120
+    dls = copy.deepcopy(match)
+    dls["innings"][1]["target"] = {"overs": 12, "runs": 97}
+    dls["info"]["outcome"]["method"] = "D/L"
+    _, records = cricket.parse_match(write(tmp_path / "dls.json", dls), T20)
+    assert (records[1]["target_runs"], records[1]["max_balls"]) == (97, 72)
+    assert [r["innings"] for r in records] == [1, 2]
+    rained = copy.deepcopy(match)
+    rained["info"]["outcome"] = {"result": "no result"}
+    assert cricket.parse_match(write(tmp_path / "nr.json", rained), T20) == ("no_result", [])
+    odi = copy.deepcopy(match)
+    odi["info"]["match_type"] = "ODI"
+    assert cricket.parse_match(write(tmp_path / "odi.json", odi), T20) == ("match_type", [])
+    assert cricket.parse_match(tmp_path / "odi.json", ("ODI",))[0] == "ok"
+
+
+def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp_path):
+    match = a_match()
+    tied = copy.deepcopy(match)
+    tied["innings"].append({"team": tied["innings"][1]["team"], "super_over": True,
+                            "overs": tied["innings"][0]["overs"][:1]})  # fmt: skip
+    _, records = cricket.parse_match(write(tmp_path / "so.json", tied), T20)
+    assert [r["status"] for r in records] == ["ok", "ok", "super_over"]
+    inning = {"team": "A", "overs": [{"over": 0, "deliveries": []}, {"over": 1, "deliveries": []}]}
+    ball = {"batter": "x", "bowler": "b", "non_striker": "y"}
+    script = [  # over 0: a wide, a no-ball, six legal balls (a retirement, then a wicket)
+        ({"batter": 0, "extras": 1, "total": 1}, {"wides": 1}, []),
+        ({"batter": 4, "extras": 1, "total": 5}, {"noballs": 1}, []),
+        *[({"batter": 1, "extras": 0, "total": 1}, {}, [])] * 4,
+        ({"batter": 0, "extras": 0, "total": 0}, {}, [{"kind": "retired hurt", "player_out": "x"}]),
+        ({"batter": 0, "extras": 0, "total": 0}, {}, [{"kind": "bowled", "player_out": "z"}]),
+    ]
+    for runs, extras, wickets in script:
+        d = {**ball, "runs": runs} | ({"extras": extras} if extras else {})
+        inning["overs"][0]["deliveries"].append(d | ({"wickets": wickets} if wickets else {}))
+    inning["overs"][1]["deliveries"] = [{**ball, "runs": {"batter": 2, "extras": 0, "total": 2}}]
+    record = cricket._read_innings(inning, "t", {}) | {"balls_per_over": 6, "max_balls": 120}
+    record |= {"target_runs": -1, "venue": "v", "batting_team": "A", "bowling_team": "B"}
+    features = cricket.innings_features(record, {"players": {}, "venues": {}, "teams": {}})
+    assert features["legal_before"].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert features["sample_pos"].tolist() == [2, 3, 4, 5, 6, 7, 8]  # no sample at a wide/no-ball
+    assert features["wickets"].tolist() == [0] * 8 + [1]  # retired hurt is not a wicket
+    # runs in the next 5 overs, truncated at the innings' end: all that follows here
+    assert features["y"].tolist() == [12, 11, 6, 5, 4, 3, 2, 2, 2]
+
+
+def test_window_runs_stop_after_five_overs_of_legal_balls():
+    runs = np.ones(40, dtype=np.int64)
+    legal_before = np.array([min(k, 35) for k in range(40)])  # the last 4 deliveries are wides
+    y = cricket.window_runs(runs, legal_before, 30)
+    assert y[:6].tolist() == [30] * 6  # 30 legal balls; the wides after ball 35 are not in it
+    assert y[6] == 34 and y[39] == 1  # later windows reach the innings' end: truncated
+
+
+def test_a_malformed_delivery_names_file_innings_over_and_delivery(tmp_path):
+    match = a_match()
+    del match["innings"][1]["overs"][2]["deliveries"][3]["runs"]["total"]
+    path = write(tmp_path / "bad.json", match)
+    with pytest.raises(DataError, match=r"bad.json, innings 2, over 2, delivery 4: malformed"):
+        cricket.parse_match(path, T20)
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch) -> Path:
+    """12 matches with the oddities of a real download: a README, a .json that is no match, an
+    ODI, a no-result match and a tied match with a super over."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    root = cricket.write_dataset(tmp_path / "matches", matches=12)
+    write(root / "notes.json", {"comment": "not a match"})
+    odi = a_match(1)
+    odi["info"]["match_type"] = "ODI"
+    write(root / "odi.json", odi)
+    rained = a_match(2)
+    rained["info"]["outcome"] = {"result": "no result"}
+    write(root / "rain.json", rained)
+    tied = a_match(3, "2030-01-01")  # the latest date: in the test split when split by date
+    tied["innings"].append({"team": tied["innings"][0]["team"], "super_over": True,
+                            "overs": tied["innings"][0]["overs"][:1]})  # fmt: skip
+    write(root / "tied.json", tied)
+    return root
+
+
+def test_summary_counts_skips_and_strict_stops_at_a_non_match(folder):
+    rows, info = recipe.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+    summary = info["summary"]
+    assert summary["files"] == 16 and summary["super_over_innings"] == 1
+    assert (summary["not_match"], summary["match_type"]) == (1, 1)
+    assert summary["no_result"] == 1 + sum(  # the simulator's own rained-off matches
+        json.loads(p.read_text())["info"]["outcome"].get("result") == "no result"
+        for p in folder.glob("10*.json")
+    )
+    assert info["not_matches"] == [("notes.json", "no 'info' object, so not a Cricsheet match")]
+    assert len(rows) == 2 * summary["matches"] and not info["cached"]
+    with pytest.raises(DataError, match=r"notes.json: no 'info' object.*leave out --strict"):
+        recipe.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
+
+
+def test_cache_is_reused_until_a_file_or_a_setting_changes(folder):
+    options = dict(match_types=list(T20), strict=False)
+    first, info = recipe.load_innings(folder, **options, **SPLIT)
+    again, info = recipe.load_innings(folder, **options, **SPLIT)
+    assert info["cached"] and again["y"] == first["y"]
+    _, info = recipe.load_innings(folder, **options, **{**SPLIT, "split_seed": 1})
+    assert not info["cached"]
+    write(folder / "tied.json", a_match(4))
+    _, info = recipe.load_innings(folder, **options, **SPLIT)
+    assert not info["cached"]
+
+
+def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
+    options = dict(match_types=list(T20), strict=False)
+    rows, info = recipe.load_innings(folder, **options, **{**SPLIT, "split_by_date": True})
+    table = rows.select_columns(["file", "split"]).to_pandas()
+    assert (table.groupby("file")["split"].nunique() == 1).all()  # never inside a match
+    dates = {f: json.loads((folder / f).read_text())["info"]["dates"][0] for f in set(table.file)}
+    table["date"] = table["file"].map(dates)
+    assert table.groupby("split")["date"].max()[0] <= table.groupby("split")["date"].min()[2]
+    assert table.loc[table.file == "tied.json", "split"].iloc[0] == 2
+    # tied.json is a test match: its players, as unseen in training, are the unknown index
+    tied = json.loads((folder / "tied.json").read_text())["info"]
+    registry = tied["registry"]["people"]
+    players = info["vocab"]["players"]
+    train_files = set(table.loc[table.split == 0, "file"])
+    train_ids = set()
+    for name in train_files:
+        train_ids |= set(
+            json.loads((folder / name).read_text())["info"]["registry"]["people"].values()
+        )
+    assert set(players) <= train_ids and 0 not in players.values()
+    row = next(i for i, f in enumerate(rows["file"]) if f == "tied.json")
+    ids = np.asarray(rows[row]["actor_ids"])
+    expected = [players.get(registry[n], 0) for n in tied["players"][tied["teams"][0]]]
+    assert set(ids.tolist()) <= {0, *expected, *players.values()}
+
+
+@pytest.fixture(scope="module")
+def trained(cricket_data, tmp_path_factory) -> Path:
+    """Two epochs of a small model on every 4th delivery (about 30 s on one core)."""
+    tmp = tmp_path_factory.mktemp("cricket-run")
+    args = ["--data", str(cricket_data), "--output-dir", str(tmp / "run"), "--epochs", "2"]
+    args += ["--hidden", "32", "--heads", "2", "--layers", "2", "--history", "6", "--lr", "2e-3"]
+    args += ["--warmup-steps", "20", "--sample-every", "4", "--val-ratio", "0.2"]
+    args += ["--test-ratio", "0.2", "--patience", "2"]
+    run_recipe(args, cwd=tmp, script=CRICKET)
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_beats_the_mean_and_the_phase_baseline_on_held_out_matches(trained):
+    metrics = json.loads((trained / "model" / "model.json").read_text())["metrics"]
+    assert metrics["test_n"] > 1000
+    assert metrics["test_mae"] < 0.9 * metrics["test_phase_mae"], metrics
+    assert metrics["test_mae"] < 0.8 * metrics["test_mean_mae"], metrics
+    assert metrics["test_r2"] > metrics["test_phase_r2"] + 0.05, metrics
+
+
+@pytest.mark.slow
+def test_predict_writes_one_row_per_legal_delivery(trained, cricket_data, tmp_path):
+    match = next(
+        p for p in sorted(cricket_data.glob("*.json")) if cricket.parse_match(p, T20)[0] == "ok"
+    )
+    out = tmp_path / "p.csv"
+    recipe.predict(model_dir=trained / "model", match=match, out=out)  # in process: no start-up
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == ["innings", "over_ball", "score", "predicted_next5", "actual_next5"]
+    innings = json.loads(match.read_text())["innings"]
+    legal = sum(not {"wides", "noballs"} & set(d.get("extras", {})) for i in innings[:2]
+                for d in deliveries(i))  # fmt: skip
+    assert len(rows) == legal
+    assert (rows[0]["innings"], rows[0]["over_ball"], rows[0]["score"]) == ("1", "0.1", "0")
+    assert {r["innings"] for r in rows} == {"1", "2"}
+    errors = [abs(float(r["predicted_next5"]) - float(r["actual_next5"])) for r in rows]
+    assert np.mean(errors) < np.std([float(r["actual_next5"]) for r in rows]) * 1.2
+
+
+@pytest.mark.dist
+def test_two_processes_end_with_the_same_parameters(cricket_data, tmp_path):
+    """Each delivery weighs the same in the loss (a mean over the batch), LayerNorm normalises
+    within a graph, and dropout is off: 1 and 2 processes at global batch 16 agree to float sum
+    order. Per tensor up to 1e-4: the query vector and the biases start at or near zero, so the
+    few-ulp differences of the attention sums are large relative to their small norms; over
+    all parameters at once, 1e-5, as the other recipes."""
+    args = ["--data", str(cricket_data), *CRICKET_TINY, "--bs", "16", "--max-steps", "8"]
+    args += ["--dropout", "0", "--sample-every", "8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe([*args, "--output-dir", str(one)], cwd=tmp_path, script=CRICKET)
+    run_recipe([*args, "--output-dir", str(two)], cwd=tmp_path, script=CRICKET, nproc=2)
+    assert metrics_log(two)[0]["config"]["num_processes"] == 2
+    params = exported_params(one), exported_params(two)
+    assert max_relative_difference(*params) <= 1e-4
+    assert global_relative_difference(*params) <= 1e-5
