@@ -43,6 +43,7 @@ def cli_fit(tmp: Path, data: Path) -> MemoryFit:
     return MemoryFit(**json.loads((tmp / "runs" / "memory" / "template.json").read_text()))
 
 
+@pytest.mark.slow
 def test_fitted_memory_per_sample_predicts_a_larger_batch(tmp_path, template_data, monkeypatch):
     narrow = ["--data", str(template_data), "--hidden", "128"]
     with ThreadPoolExecutor(2) as pool:

@@ -232,6 +232,7 @@ def test_fsdp_clips_by_the_global_gradient_norm(fsdp, ddp):
         assert abs(ours - reference) <= TOLERANCE * reference
 
 
+@pytest.mark.dist
 def test_convert_merges_the_sharded_checkpoint_into_the_export(fsdp, tmp_path):
     out, _ = fsdp
     result = CliRunner().invoke(
