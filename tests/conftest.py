@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from filelock import FileLock
 from safetensors.torch import load_file
 
 from accel_common.tools.ports import free_port  # re-exported for the tests
+from tests import forked
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
@@ -64,6 +67,48 @@ def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
     ]  # fmt: skip
 
 
+def run_processes(
+    script: Path, args: list[str], nproc: int, *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """`python script args` as one process, or as `nproc` ranks over gloo given the environment
+    torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); each process is
+    forked from a server that has imported torch already (tests/forked.py).
+
+    No launcher process: `accelerate launch` is one more Python process importing torch and
+    Accelerate per run, and the tests that compare N processes with one do not need it; the
+    launchers are tested where they matter (test_launch, test_processes, test_multinode,
+    test_recovery, test_nonfinite, test_sharded), with real `accelerate launch` processes. A rank
+    that fails has the others stopped 15 s later (they would wait in a collective), and its exit
+    code is the run's; stdout and stderr are the ranks' outputs one after the other.
+    """
+    port, logs = str(free_port()), Path(tempfile.mkdtemp(prefix="run-"))
+    children = []
+    for rank in range(nproc):
+        where = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
+        where |= {"LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        (logs / str(rank)).mkdir()
+        rank_env = {**env, **where} if nproc > 1 else env
+        children.append(forked.start(script, args, cwd=cwd, env=rank_env, logs=logs / str(rank)))
+    first_failure, stop_at = None, time.monotonic() + timeout
+    while any(child.exitcode is None for child in children):
+        if first_failure is None and any(child.exitcode for child in children):
+            first_failure = next(child.exitcode for child in children if child.exitcode)
+            stop_at = min(stop_at, time.monotonic() + 15)
+        if time.monotonic() > stop_at:
+            for child in children:
+                child.kill()
+                child.join()
+            if first_failure is None:
+                raise subprocess.TimeoutExpired([str(script), *args], timeout)
+        time.sleep(0.05)
+    if first_failure is None:  # they all ended between two looks
+        first_failure = next((child.exitcode for child in children if child.exitcode), 0)
+    stdout = "".join((logs / str(rank) / "out").read_text() for rank in range(nproc))
+    stderr = "".join((logs / str(rank) / "err").read_text() for rank in range(nproc))
+    shutil.rmtree(logs)
+    return subprocess.CompletedProcess([str(script), *args], first_failure, stdout, stderr)
+
+
 def run_recipe(
     args: list[str],
     *,
@@ -73,14 +118,9 @@ def run_recipe(
     check: bool = True,
     threads: int = 1,
 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        launch_command(script, args, nproc),
-        cwd=cwd,
-        env=recipe_env(cwd, threads),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """Run a recipe as real processes: one, or `nproc` ranks over gloo (see `run_processes`)."""
+    env = recipe_env(cwd, threads)
+    result = run_processes(script, args, nproc, cwd=cwd, env=env, timeout=600)
     if check and result.returncode != 0:
         output = f"{result.stdout}\n{result.stderr}"
         raise AssertionError(f"recipe failed ({result.returncode}):\n{output}")

@@ -1,0 +1,72 @@
+"""Recipe processes forked from a server that has already imported torch.
+
+Importing torch costs every Python process ~3.5 CPU-seconds (the CUDA build, on this suite's
+2-core machines), a third or more of a small recipe run, and the suite starts some 150 of them.
+The tests start recipes here instead: `multiprocessing`'s forkserver imports torch once per
+pytest worker, and each run is a fresh child forked from it that executes the script as
+`python script.py args` would (its own pid, working directory, environment, argv, stdout and
+stderr files, and exit code; `sys.modules['__main__']` is the script). Libraries that read the
+environment at import time (datasets, huggingface_hub, wandb, accelerate) are not preloaded, so
+they see the run's own environment. Tests of launchers and signals start real `python` and
+`accelerate launch` processes instead (see conftest.launch_command).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import runpy
+import sys
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+
+PRELOAD = ["torch", "numpy"]
+_context: ForkServerContext | None = None
+
+
+def context() -> ForkServerContext:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _redirect(fd: int, path: str) -> None:
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], logs: str) -> None:
+    """The child: become `python script args` in `cwd` with `env`, outputs into `logs`."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    _redirect(1, os.path.join(logs, "out"))
+    _redirect(2, os.path.join(logs, "err"))
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)  # what `python script` puts first
+    sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    import torch  # preloaded: its thread count was read from the server's environment
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # a forked child ends with os._exit, which skips them
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def start(script: Path, args: list[str], *, cwd: Path, env: dict[str, str], logs: Path):
+    """Start one run; `logs` receives `out` and `err`. Returns the child (`.join()`,
+    `.exitcode`, `.pid`, `.kill()`)."""
+    child = context().Process(
+        target=_run_script, args=(str(script), list(args), str(cwd), dict(env), str(logs))
+    )
+    child.start()
+    return child
