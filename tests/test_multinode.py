@@ -32,7 +32,7 @@ import pytest
 
 from accel_common.errors import describe_distributed_failure, exit_on_error
 from tests.conftest import (
-    BIN,
+    ACCELERATE_LAUNCH,
     CPU_2PROC,
     TEMPLATE,
     exported_params,
@@ -62,7 +62,7 @@ def machine_command(rank: int, port: int, rdzv: str, args: list[str]) -> list[st
     """
     rdzv_conf = ["--rdzv_conf", f"is_host={int(rank == 0)}"] if rdzv == "c10d" else []
     return [
-        str(BIN / "accelerate"), "launch",
+        *ACCELERATE_LAUNCH,
         "--config_file", str(CPU_2PROC),
         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),

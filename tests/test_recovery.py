@@ -24,6 +24,7 @@ import pytest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import EXIT_PREEMPTED
 from tests.conftest import (
+    ACCELERATE_LAUNCH,
     BIN,
     CPU_2PROC,
     TEMPLATE,
@@ -44,7 +45,7 @@ TIMEOUT = 240
 
 def accelerate(args: list[str], *extra: str) -> list[str]:
     return [
-        str(BIN / "accelerate"), "launch", "--config_file", str(CPU_2PROC),
+        *ACCELERATE_LAUNCH, "--config_file", str(CPU_2PROC),
         "--main_process_port", str(free_port()), *extra, str(TEMPLATE), *args,
     ]  # fmt: skip
 

@@ -43,7 +43,7 @@ from accel_common.checkpoint import convert_checkpoint, load_exported
 from accel_common.errors import CheckpointError
 from accel_common.tools.cli import app
 from tests.conftest import (
-    BIN,
+    ACCELERATE_LAUNCH,
     REPO,
     TEMPLATE,
     exported_params,
@@ -106,7 +106,7 @@ def launch_fsdp(tmp: Path, args: list[str], *, wrapped: bool = True) -> subproce
         shim.write_text(FSDP_ON_CPU)
         script = [str(shim), str(TEMPLATE)]
     command = [
-        str(BIN / "accelerate"), "launch",
+        *ACCELERATE_LAUNCH,
         "--config_file", str(cpu_fsdp_config(tmp)),
         "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(free_port()),
