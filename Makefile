@@ -90,7 +90,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(TEST_WORKERS) \
-	  --dist loadscope --durations=10 $(PYTEST_ARGS)
+	  --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 # the GPU suite (tests/gpu; skipped where CUDA is absent, so CI never runs it), one recipe per
 # pytest-xdist worker on the one GPU; logs and measured tolerances go to GPU_OUT

@@ -232,3 +232,31 @@ def cricket_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from accel_common.data.cricket import write_dataset
 
     return shared_dataset(tmp_path_factory, "cricket", lambda out: write_dataset(out, matches=100))
+
+
+# The suite runs on 2 pytest-xdist workers (`make test`): each module goes to one worker whole
+# (its module fixtures run once), and work is handed out in this order, heaviest modules first,
+# so that no long module starts last while the other worker idles (longest-first scheduling).
+# test_resume's cases, one independent run per recipe, are spread over both workers instead.
+HEAVIEST_FIRST = [
+    "test_crystal", "test_captioning", "test_quality", "test_pointcloud", "test_multinode",
+    "test_sharded", "test_cricket", "test_recovery", "test_resume", "test_loop",
+    "test_plan_measure", "test_bench", "test_distributed", "test_nonfinite", "test_launchers",
+    "test_template", "test_launch", "test_cli", "test_doctor", "test_prepare", "test_processes",
+]  # fmt: skip
+SPREAD = {"test_resume"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+    def rank(item: pytest.Item) -> int:
+        name = module(item)
+        return HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+    for item in items:
+        if module(item) not in SPREAD and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module(item)))
