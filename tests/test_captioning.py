@@ -30,7 +30,7 @@ from tests.scaler_check import check_overflow_is_skipped_and_resumes
 
 @pytest.fixture(scope="module")
 def trained(captioning_data, tmp_path_factory) -> Path:
-    """The example at its defaults, fp32 (about 25 s on 2 cores)."""
+    """The example at its defaults, fp32 (about 35 s of training on one thread)."""
     tmp = tmp_path_factory.mktemp("caption-run")
     args = ["--data", str(captioning_data), "--output-dir", str(tmp / "run")]
     run_recipe([*args, "--mixed-precision", "no"], cwd=tmp, script=CAPTIONING, threads=2)
@@ -49,8 +49,8 @@ def test_learns_to_caption_from_pixels(trained):
 @pytest.mark.slow
 def test_bf16_on_the_cpu_learns(captioning_data, tmp_path):
     """3 epochs only: a CPU without bf16 instructions (this project's CI machine) emulates bf16
-    matrix products, 10-30x slower than fp32. 37 optimizer steps already put token accuracy
-    far above the majority baseline (about 0.63 against 0.165)."""
+    matrix products, about 3.5x slower than fp32 (docs/recipes/captioning.md). 37 optimizer steps
+    already put token accuracy far above the majority baseline (about 0.63 against 0.165)."""
     args = ["--data", str(captioning_data), "--output-dir", str(tmp_path / "run"), "--epochs", "3"]
     run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp_path, script=CAPTIONING, threads=2)
     metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
