@@ -260,6 +260,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def model_option(recipe: str) -> Any:
+    """`--model DIR` of a recipe's single-device commands (predict, score, ...): an exported
+    model folder, by default the one training writes."""
+    return typer.Option(
+        Path(f"runs/{recipe}/model"), "--model", help="Exported model folder (train's output)."
+    )
+
+
 def train_options(
     *,
     default_bs: int | None = None,

@@ -176,6 +176,12 @@ def require_writable_output_dir(output_dir: Path) -> None:
         ) from None
 
 
+def require_new_file(out: Path) -> None:
+    """A single-device command's --out: a result already there is never overwritten."""
+    if out.exists():
+        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+
+
 def require_requested_devices(cpu: bool) -> None:
     """Refuse a multi-process launch whose config asks for GPUs on a machine without any.
 

@@ -42,8 +42,8 @@ from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.data import captioning as caption_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.losses import GlobalItemMean
-from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe
+from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.runtime import require_new_file, resolve_data, run_recipe
 
 RECIPE = "captioning"
 PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
@@ -386,15 +386,12 @@ def train(
 
 
 def caption(
-    model_dir: Path = typer.Option(
-        Path("runs/captioning/model"), "--model", help="Exported model folder (train's output)."
-    ),
+    model_dir: Path = model_option(RECIPE),
     images: Path = typer.Option(..., help="Folder of images to caption (searched recursively)."),
     out: Path = typer.Option(..., help="Where to write 'file<TAB>caption' lines."),
 ) -> None:
     """Write greedy captions for a folder of images with an exported model, on one device."""
-    if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     keys = ("image_size", "patch", "dim", "depth", "decoder_depth", "heads", "max_tokens")

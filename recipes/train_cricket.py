@@ -53,8 +53,8 @@ from accel_common.console import say
 from accel_common.data import cricket as cricket_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe
+from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.runtime import require_new_file, resolve_data, run_recipe
 
 RECIPE = "cricket"
 VOCAB_FILE = "vocab.json"
@@ -684,14 +684,11 @@ def train(
 def predict(
     match: Path = typer.Option(..., help="One Cricsheet match JSON file."),
     out: Path = typer.Option(..., help="CSV to write, one row per legal delivery."),
-    model_dir: Path = typer.Option(
-        Path("runs/cricket/model"), "--model", help="Exported model folder (train's output)."
-    ),
+    model_dir: Path = model_option(RECIPE),
 ) -> None:
     """Predict the runs in the next 5 overs before every legal delivery of one match."""
     config = read_recipe_export(model_dir, RECIPE)
-    if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    require_new_file(out)
     vocab_path = model_dir / VOCAB_FILE
     if not vocab_path.is_file():
         raise DataError(f"{vocab_path}: missing; export the model again with train")

@@ -53,8 +53,8 @@ from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.data import crystal as crystal_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe, train_in_python
+from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.runtime import require_new_file, resolve_data, run_recipe, train_in_python
 
 RECIPE = "crystal"
 
@@ -400,16 +400,13 @@ def train(
 
 
 def predict(
-    model_dir: Path = typer.Option(
-        Path("runs/crystal/model"), "--model", help="Exported model folder (train's output)."
-    ),
+    model_dir: Path = model_option(RECIPE),
     data: Path = typer.Option(..., help="Extended XYZ file of the structures to predict."),
     out: Path = typer.Option(..., help="CSV to write: index, formula, prediction[, target]."),
     index: str = typer.Option(":", help="Frames to read, as ASE takes it."),
 ) -> None:
     """Predict the target for every frame of an extxyz file with an exported model, one device."""
-    if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     model = Comformer(config["width"], config["layers"], config["heads"], config["rbf_bins"])
     load_exported(model_dir, model)

@@ -40,8 +40,8 @@ from accel_common.data.files import read_path_list, require_finite
 from accel_common.data.volumes import SPACING_FILE, case_stem, prepare_skullbreak
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe
+from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.viz import render_point_clouds
 
 RECIPE = "pointcloud"
@@ -487,9 +487,7 @@ def load_model(model_dir: Path, device: torch.device) -> tuple[PointVoxelDenoise
     return model.to(device).eval(), config
 
 
-ModelOption = typer.Option(
-    Path("runs/pointcloud/model"), "--model", help="Exported model folder (train's output)."
-)
+ModelOption = model_option(RECIPE)
 
 
 def evaluate_export(
@@ -523,8 +521,7 @@ def complete(
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Generate the implant for one defective skull with an exported model, on one device."""
-    if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    require_new_file(out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, config = load_model(model_dir, device)
     points = load_points(skull)

@@ -44,8 +44,8 @@ from accel_common.console import say
 from accel_common.data import quality as quality_data
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, train_options
-from accel_common.runtime import resolve_data, run_recipe
+from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.runtime import require_new_file, resolve_data, run_recipe
 
 RECIPE = "quality"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -389,15 +389,12 @@ def build_scorer(
 
 
 def score_folder(
-    model_dir: Path = typer.Option(
-        Path("runs/quality/model"), "--model", help="Exported model folder (train's output)."
-    ),
+    model_dir: Path = model_option(RECIPE),
     images: Path = typer.Option(..., help="Folder of images to rate (subfolders too)."),
     out: Path = typer.Option(..., help="CSV to write: image,score (higher is better)."),
 ) -> None:
     """Rate every image in a folder with an exported model, on one device, best first."""
-    if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+    require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
     load_exported(model_dir, model)

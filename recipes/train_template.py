@@ -37,7 +37,7 @@ from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import template as template_data
 from accel_common.data.files import read_numeric_csv
-from accel_common.options import TrainArgs, train_options
+from accel_common.options import TrainArgs, model_option, train_options
 from accel_common.runtime import resolve_data, run_recipe
 
 RECIPE = "template"
@@ -140,9 +140,7 @@ def train(
 
 
 def evaluate_export(
-    model_dir: Path = typer.Option(
-        Path("runs/template/model"), "--model", help="Exported model folder (train's output)."
-    ),
+    model_dir: Path = model_option(RECIPE),
     data: Path = typer.Option(
         Path("data/example/template"), "--data", help="Folder holding the CSV to score."
     ),
