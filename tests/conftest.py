@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,26 @@ def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
         "--main_process_port", str(free_port()),
         str(script), *args,
     ]  # fmt: skip
+
+
+def kill_once_written(script: Path, args: list[str], *, cwd: Path, marker: Path) -> None:
+    """Run `python script args` and SIGKILL it, its whole session, as soon as `marker` exists
+    (a checkpoint's last file): a crash at whatever point the run had reached by then."""
+    proc = subprocess.Popen(
+        launch_command(script, args, nproc=1),
+        cwd=cwd,
+        env=recipe_env(cwd),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None, "the run ended before the test could kill it"
+        assert time.monotonic() < deadline, "no checkpoint appeared in time"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
 
 
 def run_processes(

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -30,9 +26,8 @@ from tests.conftest import (
     QUALITY,
     TEMPLATE,
     exported_params,
-    launch_command,
+    kill_once_written,
     metrics_log,
-    recipe_env,
     run_recipe,
 )
 
@@ -109,22 +104,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(
     run_to_the_end(recipe, [*args, "--output-dir", str(full)], tmp_path, capsys, monkeypatch)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        launch_command(script, [*args, "--output-dir", str(killed)], nproc=1),
-        cwd=tmp_path,
-        env=recipe_env(tmp_path),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     marker = killed / "checkpoints" / f"step_{kill_at}" / "progress.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert proc.poll() is None, "the run ended before the test could kill it"
-        assert time.monotonic() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    kill_once_written(script, [*args, "--output-dir", str(killed)], cwd=tmp_path, marker=marker)
     latest = int(list_checkpoints(killed)[-1].name.removeprefix("step_"))
     assert kill_at <= latest < total_steps
     assert not (killed / "model").exists()  # it really died before finishing

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +31,7 @@ from tests.conftest import (
     REPO,
     exported_params,
     free_port,
-    launch_command,
+    kill_once_written,
     max_relative_difference,
     metrics_log,
     recipe_env,
@@ -118,22 +115,8 @@ def test_resume_after_a_kill_on_the_gpu(recipe, request, tmp_path_factory, recor
     killed = tmp_path_factory.mktemp(recipe) / "killed"
     script = RECIPES[recipe][0]
     args = recipe_args(recipe, request, killed, "no")
-    proc = subprocess.Popen(
-        launch_command(script, args, nproc=1),
-        cwd=killed.parent,
-        env=recipe_env(killed.parent),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     marker = killed / "checkpoints" / f"step_{KILL_AT}" / "progress.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert proc.poll() is None, "the run ended before the test could kill it"
-        assert time.monotonic() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    kill_once_written(script, args, cwd=killed.parent, marker=marker)
     latest = int(list_checkpoints(killed)[-1].name.removeprefix("step_"))
     assert KILL_AT <= latest < STEPS and not (killed / "model").exists()
 
