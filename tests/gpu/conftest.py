@@ -17,6 +17,8 @@ import torch
 from tests.conftest import (
     CAPTIONING,
     CAPTIONING_TINY,
+    CRICKET,
+    CRICKET_TINY,
     CRYSTAL,
     CRYSTAL_TINY,
     POINTCLOUD,
@@ -46,6 +48,7 @@ RECIPES = {
     "quality": (QUALITY, "quality_data", []),
     "captioning": (CAPTIONING, "captioning_data", CAPTIONING_TINY),
     "crystal": (CRYSTAL, "crystal_data", CRYSTAL_TINY),
+    "cricket": (CRICKET, "cricket_data", [*CRICKET_TINY, "--sample-every", "8", "--bs", "16"]),
 }
 
 
