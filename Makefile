@@ -29,7 +29,7 @@ STAMP := $(VENV)/.installed
 # the GPU targets write their logs and tables here; SETUP= skips the install step on a machine
 # whose python already holds the packages (then name its folder: BIN=/path/to/venv/bin)
 GPU_OUT ?= runs/gpu
-GPU_WORKERS ?= 5
+GPU_WORKERS ?= 6
 SETUP ?= install
 
 SCRIPT = recipes/train_$(RECIPE).py
