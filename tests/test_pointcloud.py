@@ -35,18 +35,56 @@ def recipe():
     return load_recipe("pointcloud")
 
 
+# `make train`'s defaults (675 steps) with a 10^3 voxel grid instead of 16^3: ~1/3 of the CPU
+LEARNING_RUN = ["--resolution", "10", "--eval-every", "100"]
+
+
+def chamfer_with_own_and_other_skull(recipe, model_dir, data) -> tuple[float, float]:
+    """Mean Chamfer distance of the exported model's implants for the test split, sampled with
+    each case's own defective skull, and with the same noise but the skull of another defect of
+    the same head (its hole elsewhere), both against the true implant. A model that ignores the
+    skull gives the two exactly equal."""
+    model, config = recipe.load_model(model_dir, torch.device("cpu"))
+    sizes = {key: config[key] for key in ("num_points", "num_nn", "timesteps")}
+    test = recipe.SkullBreak(data, "test", **sizes, seed=0)
+    batch = next(iter(DataLoader(test, batch_size=len(test))))
+    # the rows are head by head, five defects each: take the next defect's skull, same head
+    other = torch.arange(len(test)).view(-1, len(DEFECTS)).roll(1, dims=1).flatten()
+    diffusion = recipe.Diffusion(config["timesteps"])
+    to_mm = batch["scale"][:, None, None] * batch["mm_per_unit"][:, None, :]
+    scores = []
+    for skulls in (batch["skull"], batch["skull"][other]):
+        generator = torch.Generator().manual_seed(0)
+        steps = config["sample_steps"]
+        implants = diffusion.sample(model, skulls, config["num_nn"], steps, generator)
+        scores.append(recipe.chamfer(implants * to_mm, batch["implant"] * to_mm).mean().item())
+    return scores[0], scores[1]
+
+
 @pytest.mark.slow
-def test_learns_to_place_the_implant_in_the_defect(pointcloud_data, tmp_path):
-    """`make train`'s defaults on the example skulls (675 steps, about a minute on 2 cores): the
-    sampled implants must beat, clearly, the trivial baseline that ignores the skull (points
-    drawn from all training implants). Oracle baselines that know the implant's location are
-    reported too; docs/recipes/pointcloud.md has the numbers."""
+def test_learns_to_place_the_implant_in_the_defect(recipe, pointcloud_data, tmp_path):
+    """`make train`'s defaults (675 steps) with a 10^3 voxel grid instead of 16^3, on the
+    example skulls, one thread: ~57 CPU-seconds for the run, ~70 for the whole test (the 16^3
+    defaults on 2 threads took ~210). Seeds 0-6 of the run were measured for both bounds.
+
+    - The implants sampled for the held-out skulls beat the trivial baseline that ignores the
+      skull (points drawn from all training implants): chamfer / baseline 0.69 0.62 0.81 0.81
+      0.86 0.68 0.72, bound 0.95. Not proof that the skull is used: one fixed point set, the
+      same for every skull (fitted to the training implants), scores 0.76 x the baseline.
+    - The model places the implant by the skull: sampled with the same noise, its implants
+      are clearly nearer the true one with the case's own skull than with the skull of another
+      defect of the same head (equal for a model that ignores the skull): own / other 0.74
+      0.60 0.74 0.74 0.74 0.72 0.71 (0.54 to 0.76 over 3 sampling seeds each), bound 0.85.
+
+    docs/recipes/pointcloud.md has the numbers."""
     out = tmp_path / "run"
-    args = ["--data", str(pointcloud_data), "--output-dir", str(out), "--eval-every", "100"]
-    run_recipe(args, cwd=tmp_path, script=POINTCLOUD, threads=2)
+    args = ["--data", str(pointcloud_data), "--output-dir", str(out), *LEARNING_RUN]
+    run_recipe(args, cwd=tmp_path, script=POINTCLOUD)
     metrics = json.loads((out / "model" / "model.json").read_text())["metrics"]
     assert metrics["n"] == 30
-    assert metrics["chamfer_mm"] < 0.75 * metrics["baseline_skull_agnostic_mm"], metrics
+    assert metrics["chamfer_mm"] < 0.95 * metrics["baseline_skull_agnostic_mm"], metrics
+    own, other = chamfer_with_own_and_other_skull(recipe, out / "model", pointcloud_data)
+    assert own < 0.85 * other, (own, other, metrics)
 
 
 def test_generated_data_follows_the_skullbreak_layout(pointcloud_data):
