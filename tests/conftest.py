@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -268,16 +269,32 @@ HEAVIEST_FIRST = [
 SPREAD = {"test_resume"}
 
 
+def module_of(nodeid: str) -> str:
+    """tests/test_x.py::test_y[z]@group -> test_x"""
+    return nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-
     def rank(item: pytest.Item) -> int:
-        name = module(item)
+        name = module_of(item.nodeid)
         return HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests keep their order
     for item in items:
-        if module(item) not in SPREAD and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(module(item)))
+        name = module_of(item.nodeid)
+        if name not in SPREAD and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(name))
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Stop a run whose groups pytest-xdist silently dropped (pytest 9.2 ignores the renamed node
+    ids that xdist 3.8's loadgroup relies on): modules would then split over workers and build
+    their trained fixtures once per worker, which is how CI went from 12 to 14 minutes unseen."""
+    grouped = [nodeid for nodeid in ids if module_of(nodeid) not in SPREAD]
+    if node.config.getoption("dist") == "loadgroup" and grouped and "@" not in "".join(grouped):
+        pytest.exit(
+            f"pytest-xdist's loadgroup put no test in a group under pytest {pytest.__version__}: "
+            "install the pytest range of pyproject.toml's dev extra",
+            returncode=4,
+        )
