@@ -2,8 +2,8 @@
 
 Importing torch costs every Python process ~3.5 CPU-seconds (the CUDA build, on this suite's
 2-core machines), a third or more of a small recipe run, and the suite starts some 150 of them.
-The tests start recipes here instead: `multiprocessing`'s forkserver imports torch once per
-pytest worker, and each run is a fresh child forked from it that executes the script as
+The tests start recipes here instead: `multiprocessing`'s forkserver imports torch (and PyG)
+once per pytest worker, and each run is a fresh child forked from it that executes the script as
 `python script.py args` would (its own pid, working directory, environment, argv, stdout and
 stderr files, and exit code; `sys.modules['__main__']` is the script). Libraries that read the
 environment at import time (datasets, huggingface_hub, wandb, accelerate) are not preloaded, so
@@ -21,7 +21,8 @@ import sys
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-PRELOAD = ["torch", "numpy"]
+# torch_geometric too: it imports torch._dynamo, ~3.5 CPU-s more for each graph recipe's run
+PRELOAD = ["torch", "numpy", "torch_geometric"]
 _context: ForkServerContext | None = None
 
 
@@ -39,8 +40,12 @@ def _redirect(fd: int, path: str) -> None:
     os.close(target)
 
 
-def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], logs: str) -> None:
+def _run_script(
+    script: str, args: list[str], cwd: str, env: dict[str, str], logs: str, new_session: bool
+) -> None:
     """The child: become `python script args` in `cwd` with `env`, outputs into `logs`."""
+    if new_session:
+        os.setsid()  # its own process group, so that os.killpg reaches its data-loader workers
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -62,11 +67,21 @@ def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], log
         sys.stderr.flush()
 
 
-def start(script: Path, args: list[str], *, cwd: Path, env: dict[str, str], logs: Path):
+def start(
+    script: Path,
+    args: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    logs: Path,
+    new_session: bool = False,
+):
     """Start one run; `logs` receives `out` and `err`. Returns the child (`.join()`,
-    `.exitcode`, `.pid`, `.kill()`)."""
+    `.exitcode`, `.pid`, `.kill()`); with `new_session`, it leads a session of its own, as
+    `subprocess.Popen(..., start_new_session=True)` would."""
     child = context().Process(
-        target=_run_script, args=(str(script), list(args), str(cwd), dict(env), str(logs))
+        target=_run_script,
+        args=(str(script), list(args), str(cwd), dict(env), str(logs), new_session),
     )
     child.start()
     return child

@@ -33,7 +33,7 @@ def trained(captioning_data, tmp_path_factory) -> Path:
     """The example at its defaults, fp32 (about 35 s of training on one thread)."""
     tmp = tmp_path_factory.mktemp("caption-run")
     args = ["--data", str(captioning_data), "--output-dir", str(tmp / "run")]
-    run_recipe([*args, "--mixed-precision", "no"], cwd=tmp, script=CAPTIONING, threads=2)
+    run_recipe([*args, "--mixed-precision", "no"], cwd=tmp, script=CAPTIONING)
     return tmp / "run"
 
 
@@ -52,7 +52,7 @@ def test_bf16_on_the_cpu_learns(captioning_data, tmp_path):
     matrix products, about 3.5x slower than fp32 (docs/recipes/captioning.md). 37 optimizer steps
     already put token accuracy far above the majority baseline (about 0.63 against 0.165)."""
     args = ["--data", str(captioning_data), "--output-dir", str(tmp_path / "run"), "--epochs", "3"]
-    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp_path, script=CAPTIONING, threads=2)
+    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp_path, script=CAPTIONING)
     metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
     assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.3, metrics
     assert metrics["cross_entropy"] < 0.6 * metrics["baseline_uniform_cross_entropy"], metrics

@@ -82,7 +82,7 @@ def test_rank_correlations_handle_ties_whatever_the_row_order():
 def test_learns_quality_and_finds_the_unreliable_annotators(quality_data, tmp_path):
     out = tmp_path / "run"
     args = ["--data", str(quality_data), "--output-dir", str(out), "--epochs", "6"]
-    run_recipe(args, cwd=tmp_path, script=QUALITY, threads=2)
+    run_recipe(args, cwd=tmp_path, script=QUALITY)
     metrics = json.loads((out / "model" / "model.json").read_text())["metrics"]
     assert metrics["spearman"] > metrics["baseline_spearman"] + 0.1, metrics
     assert metrics["kendall"] > metrics["baseline_kendall"] + 0.1, metrics

@@ -75,12 +75,14 @@ def workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
         time.sleep(0.05)
 
 
-def wait_until(condition, launcher: subprocess.Popen, what: str) -> None:
+def wait_until(condition, launcher: subprocess.Popen, what: str, poll: float = 0.05) -> None:
+    """Poll `condition`; a short `poll` only where a race must be caught (it costs CPU that the
+    job under test needs: at 0.5 ms, globbing the checkpoints took a good part of a core)."""
     deadline = time.monotonic() + TIMEOUT
     while not condition():
         assert launcher.poll() is None, f"the job ended before {what}"
         assert time.monotonic() < deadline, f"no {what} within {TIMEOUT} s"
-        time.sleep(0.0005)
+        time.sleep(poll)
 
 
 def assert_bit_equal(expected: Path, actual: Path) -> None:
@@ -107,8 +109,10 @@ def test_killed_ranks_are_restarted_from_the_newest_complete_checkpoint(
             tmp = checkpoints.glob("step_*.tmp")
             return [p for p in tmp if int(p.stem.removeprefix("step_")) >= 10]
 
+        first = checkpoints / "step_5" / "progress.json"
+        wait_until(first.exists, job, "the first checkpoint")  # the start-up, polled slowly
         while True:
-            wait_until(lambda: bool(unfinished()), job, "a save")
+            wait_until(lambda: bool(unfinished()), job, "a save", poll=0.0005)
             ranks = workers(job)
             for worker in ranks.values():
                 worker.suspend()
@@ -117,13 +121,13 @@ def test_killed_ranks_are_restarted_from_the_newest_complete_checkpoint(
                 break
             for worker in ranks.values():  # the save completed before the freeze: next one
                 worker.resume()
-            wait_until(lambda: not unfinished(), job, "the end of that save")
+            wait_until(lambda: not unfinished(), job, "the end of that save", poll=0.0005)
         during = int(caught[0].stem.removeprefix("step_"))
         ranks[0].kill()  # the writer: nothing more of that save can be written
         ranks[1].resume()
         # 2. after the restart, kill rank 1 again just after a later periodic checkpoint
         later = checkpoints / f"step_{during + 10}" / "progress.json"
-        wait_until(later.exists, job, f"checkpoint step_{during + 10}")
+        wait_until(later.exists, job, f"checkpoint step_{during + 10}", poll=0.0005)
         workers(job)[1].kill()
         assert job.wait(timeout=TIMEOUT) == 0
     finally:
@@ -153,7 +157,10 @@ def test_preemption_saves_the_step_in_progress_and_the_requeued_job_resumes(
     try:
         logged = out / "logs" / "metrics.jsonl"
         wait_until(
-            lambda: logged.exists() and logged.read_text().count('"train/loss"') >= 8, job, "step 8"
+            lambda: logged.exists() and logged.read_text().count('"train/loss"') >= 8,
+            job,
+            "step 8",
+            poll=0.01,
         )
         job.send_signal(signal.SIGUSR1)  # what SLURM sends; the wrapper passes it on
         _, stderr = job.communicate(timeout=TIMEOUT)

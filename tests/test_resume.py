@@ -64,9 +64,9 @@ SMALL = {
     "cricket": CRICKET_SMALL,
 }
 # the uninterrupted and the resumed run train in this process (train_in_python), so only the
-# killed run pays a Python start-up: the cricket recipe's imports (torch, PyG, datasets) cost
-# about 10 CPU-s a process, more than its three runs' training together
-IN_PROCESS = {"cricket"}
+# killed run pays a process start-up: the recipes' imports beyond torch (datasets, PyG,
+# tokenizers) cost 1 to 4 CPU-s a process, as much as a small run's training
+IN_PROCESS = set(CASES)
 
 
 @functools.cache
