@@ -44,7 +44,6 @@ from accel_common.tracking import METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
-BIN = Path(sys.executable).parent
 SECTION_START = "<!-- scaling benchmark: written by `accel-recipes bench` -->"
 SECTION_END = "<!-- end of scaling benchmark -->"
 REFERENCE = "DDP reference"
@@ -152,7 +151,9 @@ def launch_command(case: Case, nproc: int, gpus: bool, data: Path, out: Path) ->
     if nproc == 1 and not gpus:
         return [sys.executable, str(case.script), *args]
     config = CONFIGS / ("1gpu.yaml" if nproc == 1 else "2gpu.yaml" if gpus else "cpu_2proc.yaml")
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(config)]
+    # `accelerate launch`, run as its module: the `accelerate` command also imports its memory
+    # estimator's timm and torchvision, which would count ~4 CPU-s against every 2-process run
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     launch += ["--num_processes", str(nproc), "--main_process_port", str(free_port())]
     return [*launch, str(case.script), *args]
 
