@@ -31,6 +31,7 @@ from accelerate.state import AcceleratorState
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accel_common.tools.bench import write_section
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import Workload, workloads
 
@@ -128,18 +129,6 @@ def table(results: dict, device: str, peak: float, date: str, versions: str) -> 
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of `path` (or append it), leaving the rest alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in text:
-        before, rest = text.split(SECTION_START, 1)
-        after = rest.split(SECTION_END, 1)[1]
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="Folder for the table and JSON.")
@@ -172,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu_bench.json").write_text(json.dumps({**summary, "results": results}, indent=1))
     (args.out / "gpu_bench.md").write_text(section + "\n")
     if args.docs:
-        write_section(args.docs, section)
+        write_section(args.docs, section, SECTION_START, SECTION_END)
     print(section)
     return 0
 

@@ -26,7 +26,7 @@ import datasets
 import matscipy
 
 from accel_common.data.crystal import write_dataset
-from accel_common.tools.bench import load_recipe
+from accel_common.tools.bench import load_recipe, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION_START = "<!-- graph-building benchmark: written by benchmarks/bench_graphs.py -->"
@@ -126,18 +126,6 @@ def section(rows: list[dict], repeats: int, load: tuple[float, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section of `path` (or append it), leaving the rest as it was."""
-    old = path.read_text() if path.exists() else ""
-    if SECTION_START in old and SECTION_END in old:
-        before, rest = old.split(SECTION_START, 1)
-        new = before + text + rest.split(SECTION_END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "BENCHMARKS.md")
@@ -156,7 +144,7 @@ def main() -> None:
                 rows.append({"structures": size, "workers": workers, **result})
                 print(rows[-1], flush=True)
     text = section(rows, cli.repeats, (load_before, os.getloadavg()[0]))
-    write_section(cli.out, text)
+    write_section(cli.out, text, SECTION_START, SECTION_END)
     print(text)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from accel_common.tools.bench import write_section
 from benchmarks import bench_gpu
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import workloads
@@ -24,13 +25,14 @@ def test_its_section_replaces_itself_and_keeps_the_rest(tmp_path):
     docs = tmp_path / "BENCHMARKS.md"
     docs.write_text("# Benchmarks\n\nkept above\n")
     first = bench_gpu.table(fake_results(), "GPU A", 800.0, "2026-01-01", "torch x")
-    bench_gpu.write_section(docs, first)
+    write_section(docs, first, bench_gpu.SECTION_START, bench_gpu.SECTION_END)
     docs.write_text(docs.read_text() + "\nkept below\n")
     second = bench_gpu.table(fake_results(), "GPU B", 700.0, "2026-01-02", "torch y")
-    bench_gpu.write_section(docs, second)
+    write_section(docs, second, bench_gpu.SECTION_START, bench_gpu.SECTION_END)
     text = docs.read_text()
     assert text.count(bench_gpu.SECTION_START) == 1 and "GPU A" not in text and "GPU B" in text
     assert text.index("kept above") < text.index("GPU B") < text.index("kept below")
+    assert f"{bench_gpu.SECTION_END}\n\nkept below" in text  # the blank line between stays
     row = next(line for line in text.splitlines() if "| bf16 |" in line)
     assert "| 2.50x |" in row  # throughput relative to the fp32 row
 

@@ -311,13 +311,18 @@ def section(results: Sequence[Result], counts: Sequence[int], gpus: bool, repeat
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the scaling section of `path` (or append it), leaving the rest as it was."""
+def write_section(
+    path: Path, text: str, start: str = SECTION_START, end: str = SECTION_END
+) -> None:
+    """Replace the section of `path` from `start` to `end` with `text` (which holds both
+    markers), or append it, leaving the rest as it was: each benchmark owns one section of
+    docs/BENCHMARKS.md, so one benchmark's rerun never touches another's table."""
     old = path.read_text() if path.exists() else ""
-    if SECTION_START in old and SECTION_END in old:
-        before, rest = old.split(SECTION_START, 1)
-        after = rest.split(SECTION_END, 1)[1].lstrip("\n")
-        new = before + text + after
+    text = text.rstrip("\n") + "\n"
+    if start in old and end in old:
+        before, rest = old.split(start, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
+        new = before + text + ("\n" + after if after else "")
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text
     path.parent.mkdir(parents=True, exist_ok=True)
