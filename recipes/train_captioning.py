@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.data import captioning as caption_data
+from accel_common.data.cache import cache_root
 from accel_common.errors import ConfigError, DataError
 from accel_common.losses import GlobalItemMean
 from accel_common.options import TrainArgs, model_option, train_options
@@ -94,7 +95,7 @@ def prepare_split(
     key = hashlib.sha256(
         json.dumps([str(folder.resolve()), stats, tokenizer.to_str(), size, max_tokens]).encode()
     ).hexdigest()[:20]
-    cache = Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes" / f"captioning-{key}.arrow"
+    cache = cache_root() / f"captioning-{key}.arrow"
     cached = cache.is_file()
     cache.parent.mkdir(parents=True, exist_ok=True)
 

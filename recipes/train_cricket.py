@@ -25,8 +25,6 @@ import copy
 import csv
 import hashlib
 import json
-import os
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -51,6 +49,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import say
 from accel_common.data import cricket as cricket_data
+from accel_common.data.cache import cache_root, cached, save_whole
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_options
@@ -189,26 +188,6 @@ def build_vocab(parsed: datasets.Dataset, rows: list[int], min_matches: int) -> 
     }
 
 
-def cached(folder: Path, build: Any) -> datasets.Dataset:
-    """The Arrow table in `folder`, or `build()` saved there whole (even if two runs build at
-    once: each writes its own temporary folder, renamed into place)."""
-    if not folder.is_dir():
-        save_whole(build(), folder)
-    return datasets.load_from_disk(str(folder))
-
-
-def save_whole(table: datasets.Dataset, folder: Path, info: dict | None = None) -> None:
-    """Save `table` (and `info` as its VOCAB_FILE) to `folder` through a temporary folder."""
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    table.save_to_disk(str(partial))
-    if info is not None:
-        (partial / VOCAB_FILE).write_text(json.dumps(info))
-    try:
-        os.replace(partial, folder)
-    except OSError:  # another run saved it first
-        shutil.rmtree(partial, ignore_errors=True)
-
-
 def load_innings(
     folder: Path,
     *,
@@ -225,7 +204,7 @@ def load_innings(
     val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached)."""
     start = time.perf_counter()
     files = match_files(folder)
-    cache_dir = cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes"
+    cache_dir = cache_root(cache_dir)
     parse_key = hashlib.sha256(
         json.dumps([file_digests(files), sorted(match_types), FORMAT]).encode()
     ).hexdigest()[:20]
@@ -308,7 +287,7 @@ def build_features(
         **{k: list(per_file.values()).count(k) for k in SKIPPED},
     }
     info = {"vocab": vocab, "summary": summary}
-    save_whole(rows, target, info)
+    save_whole(rows, target, {VOCAB_FILE: json.dumps(info)})
     return info
 
 

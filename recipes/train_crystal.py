@@ -28,7 +28,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -51,6 +50,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.data import crystal as crystal_data
+from accel_common.data.cache import cache_root, save_whole
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_options
@@ -119,8 +119,7 @@ def load_graphs(
     settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 3]  # 3: format
     digest = hashlib.sha256(path.read_bytes() if path.is_file() else b"").hexdigest()
     key = hashlib.sha256(json.dumps([digest, settings]).encode()).hexdigest()[:20]
-    cache_dir = cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes"
-    folder = cache_dir / f"crystal-{key}"
+    folder = cache_root(cache_dir) / f"crystal-{key}"
     if cache and folder.is_dir():
         return datasets.load_from_disk(str(folder)), time.perf_counter() - start, True
     frames = crystal_data.read_frames(path, index)
@@ -143,9 +142,7 @@ def load_graphs(
     )
     if not cache:
         return graphs, time.perf_counter() - start, False
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    graphs.save_to_disk(str(partial))
-    os.replace(partial, folder)  # whole or absent, even if two runs build at once
+    save_whole(graphs, folder)
     return datasets.load_from_disk(str(folder)), time.perf_counter() - start, False
 
 
