@@ -28,7 +28,6 @@ from tests.conftest import (
     exported_params,
     kill_once_written,
     metrics_log,
-    run_recipe,
 )
 
 pytestmark = pytest.mark.slow
@@ -63,10 +62,6 @@ SMALL = {
     "crystal": CRYSTAL_TINY,
     "cricket": CRICKET_SMALL,
 }
-# the uninterrupted and the resumed run train in this process (train_in_python), so only the
-# killed run pays a process start-up: the recipes' imports beyond torch (datasets, PyG,
-# tokenizers) cost 1 to 4 CPU-s a process, as much as a small run's training
-IN_PROCESS = set(CASES)
 
 
 @functools.cache
@@ -75,12 +70,12 @@ def recipe_module(recipe: str) -> ModuleType:
 
 
 def run_to_the_end(recipe: str, args: list[str], cwd: Path, capsys, monkeypatch) -> str:
-    """Run the recipe to the end and return what it printed: in a fresh process (run_recipe),
-    or for IN_PROCESS in this one, set up as run_recipe sets up a process (one thread, the
-    datasets cache under cwd/hf, so it shares the killed run's preprocessing cache)."""
+    """Run the recipe to the end in this process and return what it printed, set up as
+    run_recipe sets up a process (one thread, the datasets cache under cwd/hf, so it shares the
+    killed run's preprocessing cache). Only the killed run is a process of its own: the recipes'
+    imports beyond torch (datasets, PyG, tokenizers) cost 1 to 4 CPU-s a process, as much as a
+    small run's training."""
     script = CASES[recipe][0]
-    if recipe not in IN_PROCESS:
-        return run_recipe(args, cwd=cwd, script=script).stdout
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf" / "datasets"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
