@@ -402,6 +402,22 @@ def load_exported(
     return read_export_metadata(model_path) if model_path.with_suffix(".json").is_file() else {}
 
 
+def inference_device() -> torch.device:
+    """This machine's accelerator (CUDA, MPS, XPU, ...), or the CPU without one."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator()
+    return torch.device("cpu")
+
+
+def load_for_inference(model_dir: Path, model: torch.nn.Module) -> torch.device:
+    """Load an export into `model` and put it in eval mode on `inference_device()`: how every
+    recipe's single-device command (predict, score, caption, ...) starts. Returns the device."""
+    load_exported(model_dir, model)
+    device = inference_device()
+    model.to(device).eval()
+    return device
+
+
 # --------------------------------------------------------------------------- conversion
 
 

@@ -33,14 +33,14 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, broadcast_object_list
-from PIL import Image, UnidentifiedImageError
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import load_exported, read_recipe_export
+from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.data import captioning as caption_data
 from accel_common.data.cache import cache_root
+from accel_common.data.images import image_batches, list_images, read_rgb, to_signed_unit
 from accel_common.errors import ConfigError, DataError
 from accel_common.losses import GlobalItemMean
 from accel_common.options import TrainArgs, model_option, train_options
@@ -76,16 +76,6 @@ def shared_tokenizer(accelerator: Accelerator, captions: list[str]) -> Tokenizer
     return Tokenizer.from_str(broadcast_object_list(payload)[0])
 
 
-def load_pixels(path: Path, size: int) -> np.ndarray:
-    """3 x size x size uint8 RGB; an unreadable file is named."""
-    try:
-        with Image.open(path) as image:
-            rgb = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
-    except (UnidentifiedImageError, OSError) as err:
-        raise DataError(f"{path}: not a readable image ({err})") from None
-    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
-
-
 def prepare_split(
     folder: Path, records: list[tuple[str, str]], tokenizer: Tokenizer, size: int, max_tokens: int
 ) -> tuple[datasets.Dataset, float, bool]:
@@ -107,7 +97,7 @@ def prepare_split(
                     f"{folder / name}: its caption has {len(tokens)} tokens with [BOS]/[EOS], "
                     f"more than --max-tokens {max_tokens}; raise it"
                 )
-        pixels = [load_pixels(folder / name, size) for name in batch["file_name"]]
+        pixels = [read_rgb(folder / name, size) for name in batch["file_name"]]
         return {"pixels": pixels, "tokens": ids}
 
     features = datasets.Features(
@@ -143,7 +133,7 @@ def _unpadded(ids: list[list[int]]) -> list[list[int]]:
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    pixels = torch.stack([r["pixels"] for r in rows]).float().div(127.5).sub(1.0)
+    pixels = to_signed_unit(torch.stack([r["pixels"] for r in rows]))
     tokens = nn.utils.rnn.pad_sequence(
         [r["tokens"].long() for r in rows], batch_first=True, padding_value=PAD_ID
     )
@@ -390,28 +380,29 @@ def caption(
     model_dir: Path = model_option(RECIPE),
     images: Path = typer.Option(..., help="Folder of images to caption (searched recursively)."),
     out: Path = typer.Option(..., help="Where to write 'file<TAB>caption' lines."),
+    max_tokens: int = typer.Option(
+        None, min=2, help="Longest caption, [BOS]/[EOS] included (default and most: training's)."
+    ),
+    bs: int = typer.Option(64, min=1, help="Images per forward pass (memory grows with it)."),
 ) -> None:
     """Write greedy captions for a folder of images with an exported model, on one device."""
     require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
+    if max_tokens is not None and max_tokens > config["max_tokens"]:
+        raise ConfigError(
+            f"--max-tokens {max_tokens}: the model was trained for at most "
+            f"{config['max_tokens']} tokens (its position table ends there)"
+        )
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     keys = ("image_size", "patch", "dim", "depth", "decoder_depth", "heads", "max_tokens")
     model = Captioner(config["vocab_size"], **{k: config[k] for k in keys})
-    load_exported(model_dir, model)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
-    files = sorted(p for p in images.rglob("*") if p.suffix.lower() in caption_data.IMAGE_SUFFIXES)
-    if not files:
-        raise DataError(f"--images {images}: no images found")
+    device = load_for_inference(model_dir, model)
+    longest = max_tokens or config["max_tokens"]
     lines = []
-    for start in range(0, len(files), 64):
-        chunk = files[start : start + 64]
-        pixels = torch.from_numpy(np.stack([load_pixels(p, config["image_size"]) for p in chunk]))
-        pixels = pixels.float().div(127.5).sub(1.0).to(device)
-        ids = greedy_captions(model, pixels, config["bos"], config["eos"], config["max_tokens"])
-        for path, row in zip(chunk, ids.tolist(), strict=True):
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            lines.append(f"{path.relative_to(images).as_posix()}\t{text}\n")
+    for names, pixels in image_batches(images, list_images(images), config["image_size"], bs):
+        ids = greedy_captions(model, pixels.to(device), config["bos"], config["eos"], longest)
+        for name, row in zip(names, ids.tolist(), strict=True):
+            lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(lines))
     print(f"wrote {out}: {len(lines)} captions")

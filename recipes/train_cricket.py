@@ -46,7 +46,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
     from torch_geometric.nn import GATv2Conv, HeteroConv, SAGEConv, TransformerConv
 
-from accel_common.checkpoint import load_exported, read_recipe_export
+from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.console import say
 from accel_common.data import cricket as cricket_data
 from accel_common.data.cache import cache_root, cached, save_whole
@@ -676,9 +676,7 @@ def predict(
         config["vocab_sizes"], config["hidden"], config["layers"], config["heads"], 0.0,
         config["mean"], config["std"],
     )  # fmt: skip
-    load_exported(model_dir, model)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    device = load_for_inference(model_dir, model)
     if not match.is_file():
         raise DataError(f"--match {match}: file not found")
     try:

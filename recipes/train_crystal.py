@@ -48,7 +48,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
     from torch_geometric.nn import MessagePassing, global_mean_pool
 
-from accel_common.checkpoint import load_exported, read_recipe_export
+from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.data import crystal as crystal_data
 from accel_common.data.cache import cache_root, save_whole
 from accel_common.errors import ConfigError, DataError
@@ -406,9 +406,7 @@ def predict(
     require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     model = Comformer(config["width"], config["layers"], config["heads"], config["rbf_bins"])
-    load_exported(model_dir, model)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    device = load_for_inference(model_dir, model)
     frames = crystal_data.read_frames(data, index)
     targets = []
     for i, atoms in enumerate(frames):

@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.checkpoint import load_exported, read_recipe_export
+from accel_common.checkpoint import inference_device, load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data import pointcloud as skull_data
 from accel_common.data.files import read_path_list, require_finite
@@ -522,7 +522,7 @@ def complete(
 ) -> None:
     """Generate the implant for one defective skull with an exported model, on one device."""
     require_new_file(out)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = inference_device()
     model, config = load_model(model_dir, device)
     points = load_points(skull)
     center, scale = normalisation(points)

@@ -35,34 +35,22 @@ import torch
 import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
-from PIL import Image, UnidentifiedImageError
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from accel_common.checkpoint import load_exported, read_recipe_export, read_state_dict
+from accel_common.checkpoint import load_for_inference, read_recipe_export, read_state_dict
 from accel_common.console import say
 from accel_common.data import quality as quality_data
-from accel_common.errors import ConfigError, DataError
+from accel_common.data.images import image_batches, list_images, read_images
+from accel_common.errors import ConfigError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_options
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
 
 RECIPE = "quality"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
 # --------------------------------------------------------------------------- WORKLOAD: data
-
-
-def load_image(path: Path, size: int) -> torch.Tensor:
-    """An RGB image as a (3, size, size) tensor in [-1, 1]."""
-    try:
-        with Image.open(path) as image:
-            pixels = image.convert("RGB").resize((size, size), Image.BILINEAR)
-    except (OSError, UnidentifiedImageError) as err:
-        raise DataError(f"{path}: not a readable image ({err})") from None
-    tensor = torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8)
-    return tensor.view(size, size, 3).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
@@ -213,22 +201,6 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-def list_images(folder: Path) -> list[str]:
-    """The images under a folder and its subfolders, as sorted relative paths (iter_0/x.png)."""
-    if not folder.is_dir():
-        raise DataError(f"{folder}: no such folder")
-    paths = (p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    names = sorted(p.relative_to(folder).as_posix() for p in paths)
-    if not names:
-        raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
-    return names
-
-
-def load_images(folder: Path, names: list[str], size: int) -> torch.Tensor:
-    """The named images (paths relative to `folder`) as one (N, 3, size, size) tensor."""
-    return torch.stack([load_image(folder / name, size) for name in names])
-
-
 @train_options(
     default_per_device_bs=32,
     lr=1e-4,
@@ -314,7 +286,7 @@ def train(
     if truth is None:
         skipped = "the rank correlations with true quality and eta_corr are skipped"
         say(accelerator, f"no truth.json in {data_dir} (real data): {skipped}")
-    images = load_images(image_dir, names, image_size)
+    images = read_images(image_dir, names, image_size)
     index = {name: i for i, name in enumerate(names)}
     train_records, held_records = split_comparisons(records, held_out, args.seed)
 
@@ -392,23 +364,24 @@ def score_folder(
     model_dir: Path = model_option(RECIPE),
     images: Path = typer.Option(..., help="Folder of images to rate (subfolders too)."),
     out: Path = typer.Option(..., help="CSV to write: image,score (higher is better)."),
+    bs: int = typer.Option(64, min=1, help="Images per forward pass (memory grows with it)."),
 ) -> None:
     """Rate every image in a folder with an exported model, on one device, best first."""
     require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
-    load_exported(model_dir, model)
-    names = list_images(images)
-    batch = load_images(images, names, config["image_size"])
+    device = load_for_inference(model_dir, model)
+    scores: dict[str, float] = {}
     with torch.no_grad():
-        scores = model.eval()(batch).tolist()
-    ranked = sorted(zip(names, scores, strict=True), key=lambda row: -row[1])
+        for names, pixels in image_batches(images, list_images(images), config["image_size"], bs):
+            scores.update(zip(names, model(pixels.to(device)).tolist(), strict=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["image", "score"])
+        ranked = sorted(scores.items(), key=lambda row: -row[1])
         writer.writerows((name, f"{value:.6f}") for name, value in ranked)
-    print(f"wrote {out}: {len(ranked)} images")
+    print(f"wrote {out}: {len(scores)} images")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from accel_common.data.captioning import read_split, write_dataset
-from accel_common.errors import DataError
+from accel_common.errors import ConfigError, DataError
 from accel_common.tools.bench import load_recipe
 from tests.conftest import (
     CAPTIONING,
@@ -70,6 +70,14 @@ def test_caption_command_writes_one_line_per_image(trained, captioning_data, tmp
     assert sum(written[name] == truth[name] for name in truth) > 50  # most are exactly right
     again = run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING, check=False)
     assert again.returncode == 2 and "exists" in again.stderr
+    # in chunks of 7 and at most 3 tokens ([BOS] and two words): the first two words of each
+    recipe, short = load_recipe("captioning"), tmp_path / "short.tsv"
+    model, images = trained / "model", captioning_data / "test"
+    recipe.caption(model, images, short, max_tokens=3, bs=7)
+    cut = dict(line.split("\t") for line in short.read_text().splitlines())
+    assert cut == {name: " ".join(text.split()[:2]) for name, text in written.items()}
+    with pytest.raises(ConfigError, match="--max-tokens 99: the model was trained for at most"):
+        recipe.caption(model, images, tmp_path / "long.tsv", max_tokens=99, bs=7)
 
 
 @pytest.mark.dist
@@ -247,13 +255,13 @@ def test_preparation_is_cached_and_rebuilt_when_an_image_or_the_size_changes(tmp
     folder, records = read_split(data, "train")
     tokenizer = recipe.train_tokenizer([text for _, text in records])
     decoded = []
-    load_pixels = recipe.load_pixels
+    read_rgb = recipe.read_rgb
 
     def counted(path: Path, size: int) -> np.ndarray:
         decoded.append(path.name)
-        return load_pixels(path, size)
+        return read_rgb(path, size)
 
-    monkeypatch.setattr(recipe, "load_pixels", counted)
+    monkeypatch.setattr(recipe, "read_rgb", counted)
 
     def prepare(size: int = 16) -> tuple[datasets.Dataset, bool, int]:
         decoded.clear()
@@ -291,14 +299,6 @@ def test_the_saved_tokenizer_adds_bos_eos_pads_with_pad_and_maps_unseen_words_to
     unseen = tokenizer.encode("a purple square")
     assert unseen.tokens == ["[BOS]", "a", "[UNK]", "square", "[EOS]"]
     assert tokenizer.decode(long.ids, skip_special_tokens=True) == "two small green triangles"
-
-
-def test_an_unreadable_image_is_named(tmp_path):
-    recipe = load_recipe("captioning")
-    broken = tmp_path / "broken.png"
-    broken.write_bytes(b"not a png")
-    with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
-        recipe.load_pixels(broken, 32)
 
 
 def test_an_overflow_is_a_skipped_step_that_leaves_the_weights_and_survives_resume(tmp_path):

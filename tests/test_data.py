@@ -9,9 +9,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from accel_common.data.files import read_numeric_csv
+from accel_common.data.images import image_batches, list_images, read_images, read_rgb
 from accel_common.data.quality import read_truth
 from accel_common.errors import DataError, one_line
 from tests.conftest import POINTCLOUD, TEMPLATE
@@ -80,3 +82,31 @@ def test_a_test_split_with_other_columns_is_refused_at_load(tmp_path):
     train = load_split(tmp_path, "train")
     with pytest.raises(DataError, match="columns x0, x2, y differ from the training split's x0,"):
         load_split(tmp_path, "test", columns=train.columns)
+
+
+def test_an_image_folder_is_listed_with_subfolders_and_read_in_chunks(tmp_path):
+    """What captioning's `caption` and quality's `score` predict from: every image, in a fixed
+    order, in chunks that together equal one batch of all of them."""
+    rng = np.random.default_rng(0)
+    for name in ("b.png", "a.JPG", "sub/c.webp", "sub/deeper/d.bmp"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (12, 9, 3), dtype=np.uint8)).save(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not an image")
+    names = list_images(tmp_path)
+    assert names == ["a.JPG", "b.png", "sub/c.webp", "sub/deeper/d.bmp"]
+    whole = read_images(tmp_path, names, 8)
+    assert whole.shape == (4, 3, 8, 8) and -1 <= whole.min() < whole.max() <= 1
+    chunks = list(image_batches(tmp_path, names, 8, bs=3))
+    assert [chunk for chunk, _ in chunks] == [names[:3], names[3:]]
+    assert torch.cat([pixels for _, pixels in chunks]).equal(whole)
+
+
+def test_a_missing_empty_or_unreadable_image_folder_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"nowhere: no such folder"):
+        list_images(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"empty: no images \(\.png, \.jpg"):
+        list_images(tmp_path / "empty")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
+        read_rgb(tmp_path / "broken.png", 32)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from accel_common.data import quality as quality_data
+from accel_common.data.images import list_images
 from accel_common.errors import DataError, one_line
 from tests.conftest import (
     QUALITY,
@@ -133,6 +134,13 @@ def test_score_command_rates_a_folder(one_process, quality_data, tmp_path):
     again = run_recipe([*args, str(quality_data / "images"), "--out", str(out)], cwd=tmp_path,
                        script=QUALITY, check=False)  # fmt: skip
     assert again.returncode == 2 and "exists" in again.stderr
+    # the command scored in chunks of 64; one batch of all 160 gives the same scores
+    whole = tmp_path / "whole.csv"
+    recipe().score_folder(one_process / "model", quality_data / "images", whole, bs=1000)
+    chunked = {r["image"]: float(r["score"]) for r in rows}
+    in_one = {r["image"]: float(r["score"]) for r in csv.DictReader(whole.open())}
+    assert in_one.keys() == chunked.keys()
+    assert max(abs(in_one[name] - chunked[name]) for name in chunked) < 1e-5
 
 
 @pytest.fixture
@@ -255,7 +263,7 @@ def test_the_original_layout_loads_with_its_choices_and_subfolder_names(tmp_path
     assert (choices.count(1), choices.count(-1), choices.count(0)) == (18, 12, 18)
     assert data.records[0] == ("iter_0/img_00000_patch_0.png", "iter_1/img_00001_patch_0.png",
                                1, "hitul")  # fmt: skip
-    assert recipe().list_images(root / "images") == data.images  # what `score` rates
+    assert list_images(root / "images") == data.images  # what `score` rates
 
 
 def test_the_earlier_flat_layout_still_loads(tmp_path):

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from accel_common.data.images import is_image
 from accel_common.errors import DataError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 HELD_OUT = ("test", "validation")  # the first that exists is the held-out split
 
 
@@ -88,7 +88,7 @@ def _manifest(folder: Path, path: Path) -> list[tuple[str, str]]:
 
 def _sidecars(folder: Path) -> list[tuple[str, str]]:
     records = []
-    for image in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
+    for image in sorted(p for p in folder.rglob("*") if is_image(p)):
         caption = image.with_suffix(".txt")
         if not caption.is_file():
             raise DataError(f"{image}: no caption file {caption.name} beside it")

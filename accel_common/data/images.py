@@ -1,0 +1,62 @@
+"""Folders of images for the vision recipes (captioning, quality): which files count as images,
+one image read at a fixed size, and a folder read in chunks for single-device prediction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from accel_common.errors import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+def is_image(path: Path) -> bool:
+    """Whether a file is one the recipes read as an image (by its suffix, any case)."""
+    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+
+
+def list_images(folder: Path) -> list[str]:
+    """The images under `folder` and its subfolders, as sorted relative POSIX paths (iter_0/x.png);
+    a missing folder or one without images is an error that names it."""
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder")
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if is_image(p))
+    if not names:
+        raise DataError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return names
+
+
+def read_rgb(path: Path, size: int) -> np.ndarray:
+    """3 x size x size uint8 RGB, resized bilinearly; an unreadable file is named."""
+    try:
+        with Image.open(path) as image:
+            rgb = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+    except (UnidentifiedImageError, OSError) as err:
+        raise DataError(f"{path}: not a readable image ({err})") from None
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def to_signed_unit(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as floats in [-1, 1], the range the vision recipes' models take."""
+    return pixels.float().div(127.5).sub(1.0)
+
+
+def read_images(folder: Path, names: list[str], size: int) -> torch.Tensor:
+    """The named images (paths relative to `folder`) as one float tensor N x 3 x size x size in
+    [-1, 1]."""
+    return to_signed_unit(torch.from_numpy(np.stack([read_rgb(folder / n, size) for n in names])))
+
+
+def image_batches(
+    folder: Path, names: list[str], size: int, bs: int
+) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """`read_images` in chunks of `bs` names, as (names, tensor) pairs: a folder of any size is
+    predicted in bounded memory."""
+    for start in range(0, len(names), bs):
+        chunk = names[start : start + bs]
+        yield chunk, read_images(folder, chunk, size)
