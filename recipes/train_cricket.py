@@ -491,11 +491,13 @@ class CricketGNN(nn.Module):
 
 
 def regression_metrics(pred: torch.Tensor, y: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """MAE (runs) and R^2 of `pred` against `y`."""
+    """MAE (runs) and R^2 of `pred` against `y`, R^2 as scikit-learn and torchmetrics define it
+    (constant targets: 1 if predicted exactly, else 0). Written out because both are one line and
+    torchmetrics would add ~2 CPU-s of import (and a torch.jit warning) to every process."""
     pred, y = pred.double(), y.double()
-    spread = ((y - y.mean()) ** 2).sum().clamp(min=1e-12)
-    r2 = 1 - ((pred - y) ** 2).sum() / spread
-    return {f"{prefix}mae": (pred - y).abs().mean().item(), f"{prefix}r2": r2.item()}
+    residual, spread = ((pred - y) ** 2).sum(), ((y - y.mean()) ** 2).sum()
+    r2 = 1 - residual / spread if spread > 0 else float(residual == 0)
+    return {f"{prefix}mae": (pred - y).abs().mean().item(), f"{prefix}r2": float(r2)}
 
 
 @torch.no_grad()

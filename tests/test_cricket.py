@@ -288,6 +288,17 @@ def trained(cricket_data, tmp_path_factory) -> Path:
     return tmp / "run"
 
 
+def test_mae_and_r2_follow_the_usual_definitions_constant_targets_included():
+    y = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    exact, mean = recipe.regression_metrics(y, y), recipe.regression_metrics(y * 0 + 3, y, "m_")
+    assert (exact["mae"], exact["r2"]) == (0.0, 1.0)
+    assert (mean["m_mae"], mean["m_r2"]) == (1.5, 0.0)  # the target mean scores R^2 0
+    assert recipe.regression_metrics(y, y * 2)["r2"] == pytest.approx(1 - 50 / 56)
+    constant = torch.full((4,), 5.0)
+    assert recipe.regression_metrics(y, constant)["r2"] == 0.0  # not -inf: nothing to explain
+    assert recipe.regression_metrics(constant, constant)["r2"] == 1.0
+
+
 @pytest.mark.slow
 def test_beats_the_mean_and_the_phase_baseline_on_held_out_matches(trained):
     """On the 21 test matches (1,189 deliveries), with --seed 0 to 4: MAE 10.85-11.33 runs
