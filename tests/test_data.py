@@ -102,10 +102,10 @@ def test_an_image_folder_is_listed_with_subfolders_and_read_in_chunks(tmp_path):
 
 
 def test_a_missing_empty_or_unreadable_image_folder_is_named(tmp_path):
-    with pytest.raises(DataError, match=r"nowhere: no such folder"):
+    with pytest.raises(DataError, match=r"--images .*nowhere: no such folder"):
         list_images(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"empty: no images \(\.png, \.jpg"):
+    with pytest.raises(DataError, match=r"--images .*empty: no images \(\.png, \.jpg"):
         list_images(tmp_path / "empty")
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
