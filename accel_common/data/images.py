@@ -20,15 +20,15 @@ def is_image(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
 
 
-def list_images(folder: Path, flag: str = "--images") -> list[str]:
-    """The images under `folder` and its subfolders, as sorted relative POSIX paths (iter_0/x.png);
-    a missing folder or one without images is an error naming the flag that gave it."""
+def list_images(folder: Path) -> list[str]:
+    """The images under `folder` (the commands' --images) and its subfolders, as sorted relative
+    POSIX paths (iter_0/x.png); a missing folder or one without images is an error naming it."""
     if not folder.is_dir():
-        raise DataError(f"{flag} {folder}: no such folder")
+        raise DataError(f"--images {folder}: no such folder")
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if is_image(p))
     if not names:
         suffixes = ", ".join(IMAGE_SUFFIXES)
-        raise DataError(f"{flag} {folder}: no images ({suffixes}) in it or its subfolders")
+        raise DataError(f"--images {folder}: no images ({suffixes}) in it or its subfolders")
     return names
 
 
