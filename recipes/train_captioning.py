@@ -20,8 +20,6 @@ each with a same-named .txt caption. See accel_common/data/captioning.py.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from pathlib import Path
@@ -39,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.data import captioning as caption_data
-from accel_common.data.cache import cache_root
+from accel_common.data.cache import cache_key, cache_root
 from accel_common.data.images import image_batches, list_images, read_rgb, to_signed_unit
 from accel_common.errors import ConfigError, DataError
 from accel_common.losses import GlobalItemMean
@@ -82,9 +80,7 @@ def prepare_split(
     """Decode, resize and tokenize once; cached as Arrow by `datasets`, keyed by the files (name,
     size, mtime), captions, tokenizer and sizes. Returns (dataset, seconds, was it cached)."""
     stats = [(name, text, *_stat(folder / name)) for name, text in records]
-    key = hashlib.sha256(
-        json.dumps([str(folder.resolve()), stats, tokenizer.to_str(), size, max_tokens]).encode()
-    ).hexdigest()[:20]
+    key = cache_key(str(folder.resolve()), stats, tokenizer.to_str(), size, max_tokens)
     cache = cache_root() / f"captioning-{key}.arrow"
     cached = cache.is_file()
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import hashlib
 import json
 import time
 import warnings
@@ -32,7 +31,6 @@ from typing import Any
 
 import datasets
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.nn.functional as F
 import typer
@@ -49,7 +47,14 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.console import say
 from accel_common.data import cricket as cricket_data
-from accel_common.data.cache import cache_root, cached, save_whole
+from accel_common.data.cache import (
+    cache_key,
+    cache_root,
+    cached,
+    files_digest,
+    list_column,
+    save_whole,
+)
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_options
@@ -126,14 +131,6 @@ def add_features(row: dict[str, Any], vocab: dict[str, dict[str, int]]) -> dict[
     return cricket_data.innings_features(row, vocab)
 
 
-def file_digests(files: list[Path]) -> str:
-    """One digest of every file's name and bytes: the cache key's view of the data."""
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
-
-
 def match_files(folder: Path) -> list[Path]:
     """The folder's `*.json` files, as the original globs them (README.txt is not one)."""
     files = sorted(folder.glob("*.json"))
@@ -205,11 +202,8 @@ def load_innings(
     start = time.perf_counter()
     files = match_files(folder)
     cache_dir = cache_root(cache_dir)
-    parse_key = hashlib.sha256(
-        json.dumps([file_digests(files), sorted(match_types), FORMAT]).encode()
-    ).hexdigest()[:20]
-    settings = [parse_key, ratios, split_seed, split_by_date, min_matches]
-    key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:20]
+    parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
+    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches)
     target = cache_dir / f"cricket-{key}"
     was_cached = (target / VOCAB_FILE).is_file()
     num_proc = workers if workers > 1 else None
@@ -289,16 +283,6 @@ def build_features(
     info = {"vocab": vocab, "summary": summary}
     save_whole(rows, target, {VOCAB_FILE: json.dumps(info)})
     return info
-
-
-def list_column(rows: datasets.Dataset, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list column's values, flat, and each row's offset into them (no Python per row)."""
-    column = rows.data.column(name).combine_chunks()
-    if isinstance(column, pa.ChunkedArray):  # an empty table
-        column = pa.concat_arrays(column.chunks) if column.chunks else pa.array([], column.type)
-    # a writable copy: torch.from_numpy warns (slowly, per sample) about read-only Arrow memory
-    values = np.array(column.values.to_numpy(zero_copy_only=False))
-    return values, column.offsets.to_numpy()
 
 
 class PhaseBaseline:

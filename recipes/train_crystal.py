@@ -25,8 +25,6 @@ Arrow with Hugging Face `datasets`, keyed by the file's bytes and the graph sett
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import math
 import time
 import warnings
@@ -50,7 +48,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.data import crystal as crystal_data
-from accel_common.data.cache import cache_root, save_whole
+from accel_common.data.cache import cache_key, cache_root, files_digest, save_whole
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_options
@@ -117,8 +115,7 @@ def load_graphs(
     whether they came from the cache)."""
     start = time.perf_counter()
     settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 3]  # 3: format
-    digest = hashlib.sha256(path.read_bytes() if path.is_file() else b"").hexdigest()
-    key = hashlib.sha256(json.dumps([digest, settings]).encode()).hexdigest()[:20]
+    key = cache_key(files_digest([path]) if path.is_file() else "", settings)
     folder = cache_root(cache_dir) / f"crystal-{key}"
     if cache and folder.is_dir():
         return datasets.load_from_disk(str(folder)), time.perf_counter() - start, True

@@ -4,18 +4,37 @@ read back by every later run and by the other processes."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import numpy as np
+import pyarrow as pa
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
     """Where prepared tables live: `cache_dir`, else beside `datasets`' own cache
     (HF_DATASETS_CACHE, so HF_HOME moves both)."""
     return cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "accel-recipes"
+
+
+def files_digest(files: list[Path]) -> str:
+    """One digest of the files' names and bytes: a cache key's view of the data (contents, not
+    sizes or times, so a rewritten file of the same size is seen)."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def cache_key(*parts: object) -> str:
+    """A short name for a prepared table from everything it depends on (JSON-able `parts`:
+    data digests, settings, a format version)."""
+    return hashlib.sha256(json.dumps(list(parts)).encode()).hexdigest()[:20]
 
 
 def save_whole(table: datasets.Dataset, folder: Path, files: dict[str, str] | None = None) -> None:
@@ -36,3 +55,13 @@ def cached(folder: Path, build: Callable[[], datasets.Dataset]) -> datasets.Data
     if not folder.is_dir():
         save_whole(build(), folder)
     return datasets.load_from_disk(str(folder))
+
+
+def list_column(table: datasets.Dataset, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's values, flat, and each row's offset into them (no Python per row)."""
+    column = table.data.column(name).combine_chunks()
+    if isinstance(column, pa.ChunkedArray):  # an empty table
+        column = pa.concat_arrays(column.chunks) if column.chunks else pa.array([], column.type)
+    # a writable copy: torch.from_numpy warns (slowly, per sample) about read-only Arrow memory
+    values = np.array(column.values.to_numpy(zero_copy_only=False))
+    return values, column.offsets.to_numpy()
