@@ -1,8 +1,10 @@
 """`accel-recipes make-data`: which workload's generator writes its small synthetic data set.
 
-The registry names each generator as "module:function" and imports it only when that workload is
-asked for, so listing the names (the command's help, its error for an unknown name) imports no
-workload module, and writing template data never loads PIL (the quality generator's).
+Each recipe owns its generator, found by where it lives, so adding a recipe edits no registry:
+`recipes/X/example.py:write_dataset` for a workload with a folder of its own, else
+`recipes/train_X.py:write_dataset` (the one-file template and recipes copied from it). Listing
+the names reads the folder only, so the command's help and its error for an unknown name import
+no workload module, and writing template data never loads PIL (the quality generator's).
 """
 
 from __future__ import annotations
@@ -13,29 +15,26 @@ from pathlib import Path
 
 from accel_common.errors import RecipeError
 
-# workload name -> "module:function"; function(folder, *, seed=..., ...) writes the set and
-# returns its folder
-GENERATORS: dict[str, str] = {
-    "template": "accel_common.data.template:write_dataset",
-    "pointcloud": "accel_common.data.pointcloud:write_dataset",
-    "quality": "accel_common.data.quality:write_dataset",
-    "captioning": "accel_common.data.captioning:write_dataset",
-    "crystal": "accel_common.data.crystal:write_dataset",
-    "cricket": "accel_common.data.cricket:write_dataset",
-}
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def workloads() -> list[str]:
     """The names `make_data` accepts, without importing any generator."""
-    return list(GENERATORS)
+    return sorted(p.stem.removeprefix("train_") for p in RECIPES.glob("train_*.py"))
+
+
+def generator_module(workload: str) -> str:
+    """The module holding `workload`'s `write_dataset`."""
+    if workload not in workloads():
+        raise RecipeError(f"unknown workload '{workload}'; choose one of: {', '.join(workloads())}")
+    if (RECIPES / workload / "example.py").is_file():
+        return f"recipes.{workload}.example"
+    return f"recipes.train_{workload}"
 
 
 def generator(workload: str) -> Callable[..., Path]:
     """`workload`'s generator, imported on first use."""
-    if workload not in GENERATORS:
-        raise RecipeError(f"unknown workload '{workload}'; choose one of: {', '.join(workloads())}")
-    module, function = GENERATORS[workload].split(":")
-    return getattr(importlib.import_module(module), function)
+    return importlib.import_module(generator_module(workload)).write_dataset
 
 
 def make_data(workload: str, out_dir: Path, *, force: bool = False, **options: object) -> Path:
