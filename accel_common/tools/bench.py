@@ -15,7 +15,7 @@ process, or one worker of `torchrun`): the template's data reader and model, tra
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -372,13 +372,8 @@ def run_benchmark(
 
 
 def load_recipe(name: str) -> ModuleType:
-    """recipes/train_NAME.py as a module (recipes are scripts, not an installed package)."""
-    path = REPO / "recipes" / f"train_{name}.py"
-    spec = importlib.util.spec_from_file_location(f"train_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # libraries that inspect annotations (PyG) look it up there
-    spec.loader.exec_module(module)
-    return module
+    """recipes/train_NAME.py as a module."""
+    return importlib.import_module(f"recipes.train_{name}")
 
 
 def reference_loop(argv: Sequence[str] | None = None) -> None:
