@@ -234,16 +234,25 @@ def load_checkpoint(
     return progress, run
 
 
+# what a run's identity holds besides its settings (the others are named as their flags)
+NOT_FLAGS = frozenset({"recipe", "global_batch_size", "data_fingerprint"})
+
+
 def describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """'epochs: 20 in the checkpoint, 100 now; ...' for every setting that differs."""
+    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs."""
     keys = sorted(set(saved) | set(current), key=str)
     missing = object()
     parts = [
-        f"{key}: {saved.get(key, 'unset')} in the checkpoint, {current.get(key, 'unset')} now"
+        f"{name(key)} {saved.get(key, 'unset')} in the checkpoint, {current.get(key, 'unset')} now"
         for key in keys
         if saved.get(key, missing) != current.get(key, missing)
     ]
     return "; ".join(parts)
+
+
+def name(key: str) -> str:
+    """A setting as its flag (`--draw-weight`), other recorded values as `key:`."""
+    return f"{key}:" if key in NOT_FLAGS else "--" + str(key).replace("_", "-")
 
 
 def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:

@@ -92,18 +92,8 @@ from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Pr
 from accel_common.lr import LRSchedule
 from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
 
-# Settings that do not change what is trained: they may differ between a run and its resume.
-# Everything else in `config` (model sizes, LR, schedule, epochs, seed, precision, ...) is the
-# run's identity, with the recipe, the global batch and the data folder's fingerprint. Of those,
-# ADJUSTABLE may change on a resume (rescuing a run that diverged), and a resume says so.
-NOT_IDENTITY = frozenset(
-    {
-        "output_dir", "resume", "overwrite", "data", "bs", "per_device_bs", "max_per_device_bs",
-        "grad_accum", "workers", "cpu", "dist_timeout", "log_every", "save_every", "keep_last",
-        "report_to", "wandb_project", "wandb_name",
-    }
-)  # fmt: skip
-ADJUSTABLE = frozenset({"lr", "clip_grad", "on_nonfinite"})
+# what a resume never reports as changed: how this launch was asked to start
+LAUNCH_SETTINGS = frozenset({"resume", "overwrite"})
 BEST_DIR = "best"  # the best epoch's export, with a `monitor`
 # what a scheduler sends before it ends a job: SLURM (--signal=USR1@120, then SIGTERM at the end),
 # Kubernetes and torchrun's agent (SIGTERM)
@@ -148,6 +138,7 @@ class TrainLoop:
         recipe: str,
         config: dict[str, Any],
         output_dir: Path,
+        adjustable: frozenset[str] = frozenset(),
         resume: str | None = None,
         overwrite: bool = False,
         data_dir: Path | None = None,
@@ -188,7 +179,8 @@ class TrainLoop:
         self._skip_step = False
         self._stop_signal: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
-        self.identity = run_identity(recipe, config, plan, data_dir)
+        self.adjustable = adjustable
+        self.identity = run_identity(recipe, config, plan, data_dir, adjustable)
 
         print_banner(
             accelerator,
@@ -452,7 +444,7 @@ class TrainLoop:
             self.progress,
             plan=self.plan,
             keep_last=self.keep_last,
-            run={"id": self.run_id, "identity": self.identity},
+            run={"id": self.run_id, "identity": self.identity, "settings": self.settings()},
         )
         return self.last_saved
 
@@ -503,6 +495,10 @@ class TrainLoop:
         self.accelerator.wait_for_everyone()
         return final / MODEL_FILE
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting of this run as it reads back from JSON (recorded with checkpoints)."""
+        return json.loads(json.dumps(self.config, default=str))
+
     def _resume(self, resume: str | None, overwrite: bool) -> TrainProgress:
         """Restore `resume`, or start fresh in an output folder that holds no other run."""
         if overwrite and resume is not None:
@@ -523,13 +519,14 @@ class TrainLoop:
             path,
             self.plan,
             identity=self.identity,
-            adjustable=ADJUSTABLE,
+            adjustable=self.adjustable,
             total_steps=self.total_steps,
         )
-        saved = run.get("identity", {})
+        noted = self.adjustable - LAUNCH_SETTINGS
+        saved = run.get("settings", run.get("identity", {}))
         changed = describe_differences(
-            {k: saved[k] for k in ADJUSTABLE if k in saved},
-            {k: self.identity[k] for k in ADJUSTABLE if k in saved and k in self.identity},
+            {k: saved[k] for k in noted if k in saved},
+            {k: v for k, v in self.settings().items() if k in noted and k in saved},
         )
         if changed:
             say(self.accelerator, f"resuming with changed settings: {changed}")
@@ -595,11 +592,15 @@ class TrainLoop:
 
 
 def run_identity(
-    recipe: str, config: dict[str, Any], plan: BatchPlan, data_dir: Path | None
+    recipe: str,
+    config: dict[str, Any],
+    plan: BatchPlan,
+    data_dir: Path | None,
+    adjustable: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """What makes a checkpoint this run's: the settings that change the math (see NOT_IDENTITY),
-    as they read back from JSON."""
-    identity = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    """What makes a checkpoint this run's: every setting but the `adjustable` ones, the recipe,
+    the global batch and the data's fingerprint, as they read back from JSON."""
+    identity = {k: v for k, v in config.items() if k not in adjustable}
     identity |= {"recipe": recipe, "global_batch_size": plan.global_batch_size}
     if data_dir is not None and Path(data_dir).is_dir():
         identity["data_fingerprint"] = folder_fingerprint(data_dir)

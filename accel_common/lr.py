@@ -53,6 +53,23 @@ def scale_lr(ref_lr: float, ref_batch_size: int, global_batch_size: int, rule: L
     return ref_lr
 
 
+def describe_lr(
+    peak: float,
+    lr: float,
+    ref_bs: int,
+    scaling: LRScaling,
+    global_batch_size: int,
+    warmup_steps: int,
+    decay: Decay,
+) -> str:
+    """The banner's LR line: the peak, where it came from, and the schedule's shape."""
+    return (
+        f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
+        f"scaling to global batch {global_batch_size}); {warmup_steps} warmup steps, then "
+        f"{Decay(decay).value}"
+    )
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Warmup then decay, as a multiplier of the peak LR at each optimizer step.
@@ -161,10 +178,8 @@ def make_lr_schedule(
         min_lr_ratio=min_lr_ratio,
         gamma=gamma,
     )
-    description = (
-        f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
-        f"scaling to global batch {plan.global_batch_size}); {schedule.warmup_steps} warmup "
-        f"steps, then {Decay(decay).value}"
+    description = describe_lr(
+        peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay
     )
     scheduler = build_scheduler(optimizer, schedule)
     accelerator.register_for_checkpointing(scheduler)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import typing
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -30,11 +28,21 @@ from torch.utils.data import DataLoader, Dataset
 
 from accel_common import runtime
 from accel_common.batching import BatchPlan
+from accel_common.dry_run import print_dry_run
 from accel_common.errors import ConfigError
 from accel_common.loop import OnNonFinite, TrainLoop
 from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
 from accel_common.memory import memory_flags, parse_max_per_device_bs
-from accel_common.tracking import ReportTo
+from accel_common.settings import (
+    Settings,
+    base_type,
+    convert,
+    flag,
+    one_line,
+    read_config_file,
+    setting,
+)
+from accel_common.tracking import TRACKERS, parse_report_to
 
 
 class MixedPrecision(str, Enum):
@@ -44,66 +52,154 @@ class MixedPrecision(str, Enum):
 
 
 @dataclass
-class TrainArgs:
-    """Shared training flags; see HELP for what each one means."""
+class TrainArgs(Settings):
+    """The training settings every recipe shares (its own come in a second Settings class)."""
 
-    data: Path | None = None
-    output_dir: Path = Path("runs/recipe")
-    epochs: int = 10
-    max_steps: int = 0
-    bs: int | None = None
-    per_device_bs: int | None = None
-    max_per_device_bs: int | None = None
-    grad_accum: int = 1
-    lr: float = 1e-3
-    ref_bs: int = 32
-    lr_scaling: LRScaling = LRScaling.linear
-    schedule: Decay = Decay.cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    gamma: float = 1.0
-    weight_decay: float = 0.0
-    clip_grad: float = 0.0
-    on_nonfinite: OnNonFinite = OnNonFinite.stop
-    mixed_precision: MixedPrecision | None = None
-    seed: int = 0
-    workers: int = 0
-    log_every: int = 50
-    save_every: int = 0
-    keep_last: int = 2
-    resume: str | None = None
-    overwrite: bool = False
-    report_to: ReportTo = ReportTo.none
-    wandb_project: str | None = None
-    wandb_name: str | None = None
-    cpu: bool = False
-    dist_timeout: int = 0
+    data: Path | None = setting(
+        None,
+        "Data folder in the workload's original format. Omit it to generate (once) and train on "
+        "a small built-in example. The data's contents are part of the run's identity.",
+        adjustable=True,
+    )
+    output_dir: Path = setting(
+        Path("runs/recipe"), "Where checkpoints, logs and the exported model go.", adjustable=True
+    )
+    epochs: int = setting(10, "Passes over the training set.", min=1, adjustable=True)
+    max_steps: int = setting(
+        0, "Stop after this many optimizer steps (0 = run all epochs).", min=0, adjustable=True
+    )
+    bs: int | None = setting(
+        None,
+        "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "
+        "Give this or --per-device-bs, not both.",
+        min=1,
+        adjustable=True,  # the global batch it gives is part of the identity, recorded apart
+    )
+    per_device_bs: int | None = setting(
+        None,
+        "Batch on EACH device per forward pass; the global batch grows with the number of "
+        "processes. Give this or --bs, not both.",
+        min=1,
+        adjustable=True,
+    )
+    max_per_device_bs: int | None = setting(
+        None,
+        "Memory cap on the per-device batch: anything above it becomes gradient accumulation, "
+        "keeping the global batch. 'auto': the largest batch that fits this device, from "
+        "`accel-recipes plan --measure RECIPE` (runs/memory/RECIPE.json).",
+        adjustable=True,
+        cli_type=str | None,  # a number or 'auto', resolved before the run starts
+    )
+    grad_accum: int = setting(
+        1, "Micro-batches accumulated per optimizer step.", min=1, adjustable=True
+    )
+    lr: float = setting(
+        1e-3,
+        "Peak learning rate at the reference global batch --ref-bs. May change on a resume (to "
+        "rescue a run that diverged); the resume says so.",
+        above=0,
+        adjustable=True,
+    )
+    ref_bs: int = setting(
+        32,
+        "Global batch that --lr was tuned for; --lr-scaling carries --lr from it to the actual "
+        "global batch.",
+        min=1,
+    )
+    lr_scaling: LRScaling = setting(
+        LRScaling.linear,
+        "How the LR follows the global batch: none, linear (x batch ratio) or sqrt.",
+    )
+    schedule: Decay = setting(
+        Decay.cosine,
+        "Decay after warmup: constant, cosine (to --min-lr-ratio), exponential (--gamma per "
+        "step) or onecycle.",
+    )
+    warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0)
+    min_lr_ratio: float = setting(
+        0.0, "Floor of cosine decay, as a fraction of the peak LR.", min=0, max=1
+    )
+    gamma: float = setting(1.0, "Per-step factor of exponential decay.", above=0, max=1)
+    weight_decay: float = setting(
+        0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
+    )
+    clip_grad: float = setting(
+        0.0, "Clip the global gradient norm to this value (0 = off).", min=0, adjustable=True
+    )
+    on_nonfinite: OnNonFinite = setting(
+        OnNonFinite.stop,
+        "A NaN/inf loss or gradient on any process: stop (naming the step and the last good "
+        "checkpoint) or skip that optimizer step on every process (counted and logged).",
+        adjustable=True,
+    )
+    mixed_precision: MixedPrecision | None = setting(
+        None, "no, fp16 or bf16; default: the accelerate config / launcher's choice."
+    )
+    seed: int = setting(
+        0, "Seed for weights, shuffling and noise; the same on every process.", min=0
+    )
+    workers: int = setting(
+        0, "DataLoader worker processes per training process.", min=0, adjustable=True
+    )
+    log_every: int = setting(
+        50,
+        "Log loss, LR, grad norm and samples/s every N optimizer steps.",
+        min=1,
+        adjustable=True,
+    )
+    save_every: int = setting(
+        0,
+        "Save resumable state every N optimizer steps (0 = only at the end).",
+        min=0,
+        adjustable=True,
+    )
+    keep_last: int = setting(
+        2, "Resumable checkpoints to keep (older ones are deleted).", min=1, adjustable=True
+    )
+    resume: str | None = setting(
+        None,
+        "Resume from 'latest' (newest complete checkpoint in --output-dir, if any) or a "
+        "checkpoint folder. The checkpoint must come from a run with the same settings (all but "
+        "those that do not change what is trained: paths, cadence, workers, trackers, epochs and "
+        "--max-steps, --lr and clipping) and the same data; a mismatch is refused, naming what "
+        "differs.",
+        adjustable=True,
+    )
+    overwrite: bool = setting(
+        False,
+        "Start a new run in an --output-dir that holds another run's results, moving those "
+        "aside to OUTPUT.replaced-<time> (nothing is deleted). Without it such a folder is "
+        "refused: continue that run with --resume latest, or choose another --output-dir.",
+        adjustable=True,
+    )
+    report_to: str = setting(
+        "none",
+        "Trackers besides metrics.jsonl, comma-separated: any that Accelerate supports ("
+        + ", ".join(TRACKERS)
+        + "), 'all' (every one installed) or none.",
+        adjustable=True,
+    )
+    wandb_project: str | None = setting(
+        None, "Tracker project (default: accel-recipes-<recipe>).", adjustable=True
+    )
+    wandb_name: str | None = setting(None, "Tracker run name.", adjustable=True)
+    cpu: bool = setting(
+        False, "Train on the CPU even if an accelerator is present.", adjustable=True
+    )
+    dist_timeout: int = setting(
+        0,
+        "Seconds a collective (gradient all-reduce, barrier) waits for the other processes "
+        "before this process fails with an error instead of hanging, on gloo (CPU) and NCCL "
+        "alike. 0 = torch's default: 30 min on gloo, 10 min on NCCL. Keep it above the longest "
+        "time one process works alone: the main process's data preparation, saving or "
+        "evaluation.",
+        min=0,
+        adjustable=True,
+    )
 
     def validate(self) -> None:
-        """Refuse values that cannot work, naming the flag, before anything starts."""
-        checks = [
-            ("lr", self.lr > 0 and math.isfinite(self.lr), "a positive number"),
-            ("weight_decay", self.weight_decay >= 0, "0 or more"),
-            ("clip_grad", self.clip_grad >= 0, "0 (off) or more"),
-            ("seed", self.seed >= 0, "0 or more"),
-            ("workers", self.workers >= 0, "0 or more"),
-            ("epochs", self.epochs >= 1, "1 or more"),
-            ("max_steps", self.max_steps >= 0, "0 (no cap) or more"),
-            ("save_every", self.save_every >= 0, "0 (only at the end) or more"),
-            ("keep_last", self.keep_last >= 1, "1 or more"),
-            ("log_every", self.log_every >= 1, "1 or more"),
-            ("warmup_steps", self.warmup_steps >= 0, "0 or more"),
-            ("grad_accum", self.grad_accum >= 1, "1 or more"),
-            ("ref_bs", self.ref_bs >= 1, "1 or more"),
-            ("dist_timeout", self.dist_timeout >= 0, "seconds, or 0 for the default"),
-        ]
-        for name, ok, expected in checks:
-            # `not ok` is also true for NaN, which fails every comparison
-            if not ok:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: give {expected}")
-
-    def as_config(self) -> dict[str, Any]:
-        return {k: v.value if hasattr(v, "value") else v for k, v in asdict(self).items()}
+        super().validate()
+        parse_report_to(self.report_to)
 
     # Each method below hands these flags, by name, to one library function that takes plain
     # values: read it to see which flag goes where, or call the function yourself.
@@ -170,20 +266,27 @@ class TrainArgs:
         schedule: LRSchedule,
         *,
         recipe: str,
-        config: dict[str, Any],
+        settings: Settings | None = None,
+        derived: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
         monitor: str | None = None,
         patience: int = 0,
     ) -> TrainLoop:
-        """The run's TrainLoop (loop.TrainLoop); `config` is the workload's own settings, stored
-        with every flag here in the trackers and the export; `monitor` and `patience` keep the
-        best epoch's model and stop early (see TrainLoop)."""
+        """The run's TrainLoop (loop.TrainLoop). `settings` are the workload's own, `derived`
+        what the run computed from its data that single-device commands need too (a target's
+        mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
+        the checkpoints and the export, and is the run's identity but for the adjustable
+        settings. `monitor` and `patience` keep the best epoch's model and stop early."""
+        own = settings.as_config() if settings is not None else {}
+        adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
         return TrainLoop(
             accelerator,
             plan,
             loader,
             schedule,
             recipe=recipe,
-            config={**self.as_config(), **config},
+            config={**self.as_config(), **own, **(derived or {}), **(config or {})},
+            adjustable=frozenset(adjustable),
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,
@@ -200,66 +303,6 @@ class TrainArgs:
         )
 
 
-HELP = {
-    "data": "Data folder in the workload's original format. Omit it to generate (once) and train "
-    "on a small built-in example.",
-    "output_dir": "Where checkpoints, logs and the exported model go.",
-    "epochs": "Passes over the training set.",
-    "max_steps": "Stop after this many optimizer steps (0 = run all epochs).",
-    "bs": "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "
-    "Give this or --per-device-bs, not both.",
-    "per_device_bs": "Batch on EACH device per forward pass; the global batch grows with the "
-    "number of processes. Give this or --bs, not both.",
-    "max_per_device_bs": "Memory cap on the per-device batch: anything above it becomes gradient "
-    "accumulation, keeping the global batch. 'auto': the largest batch that fits this device, "
-    "from `accel-recipes plan --measure RECIPE` (runs/memory/RECIPE.json).",
-    "grad_accum": "Micro-batches accumulated per optimizer step.",
-    "lr": "Peak learning rate at the reference global batch --ref-bs.",
-    "ref_bs": "Global batch that --lr was tuned for; --lr-scaling carries --lr from it to the "
-    "actual global batch.",
-    "lr_scaling": "How the LR follows the global batch: none, linear (x batch ratio) or sqrt.",
-    "schedule": "Decay after warmup: constant, cosine (to --min-lr-ratio), exponential (--gamma "
-    "per step) or onecycle.",
-    "warmup_steps": "Optimizer steps of linear warmup.",
-    "min_lr_ratio": "Floor of cosine decay, as a fraction of the peak LR.",
-    "gamma": "Per-step factor of exponential decay.",
-    "weight_decay": "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.",
-    "clip_grad": "Clip the global gradient norm to this value (0 = off).",
-    "on_nonfinite": "A NaN/inf loss or gradient on any process: stop (naming the step and the "
-    "last good checkpoint) or skip that optimizer step on every process (counted and logged).",
-    "mixed_precision": "no, fp16 or bf16; default: the accelerate config / launcher's choice.",
-    "seed": "Seed for weights, shuffling and noise; the same on every process.",
-    "workers": "DataLoader worker processes per training process.",
-    "log_every": "Log loss, LR, grad norm and samples/s every N optimizer steps.",
-    "save_every": "Save resumable state every N optimizer steps (0 = only at the end).",
-    "keep_last": "Resumable checkpoints to keep (older ones are deleted).",
-    "resume": "Resume from 'latest' (newest complete checkpoint in --output-dir, if any) or a "
-    "checkpoint folder. The checkpoint must come from a run with the same settings that change "
-    "the math (model, LR, schedule, epochs, seed, precision, global batch, data); a mismatch is "
-    "refused, naming what differs.",
-    "overwrite": "Start a new run in an --output-dir that holds another run's results, moving "
-    "those aside to OUTPUT.replaced-<time> (nothing is deleted). Without it such a folder is "
-    "refused: continue that run with --resume latest, or choose another --output-dir.",
-    "report_to": "Trackers besides metrics.jsonl: none, wandb, tensorboard or all.",
-    "wandb_project": "wandb project (default: accel-recipes-<recipe>).",
-    "wandb_name": "wandb run name.",
-    "cpu": "Train on the CPU even if an accelerator is present.",
-    "dist_timeout": "Seconds a collective (gradient all-reduce, barrier) waits for the other "
-    "processes before this process fails with an error instead of hanging, on gloo (CPU) and NCCL "
-    "alike. 0 = torch's default: 30 min on gloo, 10 min on NCCL. Keep it above the longest time "
-    "one process works alone: the main process's data preparation, saving or evaluation.",
-}
-
-
-# flags whose command-line form differs from the value TrainArgs holds: the memory cap may be
-# 'auto', which becomes a number before the run starts
-CLI_TYPES: dict[str, Any] = {"max_per_device_bs": str | None}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def model_option(recipe: str) -> Any:
     """`--model DIR` of a recipe's single-device commands (predict, score, ...): an exported
     model folder, by default the one training writes."""
@@ -268,75 +311,198 @@ def model_option(recipe: str) -> Any:
     )
 
 
-def train_options(
+# what a training command takes besides its settings: they choose how the settings are read and
+# what is done with them, and are not recorded with the run
+CLI_ONLY = ("config", "dry_run", "processes", "ctx")
+
+
+def settings_parameters(
+    cls: type[Settings], defaults: dict[str, Any], aliases: dict[str, list[str]], helps: dict
+) -> list[inspect.Parameter]:
+    """One keyword-only Typer parameter per field of `cls`, from its declaration."""
+    hints = cls.hints()
+    parameters = []
+    for f in fields(cls):
+        meta = f.metadata
+        numeric = base_type(hints[f.name]) in (int, float)
+        option = typer.Option(
+            defaults.get(f.name, f.default),
+            flag(f.name),
+            *meta.get("aliases", ()),
+            *aliases.get(f.name, []),
+            help=helps.get(f.name, meta["help"]),
+            min=meta.get("min") if numeric else None,
+            max=meta.get("max") if numeric else None,
+        )
+        annotation = meta.get("cli_type") or hints[f.name]
+        kind = inspect.Parameter.KEYWORD_ONLY
+        parameters.append(inspect.Parameter(f.name, kind, default=option, annotation=annotation))
+    return parameters
+
+
+CLI_PARAMETERS = [
+    inspect.Parameter(
+        "config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(
+            None,
+            "--config",
+            help="YAML file of settings: keys are the flag names (ref-bs: 64), values as on the "
+            "command line; flags given on the command line win. recipes/NAME/configs/"
+            "original.yaml holds the original project's sizes and hyper-parameters.",
+        ),
+        annotation=Path | None,
+    ),
+    inspect.Parameter(
+        "dry_run",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(
+            False,
+            "--dry-run",
+            help="Resolve the settings, print the run's plan (batch, LR, precision, parameter "
+            "count, memory per device) and exit without training or writing anything.",
+        ),
+        annotation=bool,
+    ),
+    inspect.Parameter(
+        "processes",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(
+            None,
+            "--processes",
+            min=1,
+            help="With --dry-run: plan for this many processes (e.g. 16 for 2 nodes of 8 GPUs) "
+            "without launching them. Default: this launch's.",
+        ),
+        annotation=int | None,
+    ),
+    # Typer passes its context here: which values came from the command line (they win over
+    # --config), and each flag's own conversion for the file's values
+    inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
+]
+
+
+def train_command(
+    settings: type[Settings] | None = None,
     *,
     default_bs: int | None = None,
     default_per_device_bs: int | None = None,
     aliases: dict[str, list[str]] | None = None,
+    build_model: Callable[[TrainArgs, Any], torch.nn.Module] | None = None,
     **defaults: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add the TrainArgs flags (with this recipe's `defaults`) to a Typer command.
+    """Make `train(args: TrainArgs, settings: S)` a Typer command with every shared flag (with
+    this recipe's `defaults`) and every field of the recipe's `settings` class as flags, plus
+    `--config`, `--dry-run` and `--processes`.
 
-    The batch default is given apart (`default_bs` = global, or `default_per_device_bs`) because it
-    applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
+    The batch default is given apart (`default_bs` = global, or `default_per_device_bs`) because
+    it applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
     names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
+    `build_model(args, settings)` builds the network (on the `meta` device) for `--dry-run`'s
+    parameter count. The command's `resolve(**values)` gives the (TrainArgs, S) that the same
+    values would give on the command line, for a recipe's Python API.
     """
     aliases = aliases or {}
-    hints = typing.get_type_hints(TrainArgs)
-    unknown = (set(defaults) | set(aliases)) - set(HELP) | ({"bs", "per_device_bs"} & set(defaults))
+    own_class = settings
+    shared_names = [f.name for f in fields(TrainArgs)]
+    unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(
+        [f.name for f in fields(own_class)] if own_class else []
+    ) | ({"bs", "per_device_bs"} & set(defaults))
     if unknown:
-        raise TypeError(f"train_options got unknown defaults: {sorted(unknown)}")
+        raise TypeError(f"train_command got unknown defaults: {sorted(unknown)}")
     if (default_bs is None) == (default_per_device_bs is None):
-        raise TypeError("give train_options exactly one of default_bs, default_per_device_bs")
+        raise TypeError("give train_command exactly one of default_bs, default_per_device_bs")
     default_note = (
         f" Default when neither is given: --bs {default_bs}."
         if default_bs is not None
         else f" Default when neither is given: --per-device-bs {default_per_device_bs}."
     )
-    helps = {
-        **HELP,
-        "bs": HELP["bs"] + default_note,
-        "per_device_bs": HELP["per_device_bs"] + default_note,
-    }
+    meta = {f.name: f.metadata for f in fields(TrainArgs)}
+    helps = {name: meta[name]["help"] + default_note for name in ("bs", "per_device_bs")}
+
+    def resolve(values: dict[str, Any], recipe: str) -> tuple[TrainArgs, Any]:
+        values = dict(values)
+        shared = {name: values.pop(name, defaults.get(name)) for name in shared_names}
+        shared = {k: v for k, v in shared.items() if v is not None}
+        if own_class is not None:
+            own_defaults = {k: v for k, v in defaults.items() if k not in shared_names}
+            own = own_class.from_config({**own_defaults, **values})
+            own.validate()
+            own_config = own.as_config()
+        else:
+            own, own_config = values, values
+        cap = shared.get("max_per_device_bs")
+        if cap is not None:
+            shared["max_per_device_bs"] = parse_max_per_device_bs(
+                str(cap), recipe, memory_flags(own_config, shared.get("mixed_precision"))
+            )
+        args = TrainArgs.from_config(shared)
+        if args.bs is None and args.per_device_bs is None:
+            args.bs, args.per_device_bs = default_bs, default_per_device_bs
+        args.validate()
+        return args, own
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
-        shared = [
-            inspect.Parameter(
-                f.name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(
-                    defaults.get(f.name, f.default),
-                    _flag(f.name),
-                    *aliases.get(f.name, []),
-                    help=helps[f.name],
-                ),
-                annotation=CLI_TYPES.get(f.name, hints[f.name]),
-            )
-            for f in fields(TrainArgs)
-        ]
-        names = [f.name for f in fields(TrainArgs)]
         recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
+        if own_class is not None:
+            own_params = settings_parameters(own_class, defaults, aliases, {})
+        else:  # a command whose own flags are Typer parameters of its signature
+            own_params = [
+                p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                for p in list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
+            ]
+        shared_params = settings_parameters(TrainArgs, defaults, aliases, helps)
+        params = own_params + shared_params + CLI_PARAMETERS
+        annotations = {p.name: p.annotation for p in params}
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
-            shared = {name: kwargs.pop(name) for name in names}
-            shared["max_per_device_bs"] = parse_max_per_device_bs(
-                shared["max_per_device_bs"],
-                recipe,
-                memory_flags(kwargs, shared["mixed_precision"]),
-            )
-            args = TrainArgs(**shared)
-            if args.bs is None and args.per_device_bs is None:
-                args.bs, args.per_device_bs = default_bs, default_per_device_bs
-            args.validate()
-            return fn(args, **kwargs)
+            config_file, dry_run, processes, ctx = (kwargs.pop(name) for name in CLI_ONLY)
+            if config_file is not None:
+                kwargs |= from_config_file(config_file, ctx, annotations)
+            if processes is not None and not dry_run:
+                raise ConfigError(
+                    f"--processes {processes} only goes with --dry-run; to train on "
+                    f"{processes} processes, launch them: accelerate launch --num_processes "
+                    f"{processes} ..."
+                )
+            args, own = resolve(kwargs, recipe)
+            if dry_run:
+                print_dry_run(recipe, args, own, build_model, processes)
+                return None
+            return fn(args, own) if own_class is not None else fn(args, **own)
 
-        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
         command.default_batch = (default_bs, default_per_device_bs)  # type: ignore[attr-defined]
+        command.settings_class = own_class  # type: ignore[attr-defined]
+        command.resolve = lambda **values: resolve(values, recipe)  # type: ignore[attr-defined]
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.__annotations__ = annotations
         del command.__wrapped__  # type: ignore[attr-defined]
         return command
 
     return decorate
+
+
+# the decorator's name before recipes declared their settings in a class
+train_options = train_command
+
+
+def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]) -> dict[str, Any]:
+    """The values `--config FILE` sets, as Python values, for the settings not given on the
+    command line. Each value goes through its flag's own conversion and range check, so a wrong
+    type or value is refused naming the key and the file."""
+    names = [n for n in annotations if n not in CLI_ONLY]
+    params = {p.name: p for p in ctx.command.params}
+    out = {}
+    for name, value in read_config_file(path, names).items():
+        if ctx.get_parameter_source(name).name in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        if value is not None:
+            try:
+                value = params[name].process_value(ctx, value)
+            except typer.BadParameter as err:
+                raise ConfigError(
+                    f"--config {path}: {name.replace('_', '-')}: {one_line(err.format_message())}"
+                ) from None
+        out[name] = convert(annotations[name], value)
+    return out

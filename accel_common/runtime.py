@@ -35,7 +35,7 @@ from accel_common.batching import BatchPlan, plan_batch
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, exit_on_error
-from accel_common.tracking import ReportTo, trackers_for
+from accel_common.tracking import trackers_for
 
 EXAMPLE_DATA_ROOT = Path("data/example")
 # 2 CPU processes over gloo: what train_in_python launches on a machine without GPUs
@@ -51,7 +51,7 @@ def make_accelerator(
     max_per_device_batch_size: int | None = None,
     mixed_precision: str | None = None,
     cpu: bool = False,
-    report_to: ReportTo | str = ReportTo.none,
+    report_to: str = "none",
     dist_timeout: int = 0,
     seed: int = 0,
     kwargs_handlers: Iterable[KwargsHandler] = (),

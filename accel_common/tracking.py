@@ -12,24 +12,51 @@ import json
 import netrc
 import os
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import accelerate.utils
 import torch
 from accelerate import Accelerator
-from accelerate.tracking import GeneralTracker
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
 from accel_common.console import format_metrics, progress_bar, say
+from accel_common.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 
 
-class ReportTo(str, Enum):
-    none = "none"
-    wandb = "wandb"
-    tensorboard = "tensorboard"
-    all = "all"
+# the trackers Accelerate integrates (accelerate.tracking.LOGGER_TYPE_TO_CLASS), in its order
+TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
+# the package to install for each, where its name differs from the tracker's
+PACKAGES = {"comet_ml": "comet-ml"}
+
+
+def parse_report_to(report_to: str) -> list[str]:
+    """`--report-to`: 'none', 'all' (every tracker whose package is installed) or a
+    comma-separated list of TRACKERS, each of which must be installed; returns the list."""
+    names = [n.strip() for n in str(report_to).split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        return [n for n in TRACKERS if tracker_installed(n)]
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"--report-to {report_to}: unknown tracker '{name}'; choose from "
+                f"{', '.join(TRACKERS)}, all or none (several: --report-to wandb,tensorboard)"
+            )
+        if not tracker_installed(name):
+            raise ConfigError(
+                f"--report-to {name}: its package is not installed; pip install "
+                f"{PACKAGES.get(name, name)}"
+            )
+    return list(dict.fromkeys(names))
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether Accelerate finds `name`'s package (its own is_<name>_available check)."""
+    return bool(getattr(accelerate.utils, f"is_{name}_available")())
 
 
 class JSONLTracker(GeneralTracker):
@@ -72,15 +99,9 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-def trackers_for(report_to: ReportTo, output_dir: Path) -> list[Any]:
+def trackers_for(report_to: str, output_dir: Path) -> list[Any]:
     """The `log_with` list for `Accelerator`: the JSONL log plus what `--report-to` asks for."""
-    chosen: list[Any] = [JSONLTracker(Path(output_dir) / "logs")]
-    report_to = ReportTo(report_to)
-    if report_to in (ReportTo.wandb, ReportTo.all):
-        chosen.append("wandb")
-    if report_to in (ReportTo.tensorboard, ReportTo.all):
-        chosen.append("tensorboard")
-    return chosen
+    return [JSONLTracker(Path(output_dir) / "logs"), *parse_report_to(report_to)]
 
 
 def start_tracking(

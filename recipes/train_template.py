@@ -13,19 +13,30 @@ Launch it unchanged on 1 CPU, 2 CPU processes, N GPUs or several nodes:
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/train_template.py --bs 512
     python recipes/train_template.py evaluate --model runs/template/model
 
-What a new workload replaces is marked WORKLOAD: `load_split` (read your data), `MLPRegressor`
-(your model), `evaluate` (your quality measure next to a trivial baseline), `evaluate_export`,
-and in `train` your flags, the lines that load data and build the model, the `config` the export
-records (what `evaluate_export` needs to rebuild the model), the forward pass and loss, and the
+Check a command's plan (batch, LR, parameters, memory) without running it, for any process count:
+
+    python recipes/train_template.py --bs 512 --dry-run --processes 8
+
+What a new workload replaces is marked WORKLOAD: `write_dataset` (a small example in your data's
+format: `accel-recipes make-data NAME DIR` finds it here), `load_split` (read your data),
+`MLPSettings` (your model's settings: flags, `--help`, `--config` keys, the export's config and the
+resume check all come from it), `MLPRegressor` and `build_model`, `evaluate` (your quality measure
+next to a trivial baseline), `evaluate_export`, and in `train` the lines that load data, the
+values the export needs besides the settings (`derived`), the forward pass and loss, and the
 evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
 (epochs, resume, step counting, LR schedule, logging, checkpoints, export: accel_common/loop.py).
+A workload that outgrows one file keeps this script and moves its model, readers and example
+generator into `recipes/NAME/` (see recipes/pointcloud/).
 """
 
 from __future__ import annotations
 
+import csv
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import typer
@@ -35,15 +46,49 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
-from accel_common.data import template as template_data
 from accel_common.data.files import read_numeric_csv
-from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import resolve_data, run_recipe
+from accel_common.settings import Settings, setting
 
 RECIPE = "template"
+FEATURES = 8  # columns x0..x7 in the generated example
+NOISE = 0.1
 
 
 # --------------------------------------------------------------------------- WORKLOAD: data
+
+
+def target(x: np.ndarray, seed: int = 1234) -> np.ndarray:
+    """The example's ground truth y = f(x): smooth and nonlinear, so a model can learn it and the
+    predict-the-mean baseline cannot."""
+    w = np.random.default_rng(seed).normal(size=(x.shape[1], 3)) / np.sqrt(x.shape[1])
+    z = x @ w
+    return np.sin(2.0 * z[:, 0]) + 0.5 * z[:, 1] ** 2 + np.tanh(z[:, 2])
+
+
+def write_dataset(
+    out_dir: Path,
+    *,
+    train_size: int = 2048,
+    test_size: int = 512,
+    features: int = FEATURES,
+    seed: int = 0,
+) -> Path:
+    """The example data set: train.csv / test.csv of x0..xD-1, y (with small noise)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for split, size in (("train", train_size), ("test", test_size)):
+        x = rng.normal(size=(size, features))
+        y = target(x) + NOISE * rng.normal(size=size)
+        with (out_dir / f"{split}.csv").open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow([*(f"x{i}" for i in range(features)), "y"])
+            writer.writerows(
+                [*(f"{v:.6f}" for v in row), f"{t:.6f}"] for row, t in zip(x, y, strict=True)
+            )
+    return out_dir
 
 
 def load_split(data_dir: Path, split: str, columns: list[str] | None = None) -> TensorDataset:
@@ -60,6 +105,14 @@ def load_split(data_dir: Path, split: str, columns: list[str] | None = None) -> 
 # --------------------------------------------------------------------------- WORKLOAD: model
 
 
+@dataclass
+class MLPSettings(Settings):
+    """The model's settings: each one is a flag, a `--config` key and part of the run identity."""
+
+    hidden: int = setting(64, "Width of the MLP's hidden layers.", min=1)
+    depth: int = setting(2, "Number of hidden layers.", min=1)
+
+
 class MLPRegressor(nn.Module):
     def __init__(self, in_features: int, hidden: int, depth: int) -> None:
         super().__init__()
@@ -73,6 +126,15 @@ class MLPRegressor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def build_model(args: TrainArgs, settings: MLPSettings) -> MLPRegressor:
+    """The network for `--dry-run`: as wide as --data's feature columns (or the example's)."""
+    features = FEATURES
+    if args.data is not None and (args.data / "train.csv").is_file():
+        with (args.data / "train.csv").open() as handle:
+            features = len(next(csv.reader(handle))) - 1
+    return MLPRegressor(features, settings.hidden, settings.depth)
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -103,20 +165,24 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-@train_options(default_bs=64, lr=3e-3, ref_bs=64, epochs=20, output_dir=Path("runs/template"))
-def train(
-    args: TrainArgs,
-    hidden: int = typer.Option(64, min=1, help="Width of the MLP's hidden layers."),  # WORKLOAD
-    depth: int = typer.Option(2, min=1, help="Number of hidden layers."),
-) -> dict[str, float]:
+@train_command(
+    MLPSettings,
+    build_model=build_model,
+    default_bs=64,
+    lr=3e-3,
+    ref_bs=64,
+    epochs=20,
+    output_dir=Path("runs/template"),
+)
+def train(args: TrainArgs, settings: MLPSettings) -> dict[str, float]:
     """Train the template MLP regressor on CSV data (or a generated example)."""
     accelerator, plan = args.make_accelerator()
-    data_dir = resolve_data(accelerator, RECIPE, args.data, template_data.write_dataset)
+    data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     train_set = load_split(data_dir, "train")  # WORKLOAD
     test_set = load_split(data_dir, "test", columns=train_set.columns)
     train_mean = train_set.tensors[1].mean().item()
 
-    model = MLPRegressor(train_set.tensors[0].shape[1], hidden, depth)  # WORKLOAD
+    model = MLPRegressor(train_set.tensors[0].shape[1], settings.hidden, settings.depth)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
@@ -124,8 +190,10 @@ def train(
         model, optimizer, train_loader, test_loader
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
-    config = {"hidden": hidden, "depth": depth, "target_mean": train_mean}  # WORKLOAD
-    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
+    derived = {"target_mean": train_mean}  # WORKLOAD: what evaluate_export needs besides settings
+    loop = args.make_loop(
+        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
+    )
     for _epoch in loop.epochs():
         for x, y in loop.batches():
             with accelerator.accumulate(model):
@@ -148,8 +216,9 @@ def evaluate_export(
 ) -> None:
     """Load an exported model on one device and score a CSV split against the mean baseline."""
     config = read_recipe_export(model_dir, RECIPE)
+    settings = MLPSettings.from_config(config)
     dataset = load_split(data, split)
-    model = MLPRegressor(dataset.tensors[0].shape[1], config["hidden"], config["depth"])
+    model = MLPRegressor(dataset.tensors[0].shape[1], settings.hidden, settings.depth)
     load_exported(model_dir, model)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model = accelerator.prepare(model)

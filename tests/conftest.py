@@ -206,7 +206,7 @@ def shared_dataset(
 @pytest.fixture(scope="session")
 def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Template data whose test split (301 rows) is not divisible by 2 processes."""
-    from accel_common.data.template import write_dataset
+    from recipes.train_template import write_dataset
 
     return shared_dataset(
         tmp_path_factory, "template", lambda out: write_dataset(out, test_size=301)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-import importlib.util
+import importlib
 import os
 
 import pytest
@@ -26,7 +26,6 @@ from accel_common.checkpoint import (
     write_export,
 )
 from accel_common.errors import CheckpointError
-from tests.conftest import TEMPLATE
 
 
 class Net(nn.Module):
@@ -340,16 +339,14 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accele
         load_checkpoint(accelerator, path, plan, identity=now)
     message = str(error.value)
     assert "another run (id abc)" in message
-    assert "epochs: 20 in the checkpoint, 100 now; hidden: 64 in the checkpoint, 128 now" in message
+    assert "--epochs 20 in the checkpoint, 100 now; --hidden 64 in the checkpoint, 128 now" in message
     assert "lr" not in message.split(":", 1)[1].split(";")[0]  # only what differs is named
     progress, run = load_checkpoint(accelerator, path, plan, identity=dict(saved))
     assert (progress.step, run["id"]) == (64, "abc")
 
 
 def test_a_recipe_command_refuses_another_recipes_or_a_converted_export(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_template", TEMPLATE)
-    template = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(template)
+    template = importlib.import_module("recipes.train_template")
     weights = {"w": torch.ones(2)}
     write_export(weights, tmp_path / "pc", {"recipe": "pointcloud", "config": {"width": 16}})
     with pytest.raises(CheckpointError, match=r"exported by the 'pointcloud' recipe \(width=16\)"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 from pathlib import Path
 
@@ -39,9 +39,7 @@ def test_the_defaults_are_valid():
 
 
 def recipe_app(path: Path) -> typer.Typer:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"recipes.{path.stem}")
     app = typer.Typer()
     app.command()(module.train)
     return app

@@ -23,7 +23,7 @@ missing its average, or a rank-local export would differ by 1e-2 or more.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import pickle
 import subprocess
@@ -82,10 +82,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def template_module():
-    spec = importlib.util.spec_from_file_location("train_template", TEMPLATE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("recipes.train_template")
 
 
 def cpu_fsdp_config(tmp: Path) -> Path:

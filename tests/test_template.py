@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import shutil
 import subprocess
@@ -17,10 +17,7 @@ from tests.conftest import REPO, TEMPLATE, recipe_env, run_recipe
 
 
 def load_recipe_module():
-    spec = importlib.util.spec_from_file_location("train_template", TEMPLATE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("recipes.train_template")
 
 
 @pytest.fixture(scope="module")

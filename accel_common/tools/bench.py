@@ -36,11 +36,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel_common.data.template import write_dataset as write_template_data
 from accel_common.errors import RecipeError
 from accel_common.tools.example_data import make_data
 from accel_common.tools.ports import free_port
 from accel_common.tracking import METRICS_FILE
+from recipes.train_template import write_dataset as write_template_data
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"

@@ -1,0 +1,125 @@
+"""`--dry-run`: the plan of a run, printed without starting it.
+
+A user checks an 8-GPU or 2-node command on a laptop: the settings are resolved as the run
+would resolve them (flags, `--config`, the recipe's defaults), the batch plan is made for the
+launch's process count (or `--processes N`), the network is built on the `meta` device (no
+memory, no data), and nothing is trained or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from accel_common.batching import plan_batch
+from accel_common.lr import describe_lr, scale_lr
+from accel_common.memory import MEMORY_DIR
+
+if TYPE_CHECKING:
+    from accel_common.options import TrainArgs
+
+# fp32 weights, their gradients and Adam's two moments: what training holds per parameter
+# before any activation (halve the gradients' share for bf16 gradients; sharding divides it)
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, those in nn.Embedding tables); shared tensors counted once."""
+    total = sum(p.numel() for p in model.parameters())
+    tables = {
+        id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+    }
+    return total, sum(tables.values())
+
+
+def world_size(processes: int | None) -> int:
+    """The process count to plan for: `--processes`, else the launcher's (WORLD_SIZE), else 1."""
+    return processes or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def mixed_precision(args: TrainArgs) -> str:
+    """--mixed-precision, else what `accelerate launch` passes its workers, else 'no'."""
+    if args.mixed_precision is not None:
+        return args.mixed_precision.value
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def memory_line(recipe: str, parameters: int, per_device_batch_size: int) -> str:
+    """Memory per device: the parameters' training state, plus the activations where `plan
+    --measure` has measured them (runs/memory/RECIPE.json)."""
+    state = parameters * TRAINING_BYTES_PER_PARAMETER
+    line = f"{size(state)} for weights, gradients and Adam state (fp32, unsharded)"
+    path = MEMORY_DIR / f"{recipe}.json"
+    try:
+        fit = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return f"{line}; activations not measured (accel-recipes plan --measure {recipe})"
+    peak = fit["fixed_bytes"] + fit["per_sample_bytes"] * per_device_batch_size
+    return (
+        f"{line}; {size(peak)} predicted peak at {per_device_batch_size} per device "
+        f"on {fit['device_name']} ({path}, measured with {fit['flags']})"
+    )
+
+
+def size(count: float) -> str:
+    """Bytes in the unit that reads best: '1.23 GiB', '45.6 MiB', '7.8 KiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count / 2**10:.3g} KiB"
+
+
+def print_dry_run(
+    recipe: str,
+    args: TrainArgs,
+    settings: Any,
+    build_model: Callable[[TrainArgs, Any], nn.Module] | None,
+    processes: int | None,
+) -> None:
+    """Print the plan the run would start with (on the launch's first process only)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    world = world_size(processes)
+    plan = plan_batch(
+        world,
+        global_batch_size=args.bs,
+        per_device_batch_size=args.per_device_bs,
+        grad_accum_steps=args.grad_accum,
+        max_per_device_batch_size=args.max_per_device_bs,
+        warn_small=False,
+    )
+    peak = scale_lr(args.lr, args.ref_bs, plan.global_batch_size, args.lr_scaling)
+    rows = {
+        "recipe": recipe,
+        "world size": f"{world} process(es)",
+        "batch": plan.describe(),
+        "learning rate": describe_lr(
+            peak,
+            args.lr,
+            args.ref_bs,
+            args.lr_scaling,
+            plan.global_batch_size,
+            args.warmup_steps,
+            args.schedule,
+        ),
+        "epochs": f"{args.epochs}"
+        + (f", at most {args.max_steps} steps" if args.max_steps else ""),
+        "mixed precision": mixed_precision(args),
+    }
+    lines = [f"  {k}: {v}" for k, v in rows.items()]
+    if build_model is not None:
+        with torch.device("meta"):
+            model = build_model(args, settings)
+        total, embeddings = count_parameters(model)
+        lines.append(f"  parameters: {total}")
+        if embeddings:
+            lines.append(f"  parameters excluding embeddings: {total - embeddings}")
+        lines.append(
+            f"  memory per device: {memory_line(recipe, total, plan.per_device_batch_size)}"
+        )
+    print("\n".join(["dry run: nothing is trained or written", *lines]), flush=True)

@@ -1,0 +1,187 @@
+"""Settings declared once: a dataclass field carries its default, help text, bounds and whether
+a resumed run may change it.
+
+    @dataclass
+    class MLPSettings(Settings):
+        hidden: int = setting(64, "Width of the hidden layers.", min=1)
+        depth: int = setting(2, "Number of hidden layers.", min=1)
+
+From that one declaration come the command-line flags and their `--help`
+(accel_common.options.train_command), the keys a `--config FILE.yaml` may set, the checks a value
+must pass (from the command line, a file or Python alike), the config the export records and the
+single-device commands rebuild the model from (`from_config`), and the run identity that
+`--resume` compares: every setting counts in it unless declared `adjustable` (it does not change
+what is trained: cadence, workers, trackers, timeouts, paths).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import typing
+from dataclasses import Field, dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from types import UnionType
+from typing import Any, TypeVar
+
+import yaml
+
+from accel_common.errors import ConfigError
+
+S = TypeVar("S", bound="Settings")
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    adjustable: bool = False,
+    aliases: tuple[str, ...] = (),
+    cli_type: Any = None,
+) -> Any:
+    """A settings field. `min`/`max` are inclusive bounds, `above` an exclusive lower bound; a
+    float must also be finite. `adjustable`: may differ when a run is resumed. `aliases`: extra
+    flag names (the original codebase's). `cli_type`: the flag's type where it differs from the
+    field's (e.g. a number that may also be 'auto')."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "min": min,
+            "max": max,
+            "above": above,
+            "adjustable": adjustable,
+            "aliases": aliases,
+            "cli_type": cli_type,
+        },
+    )
+
+
+def flag(name: str) -> str:
+    """The command-line form of a setting's name: `ref_bs` -> `--ref-bs`."""
+    return "--" + name.replace("_", "-")
+
+
+def expected(f: Field) -> str:
+    """What a valid value of `f` is, in words: 'a number above 0', '1 or more', ..."""
+    low, high, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
+    if above is not None:
+        return f"a number above {above:g}" + (f" and at most {high:g}" if high is not None else "")
+    if low is not None and high is not None:
+        return f"a value from {low:g} to {high:g}"
+    if low is not None:
+        return f"{low:g} or more"
+    if high is not None:
+        return f"{high:g} or less"
+    return "a finite number"
+
+
+def base_type(annotation: Any) -> Any:
+    """`int | None` -> int; other annotations as they are."""
+    if typing.get_origin(annotation) in (typing.Union, UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+@dataclass
+class Settings:
+    """Base of every settings dataclass; see the module docstring."""
+
+    @classmethod
+    def hints(cls) -> dict[str, Any]:
+        return typing.get_type_hints(cls)
+
+    @classmethod
+    def adjustable(cls) -> frozenset[str]:
+        """The settings a resumed run may change (not part of the run's identity)."""
+        return frozenset(f.name for f in fields(cls) if f.metadata.get("adjustable"))
+
+    def validate(self) -> None:
+        """Refuse values that cannot work, naming the flag, before anything starts."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            low, high, above = (f.metadata.get(k) for k in ("min", "max", "above"))
+            ok = (
+                (not isinstance(value, float) or math.isfinite(value))
+                and (low is None or value >= low)
+                and (high is None or value <= high)
+                and (above is None or value > above)
+            )
+            if not ok:
+                raise ConfigError(f"{flag(f.name)} {value}: give {expected(f)}")
+
+    def as_config(self) -> dict[str, Any]:
+        """The settings as plain JSON values (enums by value, paths as strings)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Enum) else value
+            if isinstance(value, Path):
+                out[f.name] = str(value)
+        return out
+
+    @classmethod
+    def from_config(cls: type[S], config: dict[str, Any], **overrides: Any) -> S:
+        """These settings from a recorded config (an export's, a checkpoint's); keys of other
+        settings are ignored, missing ones take their defaults."""
+        hints = cls.hints()
+        values = {f.name: config[f.name] for f in fields(cls) if f.name in config} | overrides
+        return cls(**{k: convert(hints[k], v) for k, v in values.items()})
+
+
+def convert(annotation: Any, value: Any) -> Any:
+    """A JSON/YAML value as the field's Python type (enum, path, float from an int, ...)."""
+    kind = base_type(annotation)
+    if value is None or not isinstance(kind, type):
+        return value
+    if issubclass(kind, Enum):
+        return kind(value)
+    if issubclass(kind, Path):
+        return Path(value)
+    if kind is float and isinstance(value, int | str) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, str):
+        return int(value)
+    return value
+
+
+def read_config_file(path: Path, names: list[str]) -> dict[str, Any]:
+    """`--config FILE.yaml`: a mapping of flag names (`ref-bs` or `ref_bs`) to values as on the
+    command line. Returns {setting name: raw value}; an unknown key is refused naming the file,
+    the key and the valid names."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"--config {path} is not readable YAML: {one_line(err)}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"--config {path}: expected a mapping of flag names to values (lr: 3e-4), got a "
+            f"{type(loaded).__name__}"
+        )
+    out = {}
+    for key, value in loaded.items():
+        name = str(key).removeprefix("--").replace("-", "_")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean '{close[0].replace('_', '-')}'?)" if close else ""
+            raise ConfigError(
+                f"--config {path}: unknown key '{key}'{hint}; valid keys: "
+                + ", ".join(n.replace("_", "-") for n in names)
+            )
+        out[name] = value
+    return out
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
