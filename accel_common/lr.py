@@ -166,6 +166,14 @@ def make_lr_schedule(
     docstring for why).
     """
     total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
+    if total_steps < 1:
+        usable = steps_per_epoch * plan.per_device_batch_size * plan.num_processes
+        raise ConfigError(
+            f"the training split is smaller than one global batch: its {epochs} epoch(s) fill "
+            f"{usable * epochs} of the {plan.global_batch_size} samples of one optimizer step "
+            f"({plan.describe()}); pass a smaller --bs (at most the training split's size), or "
+            "use more data"
+        )
     if max_steps:
         total_steps = min(total_steps, max_steps)
     peak = scale_lr(lr, ref_bs, plan.global_batch_size, scaling)

@@ -177,7 +177,7 @@ def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
     (interrupted / "logs").mkdir(parents=True)
     (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
     assert run(resume="latest", out=interrupted)[3].step == 0
-    with pytest.raises(CheckpointError, match=r"another run .*hidden: unset in the checkpoint, 16"):
+    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint, 16"):
         run(resume="latest", config={"lr": 1e-3, "hidden": 16})
     loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
     assert loop.step == 12

@@ -34,7 +34,7 @@ from accel_common.memory import (
     memory_flags,
     present_device,
 )
-from accel_common.options import TrainArgs
+from accel_common.options import CLI_ONLY, TrainArgs
 
 GPU_SIZES_GB = (24, 40, 80, 141)
 # flags each measurement sets itself: the batch, a short run, a throw-away output folder
@@ -139,7 +139,8 @@ def measure(recipe: str, argv: list[str], batches: list[int]) -> tuple[MemoryFit
             f"memory did not grow with the batch (peaks {peaks} at batches {batches}); measure "
             "at larger batches (--measure-bs)"
         )
-    own = {k: v for k, v in params.items() if k not in {f.name for f in fields(TrainArgs)}}
+    shared = {f.name for f in fields(TrainArgs)} | set(CLI_ONLY)
+    own = {k: v for k, v in params.items() if k not in shared}
     total = present_device()[2]  # the probes ran on this process's device
     fit = MemoryFit(
         recipe=script.stem.removeprefix("train_"),
