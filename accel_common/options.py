@@ -1,10 +1,12 @@
-"""The flags every recipe shares, declared once and added to each recipe's Typer command.
+"""The settings every recipe shares (`TrainArgs`), and the command that adds them, a recipe's own
+settings and `--config` / `--dry-run` / `--processes` to its training function:
 
-A recipe writes only its workload's flags in its own signature and receives the shared ones as a
-`TrainArgs`:
+    @dataclass
+    class MySettings(Settings):
+        hidden: int = setting(64, "Width of the hidden layers.", min=1)
 
-    @train_options(lr=2e-4, ref_bs=8, bs=8)      # this workload's defaults
-    def train(args: TrainArgs, hidden: int = typer.Option(64, help="...")) -> None: ...
+    @train_command(MySettings, build_model=build_model, default_bs=64, lr=3e-3, ref_bs=64)
+    def train(args: TrainArgs, settings: MySettings) -> dict[str, float]: ...
 
 `--help` lists both. Flag names follow the original codebases (`--bs`, `--lr`, `--epochs`,
 `--workers`, `--wandb-project`, ...).

@@ -216,7 +216,7 @@ def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example skulls: 24 train + 6 test skulls, 5 defects each."""
-    from accel_common.data.pointcloud import write_dataset
+    from recipes.pointcloud.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "pointcloud", write_dataset)
 
@@ -224,7 +224,7 @@ def pointcloud_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def captioning_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example captions (imagefolder layout): 800 training and 100 test images."""
-    from accel_common.data.captioning import write_dataset
+    from recipes.captioning.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "captioning", write_dataset)
 
@@ -232,7 +232,7 @@ def captioning_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def crystal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example crystals: 1000 EMT-labelled structures of 1 to 64 atoms."""
-    from accel_common.data.crystal import write_dataset
+    from recipes.crystal.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "crystal", write_dataset)
 
@@ -240,7 +240,7 @@ def crystal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """160 rated images and 6 annotators (3 experts, casual, spammer, adversarial)."""
-    from accel_common.data.quality import write_dataset
+    from recipes.quality.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "quality", write_dataset)
 
@@ -248,7 +248,7 @@ def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cricket_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """100 simulated T20 matches in Cricsheet JSON (about 23,000 legal deliveries)."""
-    from accel_common.data.cricket import write_dataset
+    from recipes.cricket.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "cricket", lambda out: write_dataset(out, matches=100))
 
