@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 
@@ -14,16 +14,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.images import image_batches, list_images, read_images, read_rgb
-from accel_common.data.quality import read_truth
 from accel_common.errors import DataError, one_line
+from recipes.quality.data import read_truth
 from tests.conftest import POINTCLOUD, TEMPLATE
 
 
 def load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"recipes.{path.stem}")
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "-Infinity"])

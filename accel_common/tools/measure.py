@@ -11,8 +11,9 @@ out-of-memory error; this answers the question before a launch.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -66,10 +67,19 @@ def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, i
         script = Path(__file__).resolve().parents[2] / "recipes" / f"train_{recipe}.py"
     if not script.is_file():
         raise RecipeError(f"--measure {recipe}: no recipes/train_{recipe}.py and no such file")
-    module = runpy.run_path(str(script), run_name="accel_recipes_measured")
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    if script.resolve().parent == recipes:  # one of the project's recipes: import it as one
+        train = importlib.import_module(f"recipes.{script.stem}").train
+    else:  # a script elsewhere, run as a module of its own (its dataclasses look it up by name)
+        name = f"accel_recipes_measured_{script.stem}"
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        train = module.train
     app = typer.Typer(add_completion=False)
-    app.command()(module["train"])
-    return script, typer.main.get_command(app), module["train"].default_batch
+    app.command()(train)
+    return script, typer.main.get_command(app), train.default_batch
 
 
 def parse_flags(
