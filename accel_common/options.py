@@ -316,6 +316,8 @@ def model_option(recipe: str) -> Any:
 # what a training command takes besides its settings: they choose how the settings are read and
 # what is done with them, and are not recorded with the run
 CLI_ONLY = ("config", "dry_run", "processes", "ctx")
+# settings that give one value two ways: whichever the command line gives replaces the file's
+ONE_OF = ({"bs", "per_device_bs"},)
 
 
 def settings_parameters(
@@ -495,9 +497,13 @@ def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]
     type or value is refused naming the key and the file."""
     names = [n for n in annotations if n not in CLI_ONLY]
     params = {p.name: p for p in ctx.command.params}
+    given = {n for n in names if ctx.get_parameter_source(n).name in ("COMMANDLINE", "ENVIRONMENT")}
+    for group in ONE_OF:  # --per-device-bs on the command line replaces the file's bs, and so on
+        if given & group:
+            given |= group
     out = {}
     for name, value in read_config_file(path, names).items():
-        if ctx.get_parameter_source(name).name in ("COMMANDLINE", "ENVIRONMENT"):
+        if name in given:
             continue
         if value is not None:
             try:

@@ -339,7 +339,9 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accele
         load_checkpoint(accelerator, path, plan, identity=now)
     message = str(error.value)
     assert "another run (id abc)" in message
-    assert "--epochs 20 in the checkpoint, 100 now; --hidden 64 in the checkpoint, 128 now" in message
+    assert (
+        "--epochs 20 in the checkpoint, 100 now; --hidden 64 in the checkpoint, 128 now" in message
+    )
     assert "lr" not in message.split(":", 1)[1].split(";")[0]  # only what differs is named
     progress, run = load_checkpoint(accelerator, path, plan, identity=dict(saved))
     assert (progress.step, run["id"]) == (64, "abc")

@@ -31,7 +31,9 @@ MAKE_PROCESSES = {"train": 1, "train-cpu": 2, "train-1gpu": 1, "train-2gpu": 2, 
 MAKE_PROCESSES["train-8gpu"] = 8
 MAKE_CONFIGS = {"train-cpu": "cpu_2proc.yaml", "train-multinode": "multinode_2x8.yaml"}
 MAKE_CONFIGS |= {f"train-{n}gpu": f"{n}gpu.yaml" for n in (1, 2, 4, 8)}
-LAUNCH = re.compile(r"recipes/train_\w+\.py|^(\S+=\S+ )*(make|sbatch) |scripts/torchrun_multinode\.sh")
+LAUNCH = re.compile(
+    r"recipes/train_\w+\.py|^(\S+=\S+ )*(make|sbatch) |scripts/torchrun_multinode\.sh"
+)
 PLAN_FIELDS = {
     "global": r"global (\d+)",
     "per_device": r"per device (\d+)",
@@ -119,6 +121,8 @@ def parse(words: list[str], where: str, text: str) -> Command | None:
         return None
     script = scripts[0]
     launcher, args = words[:script], words[script + 1 :]
+    if not launcher:  # the path named in prose (a layout listing), not a command
+        return None
     if args and args[0] in SUBCOMMANDS:
         return None
     recipe = re.fullmatch(r"recipes/train_(\w+)\.py", words[script]).group(1)
@@ -134,6 +138,8 @@ def parse(words: list[str], where: str, text: str) -> Command | None:
         processes = nodes * int(option(launcher, "--nproc_per_node", "--nproc-per-node") or 1)
     elif launcher not in (["python"], ["python3"]):
         raise AssertionError(f"{where}: unrecognised launcher {' '.join(launcher)!r}")
+    # a documented dry run names its own process count
+    processes = int(option(args, "--processes") or processes)
     return Command(where, text, recipe, args, processes, precision)
 
 
@@ -194,6 +200,9 @@ def dry_run(command: Command, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     app = typer.Typer()
     app.command()(module.train)
     args = [*command.args, "--dry-run", "--processes", str(command.processes)]
+    if "--config" in args:  # the docs' paths are relative to the repository
+        at = args.index("--config") + 1
+        args[at] = str(REPO / args[at])
     if command.mixed_precision and "--mixed-precision" not in command.args:
         args += ["--mixed-precision", command.mixed_precision]
     result = CliRunner().invoke(app, args)

@@ -65,7 +65,8 @@ def run(tmp_path):
         )  # fmt: skip
         loop = TrainLoop(
             accelerator, plan, loader, schedule, recipe="toy", config=config or {"lr": 1e-3},
-            output_dir=out, resume=resume, log_every=1, save_every=save_every, keep_last=10,
+            adjustable=frozenset({"lr"}), output_dir=out, resume=resume, log_every=1,
+            save_every=save_every, keep_last=10,
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
@@ -177,7 +178,7 @@ def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
     (interrupted / "logs").mkdir(parents=True)
     (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
     assert run(resume="latest", out=interrupted)[3].step == 0
-    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint, 16"):
+    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint"):
         run(resume="latest", config={"lr": 1e-3, "hidden": 16})
     loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
     assert loop.step == 12

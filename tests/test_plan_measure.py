@@ -63,7 +63,7 @@ def test_fitted_memory_per_sample_predicts_a_larger_batch(tmp_path, template_dat
     flags = memory_flags({"hidden": 256, "depth": 2}, None)
     cap = parse_max_per_device_bs("auto", "template", flags)
     assert cap == wide_fit.largest_batch(present_device()[2], 1, 1) > LARGER
-    with pytest.raises(ConfigError, match="hidden: 256 in the measurement, 64 now"):
+    with pytest.raises(ConfigError, match="--hidden 256 in the measurement, 64 now"):
         parse_max_per_device_bs("auto", "template", memory_flags({"hidden": 64, "depth": 2}, None))
     with pytest.raises(ConfigError, match=r"no memory measurement at runs/memory/quality\.json"):
         parse_max_per_device_bs("auto", "quality", {})

@@ -200,3 +200,11 @@ def test_make_data_finds_a_new_recipes_generator_where_it_lives(tmp_path, monkey
     assert example_data.make_data("zzfolder", tmp_path / "f") == tmp_path / "f"
     written = example_data.make_data("zzdemo", tmp_path / "d")
     assert (written / "train.csv").is_file()
+
+
+def test_the_command_lines_batch_replaces_the_files_either_way(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("bs: 256\n")
+    assert dry_run(["--config", str(config)])["batch"].startswith("global batch 256 = 256")
+    plan = dry_run(["--config", str(config), "--per-device-bs", "16", "--processes", "2"])
+    assert plan["batch"] == "global batch 32 = 16 per device x 2 processes x 1 accumulation steps"
