@@ -6,8 +6,9 @@ points only. Sampling (DDPM or DDIM) turns random points into an implant that fi
 
     python recipes/train_pointcloud.py                                 # built-in example skulls
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/train_pointcloud.py \\
-        --path datasets/SkullBreak/train.csv --bs 64 --lr 2e-4 --num-points 30720 \\
-        --num-nn 3072 --width 256 --resolution 32 --timesteps 1000     # the original's size
+        --config recipes/pointcloud/configs/original.yaml --path datasets/SkullBreak/train.csv \\
+        --bs 64 --warmup-steps 3500                  # the original's sizes and hyper-parameters
+    # plan: global 64, per device 8, accumulation 1, lr 0.0016
     python recipes/train_pointcloud.py evaluate --model runs/pointcloud/model --data DIR
     python recipes/train_pointcloud.py complete --model runs/pointcloud/model \\
         --skull defective_skull/bilateral/070_surf.npy --out implant.npy --png view.png
@@ -17,12 +18,19 @@ listing complete_skull/070_surf.npy; each row expands to the five defect types,
 defective_skull/<defect>/070_surf.npy and implant/<defect>/070_surf.npy, in the folder before the
 row's complete_skull/: the CSV's own, or another tree's). From the downloaded .nrrd volumes:
 `python recipes/train_pointcloud.py prepare --raw SkullBreak --out DIR`.
+
+Settings: the workload's are declared once in PointCloudSettings (flags, `--config FILE.yaml`
+keys, the export's config, the resume check); `--dry-run [--processes N]` prints a command's plan.
+
+This file is the recipe: set-up, loss, training loop, evaluation (Chamfer distance against
+baselines) and the single-device commands. What only it needs is in recipes/pointcloud/: the
+layout's reader (data.py), the point-voxel network (model.py), the noise schedule and samplers
+(diffusion.py), the example skulls (example.py), `prepare` (prepare.py), the PNG view (viz.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,290 +39,154 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import inference_device, load_exported, read_recipe_export
 from accel_common.console import format_metrics
-from accel_common.data import pointcloud as skull_data
-from accel_common.data.files import read_path_list, require_finite
-from accel_common.data.volumes import SPACING_FILE, case_stem, prepare_skullbreak
-from accel_common.errors import ConfigError, DataError
+from accel_common.errors import ConfigError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
-from accel_common.viz import render_point_clouds
+from accel_common.settings import Settings, setting
+from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
+from recipes.pointcloud.diffusion import Diffusion
+from recipes.pointcloud.example import write_dataset
+from recipes.pointcloud.model import PointVoxelDenoiser
+from recipes.pointcloud.prepare import prepare_skullbreak
+from recipes.pointcloud.viz import render_point_clouds
 
 RECIPE = "pointcloud"
-DEFECTS = skull_data.DEFECTS
 
 
-# --------------------------------------------------------------------------- WORKLOAD: data
+# --------------------------------------------------------------------------- WORKLOAD: settings
 
 
-def load_points(path: Path, header_only: bool = False) -> np.ndarray:
-    """An M x 3 float point cloud from a .npy file (never unpickled).
+@dataclass
+class PointCloudSettings(Settings):
+    """The workload's settings: each is a flag, a `--config` key, recorded with the export, and
+    part of the run's identity unless adjustable (what only changes how often or how finely the
+    run is scored)."""
 
-    `header_only` maps the file instead of reading it: a cheap check of every file up front, so
-    bad data fails before training starts, with the file's name, not inside a loader worker.
-    """
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with path.open("rb") as handle:
-        if handle.read(6) != b"\x93NUMPY":  # else np.load calls any other file "pickled data"
-            raise DataError(f"{path}: not a .npy file (it lacks NumPy's header)")
-    try:
-        points = np.load(path, allow_pickle=False, mmap_mode="r" if header_only else None)
-    except (ValueError, OSError) as err:
-        raise DataError(f"{path}: not a readable .npy array ({err})") from None
-    if points.ndim != 2 or points.shape[1] != 3 or len(points) == 0:
-        raise DataError(f"{path}: expected an M x 3 point cloud, got shape {points.shape}")
-    if header_only:
-        return points
-    require_finite(points, str(path))  # index [point, coordinate]
-    return points.astype(np.float32)
+    dataset: str = setting("SkullBreak", "Data set layout; SkullBreak is supported.")
+    num_points: int = setting(512, "Points per sample, skull + implant (original: 30720).", min=2)
+    num_nn: int = setting(64, "Implant points among them (original: 3072).", min=1)
+    width: int = setting(
+        16, "Channels of the point-voxel blocks, a multiple of 8 (original: 256).", min=8
+    )
+    depth: int = setting(2, "Point-voxel blocks.", min=1)
+    resolution: int = setting(16, "Voxel grid resolution (original: 32).", min=2)
+    timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
+    sample_steps: int = setting(
+        20, "DDIM steps when sampling for evaluation.", min=1, adjustable=True
+    )
+    eval_every: int = setting(
+        15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
+    )
+    ema_decay: float = setting(
+        0.0, "EMA of the weights (e.g. 0.999; 0 = off).", min=0.0, max=0.9999
+    )
 
-
-def normalisation(defective: np.ndarray) -> tuple[np.ndarray, float]:
-    """The original's normalisation: centre of the bounding box, scale (max extent / 2) / 3."""
-    low, high = defective.min(axis=0), defective.max(axis=0)
-    return (low + high) / 2, float((high - low).max() / 2 / 3)
-
-
-SKULL_AND_IMPLANT = ("defective_skull", "implant")
-
-
-def point_file(root: Path, kind: str, defect: str, stem: str) -> Path:
-    """The original's `<kind>/<defect>/070_surf.npy`, or `070.npy` as this project once wrote."""
-    original = root / kind / defect / f"{stem}_surf.npy"
-    plain = original.with_name(f"{stem}.npy")
-    return plain if plain.is_file() and not original.is_file() else original
+    def validate(self) -> None:
+        super().validate()
+        if self.dataset != "SkullBreak":
+            raise ConfigError(f"--dataset {self.dataset}: only the SkullBreak layout is supported")
+        if self.width % 8:
+            raise ConfigError(
+                f"--width must be a multiple of 8 (GroupNorm in 8 groups), got {self.width}"
+            )
+        if not 0 < self.num_nn < self.num_points:
+            raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
 
 
-def case_folder(root: Path, listed: str, stem: str) -> Path:
-    """The folder a CSV row's case lives in, as the original resolves it: the row's path up to
-    complete_skull/, relative to the CSV's folder `root` unless absolute (a row without that
-    folder: `root`). If that folder lacks the case and `root` has it, `root`: a data set moved
-    after the original's split script wrote absolute paths still loads."""
-    parts = Path(listed).parts
-    if "complete_skull" not in parts[:-1]:
-        return root
-    folder = root.joinpath(*parts[: parts.index("complete_skull")])
-    probe = SKULL_AND_IMPLANT[0], DEFECTS[0], stem
-    if not point_file(folder, *probe).is_file() and point_file(root, *probe).is_file():
-        return root
-    return folder
+# --------------------------------------------------------------------------- training
 
 
-def read_spacing(root: Path) -> dict[str, list[float]]:
-    """mm per coordinate unit per axis for each point file, as `prepare` records it."""
-    path = root / SPACING_FILE
-    if not path.is_file():
-        return {}
-    try:
-        return dict(json.loads(path.read_text())["spacing"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
+def build_model(args: TrainArgs, settings: PointCloudSettings) -> PointVoxelDenoiser:
+    """The network these settings describe (for training, `--dry-run` and the export)."""
+    return PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
 
 
-class SkullBreak(Dataset):
-    """Defective skull + implant pairs of one split, five defect types per listed skull.
-
-    Point subsampling, the diffusion timestep and the noise of sample i in epoch e come from a
-    generator seeded by (seed, e, i), so they are the same whichever process loads the sample:
-    1 and N processes train on identical inputs, and a resumed run on the same ones.
-    """
-
-    def __init__(
-        self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
-    ):
-        csv = root / f"{split}.csv"
-        recorded: dict[Path, dict[str, list[float]]] = {}  # per case folder: its spacing file
-        self.entries, spacings = [], []
-        for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
-            stem = case_stem(listed)
-            folder = case_folder(root, listed, stem)
-            if folder not in recorded:
-                recorded[folder] = read_spacing(folder)
-            for defect in DEFECTS:
-                pair = tuple(point_file(folder, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
-                for path in pair:
-                    if not path.is_file():
-                        raise DataError(
-                            f"{path}: file not found (listed by {csv}, line {line}; "
-                            f"{stem}.npy is read too). From .nrrd volumes, make the point clouds "
-                            "with: python recipes/train_pointcloud.py prepare --raw DIR --out DIR"
-                        )
-                    load_points(path, header_only=True)
-                self.entries.append(pair)
-                spacings.append(recorded[folder].get(pair[1].relative_to(folder).as_posix()))
-        # distances in mm need every implant's voxel spacing; else they stay in the files' units
-        self.unit = "mm" if all(spacings) else "units"
-        self.mm_per_unit = [np.asarray(s or (1.0, 1.0, 1.0), dtype=np.float32) for s in spacings]
-        self.num_skull_points, self.num_nn = num_points - num_nn, num_nn
-        self.timesteps, self.seed, self.epoch = timesteps, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:  # called by the prepared DataLoader's set_epoch
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        defective_path, implant_path = self.entries[index]
-        defective, implant = load_points(defective_path), load_points(implant_path)
-        center, scale = normalisation(defective)
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
-        skull_idx = torch.randint(len(defective), (self.num_skull_points,), generator=g)
-        implant_idx = torch.randint(len(implant), (self.num_nn,), generator=g)
-        return {
-            "skull": torch.from_numpy((defective - center) / scale)[skull_idx],
-            "implant": torch.from_numpy((implant - center) / scale)[implant_idx],
-            "t": torch.randint(self.timesteps, (), generator=g),
-            "noise": torch.randn(self.num_nn, 3, generator=g),
-            "center": torch.from_numpy(center),
-            "scale": torch.tensor(scale),
-            "mm_per_unit": torch.from_numpy(self.mm_per_unit[index]),
-        }
+def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) -> SkullBreak:
+    """One split of the SkullBreak layout, sampled at these settings' sizes."""
+    return SkullBreak(
+        root, split, settings.num_points, settings.num_nn, settings.timesteps, seed=seed
+    )
 
 
-# --------------------------------------------------------------------------- WORKLOAD: model
-
-
-def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding of diffusion timesteps, as in DDPM."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(10_000) * torch.arange(half, device=t.device) / (half - 1))
-    angles = t.float()[:, None] * freqs[None]
-    return torch.cat([angles.sin(), angles.cos()], dim=1)
-
-
-def voxelize(features: torch.Tensor, coords: torch.Tensor, resolution: int) -> torch.Tensor:
-    """Average point features into a resolution^3 grid (scatter-mean). coords in [-1, 1]."""
-    batch, channels, _ = features.shape
-    cells = ((coords + 1) / 2 * (resolution - 1)).round().long().clamp(0, resolution - 1)
-    flat = (cells[..., 2] * resolution + cells[..., 1]) * resolution + cells[..., 0]  # z, y, x
-    grid = features.new_zeros(batch, channels, resolution**3)
-    grid.scatter_add_(2, flat[:, None].expand(-1, channels, -1), features)
-    count = features.new_zeros(batch, 1, resolution**3)
-    count.scatter_add_(2, flat[:, None], torch.ones_like(features[:, :1]))
-    grid = grid / count.clamp(min=1)
-    return grid.view(batch, channels, resolution, resolution, resolution)
-
-
-def devoxelize(grid: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
-    """Trilinear interpolation of grid features back at the points: (B, C, N)."""
-    sampled = F.grid_sample(grid, coords[:, None, None], mode="bilinear", align_corners=True)
-    return sampled[:, :, 0, 0]
-
-
-class PointVoxelBlock(nn.Module):
-    """Voxel branch (Conv3d, GroupNorm(8), Swish) + point MLP branch, with the timestep added."""
-
-    def __init__(self, channels: int, resolution: int, temb_dim: int) -> None:
-        super().__init__()
-        self.resolution = resolution
-        self.temb = nn.Linear(temb_dim, channels)
-        self.voxel = nn.Sequential(
-            nn.Conv3d(channels, channels, 3, padding=1),
-            nn.GroupNorm(8, channels),
-            nn.SiLU(),
-            nn.Conv3d(channels, channels, 3, padding=1),
-            nn.GroupNorm(8, channels),
-            nn.SiLU(),
+@train_command(
+    PointCloudSettings,
+    build_model=build_model,
+    default_bs=8,
+    lr=3e-3,  # the original's 2e-4 (at batch 8) learns too slowly for the CPU-sized example
+    ref_bs=8,
+    epochs=45,
+    schedule=Decay.cosine,  # the original's is constant after warmup; cosine to 0 suits a short run
+    warmup_steps=10,
+    output_dir=Path("runs/pointcloud"),
+    aliases={"data": ["--path"], "epochs": ["--niter"]},
+)
+def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
+    """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
+    if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
+        args.data = args.data.parent
+    accelerator, plan = args.make_accelerator()
+    data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
+    train_set = skullbreak(data_dir, "train", settings, seed=args.seed)
+    test_set = skullbreak(data_dir, "test", settings, seed=args.seed + 1)
+    pool = implant_pool(train_set)
+    if test_set.unit != "mm":
+        accelerator.print(
+            f"note: {data_dir / SPACING_FILE} does not give every implant's voxel spacing, so "
+            "distances are in the point files' units, not mm (prepare records it)"
         )
-        self.point = nn.Sequential(
-            nn.Conv1d(channels, channels, 1), nn.GroupNorm(8, channels), nn.SiLU()
+
+    model = build_model(args, settings)
+    ema = (
+        torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)
         )
-        self.context = nn.Conv1d(2 * channels, channels, 1)  # global (max-pooled) context
+        if settings.ema_decay
+        else None
+    )
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
+    )
+    train_loader = args.make_train_loader(train_set, plan)
+    test_loader = DataLoader(
+        test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
+    )
+    model, optimizer, train_loader, test_loader = accelerator.prepare(
+        model, optimizer, train_loader, test_loader
+    )
+    diffusion = Diffusion(settings.timesteps, accelerator.device)
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
+    if ema is not None:
+        ema.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)
+    loop = args.make_loop(
+        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings
+    )
 
-    def forward(
-        self, x: torch.Tensor, coords: torch.Tensor, temb: torch.Tensor, num_skull: int
-    ) -> torch.Tensor:
-        x = x + self.temb(temb)[:, :, None]
-        # the grid holds the skull only: noised implant points scattered everywhere would fill
-        # the very hole the implant points need to find; every point reads the grid back
-        grid = voxelize(x[:, :, :num_skull], coords[:, :num_skull], self.resolution)
-        voxel = devoxelize(self.voxel(grid), coords)
-        fused = voxel + self.point(x)
-        pooled = fused.max(dim=2, keepdim=True).values.expand_as(fused)
-        return x + self.context(torch.cat([fused, pooled], dim=1))
+    def score() -> dict[str, float]:
+        scored = accelerator.unwrap_model(model) if ema is None else ema.module
+        steps, unit = settings.sample_steps, test_set.unit
+        return evaluate(accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit)
 
-
-class PointVoxelDenoiser(nn.Module):
-    """Predicts the noise on the implant points, given them noised and the clean skull."""
-
-    def __init__(self, width: int, depth: int, resolution: int, temb_dim: int = 64) -> None:
-        super().__init__()
-        self.temb_dim = temb_dim
-        self.temb_mlp = nn.Sequential(
-            nn.Linear(temb_dim, width), nn.SiLU(), nn.Linear(width, temb_dim)
-        )
-        self.stem = nn.Conv1d(4, width, 1)  # xyz + "is implant point" flag
-        self.blocks = nn.ModuleList(
-            PointVoxelBlock(width, resolution, temb_dim) for _ in range(depth)
-        )
-        self.head = nn.Sequential(nn.Conv1d(width, width, 1), nn.SiLU(), nn.Conv1d(width, 3, 1))
-
-    def forward(self, skull: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        points = torch.cat([skull, noisy], dim=1)  # (B, N, 3)
-        flag = torch.cat([torch.zeros_like(skull[..., :1]), torch.ones_like(noisy[..., :1])], 1)
-        x = self.stem(torch.cat([points, flag], dim=2).transpose(1, 2))
-        coords = (points / 4.0).clamp(-1, 1)  # normalised skulls span about [-3, 3]
-        temb = self.temb_mlp(timestep_embedding(t, self.temb_dim))
-        for block in self.blocks:
-            x = block(x, coords, temb, skull.shape[1])
-        return self.head(x)[:, :, skull.shape[1] :].transpose(1, 2)
-
-
-# --------------------------------------------------------------------------- WORKLOAD: diffusion
-
-
-class Diffusion:
-    """Linear beta schedule 1e-4 -> 0.02 over T = 1000 steps (scaled by 1000/T for fewer steps,
-    so the last step is as noisy as the original's); epsilon prediction; DDPM and DDIM samplers."""
-
-    def __init__(self, timesteps: int, device: torch.device | str = "cpu") -> None:
-        scale = 1000 / timesteps
-        betas = torch.linspace(1e-4 * scale, 0.02 * scale, timesteps, dtype=torch.float64)
-        self.timesteps = timesteps
-        self.betas = betas.clamp(max=0.999).float().to(device)
-        self.alphas_cumprod = torch.cumprod(1 - betas.clamp(max=0.999), 0).float().to(device)
-
-    def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        a = self.alphas_cumprod[t][:, None, None]
-        return a.sqrt() * x0 + (1 - a).sqrt() * noise
-
-    @torch.no_grad()
-    def sample(
-        self,
-        model: nn.Module,
-        skull: torch.Tensor,
-        num_nn: int,
-        steps: int,
-        generator: torch.Generator,
-        sampler: str = "ddim",
-    ) -> torch.Tensor:
-        """Implant points for each skull: DDIM (eta 0) over `steps` steps, or full DDPM."""
-        shape = (skull.shape[0], num_nn, 3)
-        x = torch.randn(shape, generator=generator).to(skull.device)
-        if sampler == "ddpm":
-            for t in reversed(range(self.timesteps)):
-                tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-                eps = model(skull, x, tt)
-                a_bar, beta = self.alphas_cumprod[t], self.betas[t]
-                mean = (x - beta / (1 - a_bar).sqrt() * eps) / (1 - beta).sqrt()
-                noise = torch.randn(shape, generator=generator).to(skull.device) if t else 0
-                x = mean + beta.sqrt() * noise
-            return x
-        ts = torch.linspace(self.timesteps - 1, 0, steps).round().long().tolist()
-        for t, t_next in zip(ts, [*ts[1:], -1], strict=True):
-            tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-            eps = model(skull, x, tt)
-            a_bar = self.alphas_cumprod[t]
-            x0 = ((x - (1 - a_bar).sqrt() * eps) / a_bar.sqrt()).clamp(-4, 4)
-            a_next = self.alphas_cumprod[t_next] if t_next >= 0 else torch.ones_like(a_bar)
-            x = a_next.sqrt() * x0 + (1 - a_next).sqrt() * eps
-        return x
+    for epoch in loop.epochs():
+        for batch in loop.batches():
+            with accelerator.accumulate(model):
+                noisy = diffusion.q_sample(batch["implant"], batch["t"], batch["noise"])
+                loss = F.mse_loss(model(batch["skull"], noisy, batch["t"]), batch["noise"])
+                accelerator.backward(loss)
+                loop.clip_gradients(model)
+                optimizer.step()
+                optimizer.zero_grad()
+                if ema is not None and accelerator.sync_gradients:
+                    ema.update_parameters(accelerator.unwrap_model(model))
+            loop.record(loss)
+        if epoch % settings.eval_every == 0 or loop.done:
+            loop.end_epoch(score())
+    return loop.finish(model if ema is None else ema.module)
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -375,116 +247,17 @@ def evaluate(
     return metrics | {"n": len(scores)}
 
 
-# --------------------------------------------------------------------------- training
-
-
-@train_options(
-    default_bs=8,
-    lr=3e-3,  # the original's 2e-4 (at batch 8) learns too slowly for the CPU-sized example
-    ref_bs=8,
-    epochs=45,
-    schedule=Decay.cosine,  # the original decays exponentially; cosine to 0 suits a short run
-    warmup_steps=10,
-    output_dir=Path("runs/pointcloud"),
-    aliases={"data": ["--path"], "epochs": ["--niter"]},
-)
-def train(
-    args: TrainArgs,
-    dataset: str = typer.Option("SkullBreak", help="Data set layout; SkullBreak is supported."),
-    num_points: int = typer.Option(
-        512, min=2, help="Points per sample, skull + implant (original: 30720)."
-    ),
-    num_nn: int = typer.Option(64, min=1, help="Implant points among them (original: 3072)."),
-    width: int = typer.Option(
-        16, min=8, help="Channels of the point-voxel blocks, a multiple of 8 (original: 256)."
-    ),
-    depth: int = typer.Option(2, min=1, help="Point-voxel blocks."),
-    resolution: int = typer.Option(16, min=2, help="Voxel grid resolution (original: 32)."),
-    timesteps: int = typer.Option(100, min=2, help="Diffusion steps T (original: 1000)."),
-    sample_steps: int = typer.Option(20, min=1, help="DDIM steps when sampling for evaluation."),
-    eval_every: int = typer.Option(15, min=1, help="Evaluate (sample and score) every N epochs."),
-    ema_decay: float = typer.Option(
-        0.0, min=0.0, max=0.9999, help="EMA of the weights (e.g. 0.999; 0 = off)."
-    ),
-) -> dict[str, float]:
-    """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
-    if dataset != "SkullBreak":
-        raise ConfigError(f"--dataset {dataset}: only the SkullBreak layout is supported")
-    if width % 8:
-        raise ConfigError(f"--width must be a multiple of 8 (GroupNorm in 8 groups), got {width}")
-    if not 0 < num_nn < num_points:
-        raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {num_nn}")
-    if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
-        args.data = args.data.parent
-    accelerator, plan = args.make_accelerator()
-    data_dir = resolve_data(accelerator, RECIPE, args.data, skull_data.write_dataset)
-    sizes = {"num_points": num_points, "num_nn": num_nn, "timesteps": timesteps}
-    train_set = SkullBreak(data_dir, "train", **sizes, seed=args.seed)
-    test_set = SkullBreak(data_dir, "test", **sizes, seed=args.seed + 1)
-    pool = implant_pool(train_set)
-    if test_set.unit != "mm":
-        accelerator.print(
-            f"note: {data_dir / SPACING_FILE} does not give every implant's voxel spacing, so "
-            "distances are in the point files' units, not mm (prepare records it)"
-        )
-
-    model = PointVoxelDenoiser(width, depth, resolution)
-    ema = (
-        torch.optim.swa_utils.AveragedModel(
-            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(ema_decay)
-        )
-        if ema_decay
-        else None
-    )
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
-    )
-    train_loader = args.make_train_loader(train_set, plan)
-    test_loader = DataLoader(
-        test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
-    )
-    model, optimizer, train_loader, test_loader = accelerator.prepare(
-        model, optimizer, train_loader, test_loader
-    )
-    diffusion = Diffusion(timesteps, accelerator.device)
-    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
-    if ema is not None:
-        ema.to(accelerator.device)
-        accelerator.register_for_checkpointing(ema)
-    config = {"width": width, "depth": depth, "resolution": resolution, **sizes}
-    config |= {"sample_steps": sample_steps, "ema_decay": ema_decay}
-    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
-
-    def score() -> dict[str, float]:
-        scored = accelerator.unwrap_model(model) if ema is None else ema.module
-        steps, unit = sample_steps, test_set.unit
-        return evaluate(accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit)
-
-    for epoch in loop.epochs():
-        for batch in loop.batches():
-            with accelerator.accumulate(model):
-                noisy = diffusion.q_sample(batch["implant"], batch["t"], batch["noise"])
-                loss = F.mse_loss(model(batch["skull"], noisy, batch["t"]), batch["noise"])
-                accelerator.backward(loss)
-                loop.clip_gradients(model)
-                optimizer.step()
-                optimizer.zero_grad()
-                if ema is not None and accelerator.sync_gradients:
-                    ema.update_parameters(accelerator.unwrap_model(model))
-            loop.record(loss)
-        if epoch % eval_every == 0 or loop.done:
-            loop.end_epoch(score())
-    return loop.finish(model if ema is None else ema.module)
-
-
 # --------------------------------------------------------------------------- single-device use
 
 
-def load_model(model_dir: Path, device: torch.device) -> tuple[PointVoxelDenoiser, dict]:
-    config = read_recipe_export(model_dir, RECIPE)
-    model = PointVoxelDenoiser(config["width"], config["depth"], config["resolution"])
+def load_model(
+    model_dir: Path, device: torch.device
+) -> tuple[PointVoxelDenoiser, PointCloudSettings]:
+    """An exported model on `device`, and the settings it was trained with."""
+    settings = PointCloudSettings.from_config(read_recipe_export(model_dir, RECIPE))
+    model = PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
     load_exported(model_dir, model, device="cpu")
-    return model.to(device).eval(), config
+    return model.to(device).eval(), settings
 
 
 ModelOption = model_option(RECIPE)
@@ -501,13 +274,12 @@ def evaluate_export(
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    model, config = load_model(model_dir, accelerator.device)
-    sizes = {k: config[k] for k in ("num_points", "num_nn", "timesteps")}
-    dataset = SkullBreak(data, split, **sizes, seed=seed)
-    pool = implant_pool(SkullBreak(data, "train", **sizes, seed=seed))
+    model, settings = load_model(model_dir, accelerator.device)
+    dataset = skullbreak(data, split, settings, seed=seed)
+    pool = implant_pool(skullbreak(data, "train", settings, seed=seed))
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
-    diffusion = Diffusion(config["timesteps"], accelerator.device)
-    steps = sample_steps or config["sample_steps"]
+    diffusion = Diffusion(settings.timesteps, accelerator.device)
+    steps = sample_steps or settings.sample_steps
     metrics = evaluate(accelerator, model, loader, diffusion, steps, seed, pool, dataset.unit)
     print(format_metrics(metrics))
 
@@ -523,18 +295,18 @@ def complete(
     """Generate the implant for one defective skull with an exported model, on one device."""
     require_new_file(out)
     device = inference_device()
-    model, config = load_model(model_dir, device)
+    model, settings = load_model(model_dir, device)
     points = load_points(skull)
     center, scale = normalisation(points)
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randint(
-        len(points), (config["num_points"] - config["num_nn"],), generator=generator
+        len(points), (settings.num_points - settings.num_nn,), generator=generator
     )
     condition = torch.from_numpy((points - center) / scale)[chosen][None].to(device)
-    diffusion = Diffusion(config["timesteps"], device)
+    diffusion = Diffusion(settings.timesteps, device)
     sampler = "ddpm" if sample_steps == 0 else "ddim"
     generated = diffusion.sample(
-        model, condition, config["num_nn"], sample_steps, generator, sampler
+        model, condition, settings.num_nn, sample_steps, generator, sampler
     )
     implant = generated[0].cpu().numpy() * scale + center
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_common.data.pointcloud import DEFECTS
 from accel_common.errors import DataError
-from accel_common.tools.bench import load_recipe
+from recipes.pointcloud.data import DEFECTS, SkullBreak
 from tests.conftest import POINTCLOUD, POINTCLOUD_TINY, run_recipe
 
 # prepare needs the `volumes` extra; the checks of its output use scipy (the `vision` extra).
@@ -28,7 +27,7 @@ pytest.importorskip("trimesh", reason="needs the volumes extra (trimesh)")
 pytest.importorskip("scipy", reason="needs scipy (the vision extra)")
 from scipy.spatial import cKDTree  # noqa: E402
 
-from accel_common.data.volumes import prepare_skullbreak  # noqa: E402
+from recipes.pointcloud.prepare import prepare_skullbreak  # noqa: E402
 
 SIZE, SPACING = 28, (0.4, 0.4, 0.5)  # anisotropic, so a swapped axis would show
 CAP_DIRECTIONS = {
@@ -202,7 +201,6 @@ def test_the_recipe_prepares_in_place_as_the_original_and_trains_on_it(raw, tmp_
 def test_a_folder_the_original_preprocessed_loads_without_the_spacing(prepared, tmp_path):
     """No voxel_spacing.json (the original does not write one): the files load, distances stay in
     the files' units; this project's older names (070.npy) are still read."""
-    SkullBreak = load_recipe("pointcloud").SkullBreak
     out, _ = prepared
     folder = tmp_path / "original"
     shutil.copytree(out, folder)

@@ -29,20 +29,13 @@ import numpy as np
 from tqdm import tqdm
 
 from accel_common.data.files import read_path_list
-from accel_common.data.pointcloud import DEFECTS
 from accel_common.errors import ConfigError, DataError
-
-SPACING_FILE = "voxel_spacing.json"
+from recipes.pointcloud.data import DEFECTS, SPACING_FILE, case_stem
 
 
 def surface_name(volume: Path) -> str:
     """The original's output name: 070.nrrd -> 070_surf.npy."""
     return f"{volume.name.removesuffix('.nrrd')}_surf.npy"
-
-
-def case_stem(listed: str) -> str:
-    """A CSV row's case: .../complete_skull/070.nrrd, 070_surf.npy or 070.npy -> 070."""
-    return Path(listed).name.removesuffix(".nrrd").removesuffix(".npy").removesuffix("_surf")
 
 
 def volume_relatives(raw: Path) -> list[Path]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-DEFECTS = ("bilateral", "frontoorbital", "parietotemporal", "random_1", "random_2")
+from recipes.pointcloud.data import DEFECTS
+
 # where each defect type sits on the skull (x: left-right, y: back-front, z: up)
 DEFECT_DIRECTIONS = {
     "bilateral": (0.0, 0.0, 1.0),

@@ -1,0 +1,154 @@
+"""The SkullBreak layout as the original's preprocessing leaves it, and its reader.
+
+    train.csv, test.csv                      one row per skull: complete_skull/070_surf.npy
+    complete_skull/070_surf.npy              M x 3 surface points of the whole skull
+    defective_skull/<defect>/070_surf.npy    the skull with the defect
+    implant/<defect>/070_surf.npy            the missing piece (the target)
+    voxel_spacing.json                       mm per coordinate unit of each file (optional)
+
+for the five defect types. Each CSV row expands to the five defective skull + implant pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from accel_common.data.files import read_path_list, require_finite
+from accel_common.errors import DataError
+
+DEFECTS = ("bilateral", "frontoorbital", "parietotemporal", "random_1", "random_2")
+SPACING_FILE = "voxel_spacing.json"
+SKULL_AND_IMPLANT = ("defective_skull", "implant")
+
+
+def case_stem(listed: str) -> str:
+    """A CSV row's case: .../complete_skull/070.nrrd, 070_surf.npy or 070.npy -> 070."""
+    return Path(listed).name.removesuffix(".nrrd").removesuffix(".npy").removesuffix("_surf")
+
+
+def load_points(path: Path, header_only: bool = False) -> np.ndarray:
+    """An M x 3 float point cloud from a .npy file (never unpickled).
+
+    `header_only` maps the file instead of reading it: a cheap check of every file up front, so
+    bad data fails before training starts, with the file's name, not inside a loader worker.
+    """
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    with path.open("rb") as handle:
+        if handle.read(6) != b"\x93NUMPY":  # else np.load calls any other file "pickled data"
+            raise DataError(f"{path}: not a .npy file (it lacks NumPy's header)")
+    try:
+        points = np.load(path, allow_pickle=False, mmap_mode="r" if header_only else None)
+    except (ValueError, OSError) as err:
+        raise DataError(f"{path}: not a readable .npy array ({err})") from None
+    if points.ndim != 2 or points.shape[1] != 3 or len(points) == 0:
+        raise DataError(f"{path}: expected an M x 3 point cloud, got shape {points.shape}")
+    if header_only:
+        return points
+    require_finite(points, str(path))  # index [point, coordinate]
+    return points.astype(np.float32)
+
+
+def normalisation(defective: np.ndarray) -> tuple[np.ndarray, float]:
+    """The original's normalisation: centre of the bounding box, scale (max extent / 2) / 3."""
+    low, high = defective.min(axis=0), defective.max(axis=0)
+    return (low + high) / 2, float((high - low).max() / 2 / 3)
+
+
+def point_file(root: Path, kind: str, defect: str, stem: str) -> Path:
+    """The original's `<kind>/<defect>/070_surf.npy`, or `070.npy` as this project once wrote."""
+    original = root / kind / defect / f"{stem}_surf.npy"
+    plain = original.with_name(f"{stem}.npy")
+    return plain if plain.is_file() and not original.is_file() else original
+
+
+def case_folder(root: Path, listed: str, stem: str) -> Path:
+    """The folder a CSV row's case lives in, as the original resolves it: the row's path up to
+    complete_skull/, relative to the CSV's folder `root` unless absolute (a row without that
+    folder: `root`). If that folder lacks the case and `root` has it, `root`: a data set moved
+    after the original's split script wrote absolute paths still loads."""
+    parts = Path(listed).parts
+    if "complete_skull" not in parts[:-1]:
+        return root
+    folder = root.joinpath(*parts[: parts.index("complete_skull")])
+    probe = SKULL_AND_IMPLANT[0], DEFECTS[0], stem
+    if not point_file(folder, *probe).is_file() and point_file(root, *probe).is_file():
+        return root
+    return folder
+
+
+def read_spacing(root: Path) -> dict[str, list[float]]:
+    """mm per coordinate unit per axis for each point file, as `prepare` records it."""
+    path = root / SPACING_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text())["spacing"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
+
+
+class SkullBreak(Dataset):
+    """Defective skull + implant pairs of one split, five defect types per listed skull.
+
+    Point subsampling, the diffusion timestep and the noise of sample i in epoch e come from a
+    generator seeded by (seed, e, i), so they are the same whichever process loads the sample:
+    1 and N processes train on identical inputs, and a resumed run on the same ones.
+    """
+
+    def __init__(
+        self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
+    ):
+        csv = root / f"{split}.csv"
+        recorded: dict[Path, dict[str, list[float]]] = {}  # per case folder: its spacing file
+        self.entries, spacings = [], []
+        for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
+            stem = case_stem(listed)
+            folder = case_folder(root, listed, stem)
+            if folder not in recorded:
+                recorded[folder] = read_spacing(folder)
+            for defect in DEFECTS:
+                pair = tuple(point_file(folder, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
+                for path in pair:
+                    if not path.is_file():
+                        raise DataError(
+                            f"{path}: file not found (listed by {csv}, line {line}; "
+                            f"{stem}.npy is read too). From .nrrd volumes, make the point clouds "
+                            "with: python recipes/train_pointcloud.py prepare --raw DIR --out DIR"
+                        )
+                    load_points(path, header_only=True)
+                self.entries.append(pair)
+                spacings.append(recorded[folder].get(pair[1].relative_to(folder).as_posix()))
+        # distances in mm need every implant's voxel spacing; else they stay in the files' units
+        self.unit = "mm" if all(spacings) else "units"
+        self.mm_per_unit = [np.asarray(s or (1.0, 1.0, 1.0), dtype=np.float32) for s in spacings]
+        self.num_skull_points, self.num_nn = num_points - num_nn, num_nn
+        self.timesteps, self.seed, self.epoch = timesteps, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by the prepared DataLoader's set_epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        defective_path, implant_path = self.entries[index]
+        defective, implant = load_points(defective_path), load_points(implant_path)
+        center, scale = normalisation(defective)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
+        skull_idx = torch.randint(len(defective), (self.num_skull_points,), generator=g)
+        implant_idx = torch.randint(len(implant), (self.num_nn,), generator=g)
+        return {
+            "skull": torch.from_numpy((defective - center) / scale)[skull_idx],
+            "implant": torch.from_numpy((implant - center) / scale)[implant_idx],
+            "t": torch.randint(self.timesteps, (), generator=g),
+            "noise": torch.randn(self.num_nn, 3, generator=g),
+            "center": torch.from_numpy(center),
+            "scale": torch.tensor(scale),
+            "mm_per_unit": torch.from_numpy(self.mm_per_unit[index]),
+        }

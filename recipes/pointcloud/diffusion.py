@@ -1,0 +1,55 @@
+"""The diffusion process: the original's linear noise schedule, noising for training, and the
+DDPM and DDIM samplers that turn random points into an implant."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Diffusion:
+    """Linear beta schedule 1e-4 -> 0.02 over T = 1000 steps (scaled by 1000/T for fewer steps,
+    so the last step is as noisy as the original's); epsilon prediction; DDPM and DDIM samplers."""
+
+    def __init__(self, timesteps: int, device: torch.device | str = "cpu") -> None:
+        scale = 1000 / timesteps
+        betas = torch.linspace(1e-4 * scale, 0.02 * scale, timesteps, dtype=torch.float64)
+        self.timesteps = timesteps
+        self.betas = betas.clamp(max=0.999).float().to(device)
+        self.alphas_cumprod = torch.cumprod(1 - betas.clamp(max=0.999), 0).float().to(device)
+
+    def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        a = self.alphas_cumprod[t][:, None, None]
+        return a.sqrt() * x0 + (1 - a).sqrt() * noise
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: nn.Module,
+        skull: torch.Tensor,
+        num_nn: int,
+        steps: int,
+        generator: torch.Generator,
+        sampler: str = "ddim",
+    ) -> torch.Tensor:
+        """Implant points for each skull: DDIM (eta 0) over `steps` steps, or full DDPM."""
+        shape = (skull.shape[0], num_nn, 3)
+        x = torch.randn(shape, generator=generator).to(skull.device)
+        if sampler == "ddpm":
+            for t in reversed(range(self.timesteps)):
+                tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
+                eps = model(skull, x, tt)
+                a_bar, beta = self.alphas_cumprod[t], self.betas[t]
+                mean = (x - beta / (1 - a_bar).sqrt() * eps) / (1 - beta).sqrt()
+                noise = torch.randn(shape, generator=generator).to(skull.device) if t else 0
+                x = mean + beta.sqrt() * noise
+            return x
+        ts = torch.linspace(self.timesteps - 1, 0, steps).round().long().tolist()
+        for t, t_next in zip(ts, [*ts[1:], -1], strict=True):
+            tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
+            eps = model(skull, x, tt)
+            a_bar = self.alphas_cumprod[t]
+            x0 = ((x - (1 - a_bar).sqrt() * eps) / a_bar.sqrt()).clamp(-4, 4)
+            a_next = self.alphas_cumprod[t_next] if t_next >= 0 else torch.ones_like(a_bar)
+            x = a_next.sqrt() * x0 + (1 - a_next).sqrt() * eps
+        return x
