@@ -1,6 +1,6 @@
 """The captioning recipe: three readers (and `datasets`' imagefolder), learning in bf16, exact token
 means over processes, fp16's loss scaler through the loop, the preprocessing cache, the tokenizer,
-bad input."""
+bad input, its settings (--config, --dry-run, the resume check)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,18 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+import torch
+import typer
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
 
-from accel_common.data.captioning import read_split, write_dataset
+import recipes.train_captioning as recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.tools.bench import load_recipe
+from recipes.captioning import data as caption_data
+from recipes.captioning.data import read_split
+from recipes.captioning.example import write_dataset
+from recipes.captioning.model import Captioner
+from recipes.captioning.tokenizer import PAD_ID, train_tokenizer
 from tests.conftest import (
     CAPTIONING,
     CAPTIONING_TINY,
@@ -71,7 +79,7 @@ def test_caption_command_writes_one_line_per_image(trained, captioning_data, tmp
     again = run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING, check=False)
     assert again.returncode == 2 and "exists" in again.stderr
     # in chunks of 7 and at most 3 tokens ([BOS] and two words): the first two words of each
-    recipe, short = load_recipe("captioning"), tmp_path / "short.tsv"
+    short = tmp_path / "short.tsv"
     model, images = trained / "model", captioning_data / "test"
     recipe.caption(model, images, short, max_tokens=3, bs=7)
     cut = dict(line.split("\t") for line in short.read_text().splitlines())
@@ -237,35 +245,35 @@ def test_an_empty_txt_caption_names_the_txt_file(tmp_path):
 
 def test_a_caption_over_max_tokens_names_its_image(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
-    recipe = load_recipe("captioning")
     folder = _without_metadata(tmp_path)
     records = [("00000.png", "a cat"), ("00001.png", "a red square left of a blue circle")]
-    tokenizer = recipe.train_tokenizer([text for _, text in records])
+    tokenizer = train_tokenizer([text for _, text in records])
     expected = f"{folder / '00001.png'}: its caption has 10 tokens with [BOS]/[EOS], more than "
     expected += "--max-tokens 9; raise it"
     for _ in range(2):  # the failed preparation left no cache behind that would hide the error
         with pytest.raises(DataError, match="^" + re.escape(expected) + "$"):
-            recipe.prepare_split(folder, records, tokenizer, 8, max_tokens=9)
+            caption_data.prepare_split(folder, records, tokenizer, 8, max_tokens=9)
 
 
 def test_preparation_is_cached_and_rebuilt_when_an_image_or_the_size_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
-    recipe = load_recipe("captioning")
     data = write_dataset(tmp_path / "d", train_images=4, test_images=1)
     folder, records = read_split(data, "train")
-    tokenizer = recipe.train_tokenizer([text for _, text in records])
+    tokenizer = train_tokenizer([text for _, text in records])
     decoded = []
-    read_rgb = recipe.read_rgb
+    read_rgb = caption_data.read_rgb
 
     def counted(path: Path, size: int) -> np.ndarray:
         decoded.append(path.name)
         return read_rgb(path, size)
 
-    monkeypatch.setattr(recipe, "read_rgb", counted)
+    monkeypatch.setattr(caption_data, "read_rgb", counted)
 
     def prepare(size: int = 16) -> tuple[datasets.Dataset, bool, int]:
         decoded.clear()
-        prepared, _, cached = recipe.prepare_split(folder, records, tokenizer, size, max_tokens=24)
+        prepared, _, cached = caption_data.prepare_split(
+            folder, records, tokenizer, size, max_tokens=24
+        )
         return prepared, cached, len(decoded)
 
     first, cached, decodes = prepare()
@@ -285,13 +293,12 @@ def test_preparation_is_cached_and_rebuilt_when_an_image_or_the_size_changes(tmp
 
 
 def test_the_saved_tokenizer_adds_bos_eos_pads_with_pad_and_maps_unseen_words_to_unk(tmp_path):
-    recipe = load_recipe("captioning")
     path = tmp_path / "tokenizer.json"
     captions = ["a red square", "two small green triangles", "a Red circle"]
-    recipe.train_tokenizer(captions).save(str(path))
-    tokenizer = recipe.Tokenizer.from_file(str(path))  # as `caption` loads model/tokenizer.json
+    train_tokenizer(captions).save(str(path))
+    tokenizer = Tokenizer.from_file(str(path))  # as `caption` loads model/tokenizer.json
     vocab = tokenizer.get_vocab()
-    assert [vocab[t] for t in ("[PAD]", "[UNK]", "[BOS]", "[EOS]")] == [recipe.PAD_ID, 1, 2, 3]
+    assert [vocab[t] for t in ("[PAD]", "[UNK]", "[BOS]", "[EOS]")] == [PAD_ID, 1, 2, 3]
     short, long = tokenizer.encode_batch(["A red square", "two small green triangles"])
     assert short.tokens == ["[BOS]", "a", "red", "square", "[EOS]", "[PAD]"]
     assert short.ids[-1] == 0 and short.attention_mask[-1] == 0
@@ -318,3 +325,59 @@ def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
         f"error: {metadata}, line 3: image {data / 'test' / 'lost.png'} not found"
     ]
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_a_config_file_sets_flags_a_flag_overrides_it_and_a_dry_run_writes_nothing(
+    tmp_path, monkeypatch
+):
+    """The --config file's values are used, a flag on the command line wins over the file, and
+    --dry-run prints the plan and that network's parameter count without writing anything (no
+    output folder, no example data)."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "sizes.yaml"
+    config.write_text("image-size: 64\ndim: 96\nheads: 8\ndecoder-depth: 3\nlr: 3.0e-4\n")
+    app = typer.Typer()
+    app.command()(recipe.train)
+    flags = ["--config", str(config), "--dim", "128", "--dry-run", "--processes", "2"]
+    result = CliRunner().invoke(app, flags)
+    assert result.exit_code == 0, result.output
+    sizes = {"image_size": 64, "patch": 8, "dim": 128, "depth": 2, "decoder_depth": 3}
+    network = Captioner(recipe.EXAMPLE_VOCAB, **sizes, heads=8, max_tokens=24)
+    assert f"  parameters: {sum(p.numel() for p in network.parameters())}\n" in result.output
+    assert "global batch 64 = 8 per device x 2 processes x 4 accumulation steps" in result.output
+    assert "(--lr 0.0003 at --ref-bs 64," in result.output
+    assert list(tmp_path.iterdir()) == [config]
+
+
+def test_the_dry_run_counts_the_vocabulary_of_the_data_else_the_examples(captioning_data, tmp_path):
+    """--dry-run builds the network without preparing the data: the vocabulary (the token
+    embedding and the output layer) is counted from --data's training captions as the run's
+    tokenizer counts it, or is the example's without --data."""
+
+    def vocabulary(**values: object) -> int:
+        with torch.device("meta"):
+            return recipe.build_model(*recipe.train.resolve(**values)).embed.num_embeddings
+
+    assert vocabulary() == vocabulary(data=captioning_data) == recipe.EXAMPLE_VOCAB
+    data = write_dataset(tmp_path / "d", train_images=2, test_images=1)
+    rows = [
+        '{"file_name": "00000.png", "text": "a cat"}',
+        '{"file_name": "00001.png", "text": "a dog"}',
+    ]
+    (data / "train" / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    assert vocabulary(data=data) == 3 + 4  # a, cat, dog and [PAD] [UNK] [BOS] [EOS]
+
+
+@pytest.mark.slow
+def test_resuming_with_another_number_of_heads_is_refused_naming_the_flag(tmp_path):
+    """--heads changes no parameter's shape, so only the run identity tells that the checkpoint
+    was trained as another network; the refusal is one line naming the flag and both values."""
+    data = write_dataset(tmp_path / "d", train_images=16, test_images=4)
+    args = ["--data", str(data), "--output-dir", str(tmp_path / "run"), *CAPTIONING_TINY]
+    args += ["--bs", "8", "--max-steps", "2"]
+    run_recipe(args, cwd=tmp_path, script=CAPTIONING)
+    again = [*args, "--heads", "2", "--resume", "latest"]
+    result = run_recipe(again, cwd=tmp_path, script=CAPTIONING, check=False)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "belongs to another run" in line and "--heads 4 in the checkpoint, 2 now" in line, line
