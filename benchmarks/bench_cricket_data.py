@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from accel_common.data.cricket import DEFAULT_MATCH_TYPES, write_dataset
 from accel_common.tools.bench import load_recipe
+from recipes.cricket.data import DEFAULT_MATCH_TYPES
+from recipes.cricket.example import write_dataset
 
 RECIPE = load_recipe("cricket")
 SETTINGS = dict(ratios=(0.8, 0.1), split_seed=42, split_by_date=False, min_matches=2)

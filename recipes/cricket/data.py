@@ -1,0 +1,612 @@
+"""Cricsheet match JSON for the cricket recipe: reading real files, per-delivery features, the
+Arrow cache of both, and the graphs the model reads.
+
+Reading (`parse_match`): one file is one match, `{"meta", "info", "innings"}` as Cricsheet's
+`t20s_male_json.zip` holds it (data versions 1.0.0 and 1.1.0). Each regular innings becomes one
+record of per-delivery columns; super-over innings are kept apart (counted, never trained on);
+a no-result or abandoned match gives no records (its innings were ended by the weather, so runs
+"in the next 5 overs" would be wrong). Wides and no-balls are deliveries but not legal balls;
+a retired-hurt or retired-not-out batter is not a wicket. A chase's target is the innings'
+`target` (1.1.0; revised by DLS) or, where a 1.0.0 file has none, the first innings' total + 1.
+
+Features (`innings_features`): for every delivery, the state before it is bowled (score, wickets,
+legal balls, phase, chase, the three actors' innings so far) and the label: runs scored from
+that delivery on, while fewer than 5 overs of legal balls have been bowled since, cut at the
+innings' end.
+
+`load_innings` parses a folder of match files and computes these features once, cached as Arrow
+with Hugging Face `datasets` (keyed by the files' bytes and the settings), with the split by
+match and the training vocabulary; `Deliveries` holds the cached arrays flat in memory and
+`CricketGraphs` assembles one heterogeneous graph per sample from them. The simulator that
+writes example files in this format is in recipes/cricket/example.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
+    warnings.simplefilter("ignore", FutureWarning)
+    from torch_geometric.data import HeteroData
+
+from accel_common.data.cache import (
+    cache_key,
+    cache_root,
+    cached,
+    files_digest,
+    list_column,
+    save_whole,
+)
+from accel_common.errors import DataError
+
+WINDOW_OVERS = 5
+# bit flags of a delivery's `flags` column
+WIDE, NOBALL, BYE, LEGBYE, WICKET, RETIRED = 1, 2, 4, 8, 16, 32
+NOT_DISMISSED = {"retired hurt", "retired not out"}  # the batter may come back: no wicket
+DEFAULT_MATCH_TYPES = ("T20", "IT20")
+STATE_DIM, ACTOR_DIM, BALL_DIM = 9, 7, 10
+VOCAB_FILE = "vocab.json"
+FORMAT = 1  # bump when the cached columns change
+UNKNOWN = 0  # vocabulary index of names not seen (often enough) in the training split
+
+
+class NotAMatch(Exception):
+    """A .json file that is not a Cricsheet match (skipped with a warning, or --strict)."""
+
+
+def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dict[str, Any]]]:
+    """(status, innings records) of one match file. Status: "ok", "match_type" (not among
+    `match_types`), "no_result" (no result or abandoned). Raises NotAMatch for a file that is
+    not a match, DataError for a match with a malformed delivery."""
+    try:
+        match = json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise NotAMatch(f"not valid JSON ({err})") from None
+    if not isinstance(match, dict) or not isinstance(match.get("info"), dict):
+        raise NotAMatch("no 'info' object, so not a Cricsheet match")
+    info = match["info"]
+    missing = [k for k in ("teams", "match_type", "outcome") if k not in info]
+    if missing or not isinstance(match.get("innings", []), list):
+        raise NotAMatch(f"no {', '.join(missing) or 'innings list'} in it")
+    if info["match_type"] not in match_types:
+        return "match_type", []
+    innings = match.get("innings", [])
+    if info["outcome"].get("result") == "no result" or not innings:
+        return "no_result", []
+    registry = info.get("registry", {}).get("people", {})
+    teams = list(info["teams"])
+    balls_per_over = int(info.get("balls_per_over", 6))
+    max_balls = int(info.get("overs", 20)) * balls_per_over
+    records, first_total = [], None
+    for number, inning in enumerate(innings, start=1):
+        where = f"{path}, innings {number}"
+        record = _read_innings(inning, where, registry)
+        if inning.get("super_over"):
+            record["status"] = "super_over"
+        else:
+            record["status"] = "ok"
+            regular = sum(r["status"] == "ok" for r in records) + 1
+            record["innings"] = regular
+            target = inning.get("target") or {}
+            record["target_runs"] = -1
+            record["max_balls"] = max_balls
+            if regular == 2:
+                record["target_runs"] = int(target.get("runs", (first_total or 0) + 1))
+                if "overs" in target:
+                    record["max_balls"] = round(float(target["overs"]) * balls_per_over)
+            if regular == 1:
+                first_total = sum(record["runs_total"])
+        bowling = [t for t in teams if t != inning.get("team")]
+        record |= {
+            "batting_team": str(inning.get("team", "")),
+            "bowling_team": bowling[0] if bowling else "",
+            "venue": str(info.get("venue", "")),
+            "date": str((info.get("dates") or [""])[0]),
+            "balls_per_over": balls_per_over,
+        }
+        records.append(record)
+    return "ok", records
+
+
+def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[str, Any]:
+    """Per-delivery columns of one innings; players by their Cricsheet registry id when the
+    file has one (two players may share a name), else by name."""
+    columns: dict[str, list] = {
+        k: [] for k in ("batter", "non_striker", "bowler", "runs_batter", "runs_total", "flags")
+    }
+    for over in inning.get("overs", []):
+        for ball, delivery in enumerate(over.get("deliveries", []), start=1):
+            try:
+                runs = delivery["runs"]
+                names = [delivery[k] for k in ("batter", "non_striker", "bowler")]
+                runs_batter, runs_total = int(runs["batter"]), int(runs["total"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise DataError(
+                    f"{where}, over {over.get('over', '?')}, delivery {ball}: malformed "
+                    f"delivery (missing or bad {err}); fix or remove this file"
+                ) from None
+            extras = delivery.get("extras") or {}
+            flags = (
+                WIDE * ("wides" in extras)
+                | NOBALL * ("noballs" in extras)
+                | BYE * ("byes" in extras)
+                | LEGBYE * ("legbyes" in extras)
+            )
+            for wicket in delivery.get("wickets") or []:
+                flags |= RETIRED if wicket.get("kind") in NOT_DISMISSED else WICKET
+            for key, name in zip(("batter", "non_striker", "bowler"), names, strict=True):
+                columns[key].append(registry.get(name, name))
+            columns["runs_batter"].append(runs_batter)
+            columns["runs_total"].append(runs_total)
+            columns["flags"].append(flags)
+    return columns
+
+
+# --------------------------------------------------------------------------- features
+
+
+def _actor_stats(
+    record: dict[str, Any], runs_batter: list[int], runs_total: list[int], flags: list[int]
+) -> np.ndarray:
+    """Before each delivery: the striker's and non-striker's innings so far (runs, balls faced,
+    boundaries) and the bowler's spell so far (legal balls, runs conceded, wickets), (n, 9).
+    Byes and leg byes are not the bowler's runs; a wide is not a ball faced."""
+    batting: dict[str, tuple[int, int, int]] = {}
+    bowling: dict[str, tuple[int, int, int]] = {}
+    none = (0, 0, 0)
+    rows = []
+    for i, (hit, total, flag) in enumerate(zip(runs_batter, runs_total, flags, strict=True)):
+        batter, bowler = record["batter"][i], record["bowler"][i]
+        before = bowling.get(bowler, none)
+        rows.append((*batting.get(batter, none), *batting.get(record["non_striker"][i], none)))
+        rows[-1] += before
+        runs, faced, boundaries = batting.get(batter, none)
+        batting[batter] = (runs + hit, faced + (not flag & WIDE), boundaries + (hit >= 4))
+        conceded = hit if flag & (BYE | LEGBYE) else total
+        bowling[bowler] = (
+            before[0] + (not flag & (WIDE | NOBALL)),
+            before[1] + conceded,
+            before[2] + bool(flag & WICKET),
+        )
+    return np.asarray(rows, dtype=np.float32).reshape(len(flags), 9)
+
+
+def window_runs(runs_total: np.ndarray, legal_before: np.ndarray, window: int) -> np.ndarray:
+    """Runs from each delivery on, over the deliveries bowled before `window` more legal balls
+    are complete (a wide after the last of them belongs to the next window); cut at the
+    innings' end."""
+    cum = np.concatenate([[0], np.cumsum(runs_total)])
+    end = np.searchsorted(legal_before, legal_before + window, side="left")
+    return (cum[end] - cum[: len(runs_total)]).astype(np.float32)
+
+
+def innings_features(record: dict[str, Any], vocab: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Features of every delivery of one innings record (the state before it is bowled), the
+    label, and the vocabulary indices of its players and context."""
+    runs_total = np.asarray(record["runs_total"], dtype=np.int64)
+    runs_batter = np.asarray(record["runs_batter"], dtype=np.int64)
+    flags = np.asarray(record["flags"], dtype=np.int64)
+    n = len(runs_total)
+    per_over = record["balls_per_over"]
+    legal = (flags & (WIDE | NOBALL)) == 0
+    legal_before = np.cumsum(legal) - legal
+    score = np.cumsum(runs_total) - runs_total
+    dismissed = (flags & WICKET) > 0
+    wickets = np.cumsum(dismissed) - dismissed
+    max_balls = max(int(record["max_balls"]), 1)
+    balls_left = np.maximum(max_balls - legal_before, 0)
+    over = legal_before // per_over
+
+    state = np.zeros((n, 4, STATE_DIM), dtype=np.float32)
+    state[:, :, :4] = np.eye(4, dtype=np.float32)  # which state node: score, wickets, phase, chase
+    rate = np.where(legal_before > 0, score * per_over / np.maximum(legal_before, 1), 0.0)
+    last_wicket = np.maximum.accumulate(np.where(dismissed, np.arange(n), -1))
+    since_wicket = np.arange(n) - np.concatenate([[-1], last_wicket[:-1]])
+    state[:, 0, 4:7] = np.stack([score / 100, legal_before / 120, rate / 10], axis=1)
+    state[:, 1, 4:7] = np.stack([wickets / 10, (10 - wickets) / 10, since_wicket / 120], axis=1)
+    phase = np.stack([over < 6, (over >= 6) & (over < 15), over >= 15], axis=1)
+    state[:, 2, 4:7] = phase
+    state[:, 2, 7] = balls_left / 120
+    state[:, 2, 8] = (legal_before % per_over) / per_over
+    if record["target_runs"] > 0:
+        needed = record["target_runs"] - score
+        required = np.where(balls_left > 0, needed * per_over / np.maximum(balls_left, 1), 36.0)
+        state[:, 3, 4] = 1.0
+        state[:, 3, 5] = needed / 200
+        state[:, 3, 6] = np.clip(required, -36, 36) / 20
+        state[:, 3, 7] = record["target_runs"] / 250
+
+    actors = np.zeros((n, 3, ACTOR_DIM), dtype=np.float32)
+    actors[:, :, :3] = np.eye(3, dtype=np.float32)  # striker, non-striker, bowler
+    stats = _actor_stats(record, runs_batter.tolist(), runs_total.tolist(), flags.tolist())
+    striker, partner, bowler = stats[:, 0:3], stats[:, 3:6], stats[:, 6:9]
+    for slot, (runs, balls, boundaries) in enumerate((striker.T, partner.T)):
+        actors[:, slot, 3:] = np.stack(
+            [runs / 100, balls / 60, runs / np.maximum(balls, 1) / 3, boundaries / 10], axis=1
+        )
+    balls, conceded, taken = bowler.T
+    actors[:, 2, 3:] = np.stack(
+        [balls / 24, conceded / 50, taken / 5, conceded / np.maximum(balls, 1)], axis=1
+    )
+
+    ball = np.stack(
+        [
+            runs_batter / 6,
+            runs_total / 7,
+            runs_total == 0,
+            runs_batter == 4,
+            runs_batter == 6,
+            (flags & WIDE) > 0,
+            (flags & NOBALL) > 0,
+            (flags & (BYE | LEGBYE)) > 0,
+            dismissed,
+            legal_before / 120,
+        ],
+        axis=1,
+    ).astype(np.float32)
+    players = vocab["players"]
+    ids = {
+        key: [players.get(name, UNKNOWN) for name in record[key]]
+        for key in ("batter", "non_striker", "bowler")
+    }
+    return {
+        "venue_id": vocab["venues"].get(record["venue"], UNKNOWN),
+        "batting_id": vocab["teams"].get(record["batting_team"], UNKNOWN),
+        "bowling_id": vocab["teams"].get(record["bowling_team"], UNKNOWN),
+        "actor_ids": np.stack([ids["batter"], ids["non_striker"], ids["bowler"]], 1).reshape(-1),
+        "state_x": state.reshape(-1),
+        "actor_x": actors.reshape(-1),
+        "ball_x": ball.reshape(-1),
+        "y": window_runs(runs_total, legal_before, WINDOW_OVERS * per_over),
+        "legal_before": legal_before.astype(np.int32),
+        "wickets": wickets.astype(np.int8),
+        "score": score.astype(np.int32),
+        "sample_pos": np.flatnonzero(legal).astype(np.int32),
+    }
+
+
+# --------------------------------------------------------------------------- Arrow cache
+
+PARSED = datasets.Features(
+    {
+        "file": datasets.Value("string"),
+        "status": datasets.Value("string"),
+        "note": datasets.Value("string"),
+        "date": datasets.Value("string"),
+        "innings": datasets.Value("int8"),
+        "venue": datasets.Value("string"),
+        "batting_team": datasets.Value("string"),
+        "bowling_team": datasets.Value("string"),
+        "target_runs": datasets.Value("int32"),
+        "max_balls": datasets.Value("int32"),
+        "balls_per_over": datasets.Value("int32"),
+        **{k: datasets.Sequence(datasets.Value("string")) for k in ("batter", "non_striker")},
+        "bowler": datasets.Sequence(datasets.Value("string")),
+        **{k: datasets.Sequence(datasets.Value("int16")) for k in ("runs_batter", "runs_total")},
+        "flags": datasets.Sequence(datasets.Value("int8")),
+    }
+)
+EMPTY = {"innings": 0, "venue": "", "batting_team": "", "bowling_team": "", "date": ""}
+EMPTY |= {"target_runs": -1, "max_balls": 0, "balls_per_over": 6}
+EMPTY |= {k: [] for k in ("batter", "non_striker", "bowler", "runs_batter", "runs_total", "flags")}
+FEATURES = datasets.Features(
+    {
+        "file": datasets.Value("string"),
+        "innings": datasets.Value("int8"),
+        "split": datasets.Value("int8"),
+        **{k: datasets.Value("int32") for k in ("venue_id", "batting_id", "bowling_id")},
+        "actor_ids": datasets.Sequence(datasets.Value("int32")),
+        **{k: datasets.Sequence(datasets.Value("float32")) for k in ("state_x", "actor_x")},
+        "ball_x": datasets.Sequence(datasets.Value("float32")),
+        "y": datasets.Sequence(datasets.Value("float32")),
+        **{k: datasets.Sequence(datasets.Value("int32")) for k in ("legal_before", "score")},
+        "wickets": datasets.Sequence(datasets.Value("int8")),
+        "sample_pos": datasets.Sequence(datasets.Value("int32")),
+    }
+)
+SKIPPED = {
+    "not_match": "not Cricsheet matches",
+    "match_type": "of other match types (--match-types)",
+    "no_result": "no result or abandoned",
+}
+
+
+def parse_files(batch: dict[str, list], match_types: list[str]) -> dict[str, list]:
+    """Rows of parsed innings for a batch of files; a file that gives no innings leaves one row
+    saying why (its status), so the summary can count it."""
+    out: dict[str, list] = {k: [] for k in PARSED}
+    for path in batch["path"]:
+        note = ""
+        try:
+            status, records = parse_match(Path(path), tuple(match_types))
+        except NotAMatch as err:
+            status, records, note = "not_match", [], str(err)
+        for record in records or [{"status": status}]:
+            row = EMPTY | record | {"file": Path(path).name, "note": note}
+            for key in PARSED:
+                out[key].append(row[key])
+    return out
+
+
+def add_features(row: dict[str, Any], vocab: dict[str, dict[str, int]]) -> dict[str, Any]:
+    return innings_features(row, vocab)
+
+
+def match_files(folder: Path) -> list[Path]:
+    """The folder's `*.json` files, as the original globs them (README.txt is not one)."""
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise DataError(
+            f"--data {folder}: no .json files; unzip Cricsheet's t20s_male_json.zip into it"
+        )
+    return files
+
+
+def split_matches(
+    files: list[str], dates: list[str], ratios: tuple[float, float], seed: int, by_date: bool
+) -> dict[str, int]:
+    """Match file -> 0 (train), 1 (val) or 2 (test): a permutation fixed by `seed`, or with
+    `by_date` the earliest matches for training and the latest for testing."""
+    if by_date:
+        order = sorted(range(len(files)), key=lambda i: (dates[i], files[i]))
+    else:
+        order = np.random.default_rng(seed).permutation(len(files)).tolist()
+    n_train, n_val = int(ratios[0] * len(files)), int(ratios[1] * len(files))
+    if min(n_train, n_val, len(files) - n_train - n_val) < 1:
+        raise DataError(
+            f"{len(files)} usable matches are too few for the split ratios "
+            f"{ratios[0]} / {ratios[1]}: give more match files"
+        )
+    return {files[i]: int(k >= n_train) + int(k >= n_train + n_val) for k, i in enumerate(order)}
+
+
+def build_vocab(parsed: datasets.Dataset, rows: list[int], min_matches: int) -> dict[str, dict]:
+    """Players, venues and teams seen in at least `min_matches` training matches, numbered from
+    1; everything else (rarer, or only in validation and test) is index 0, the unknown."""
+    seen: dict[str, dict[str, set]] = {k: {} for k in ("players", "venues", "teams")}
+    columns = ["file", "batter", "non_striker", "bowler", "venue", "batting_team", "bowling_team"]
+    for row in parsed.select(rows).select_columns(columns).iter(batch_size=256):
+        for i, file in enumerate(row["file"]):
+            names = set(row["batter"][i]) | set(row["non_striker"][i]) | set(row["bowler"][i])
+            for kind, keys in (
+                ("players", names),
+                ("venues", {row["venue"][i]}),
+                ("teams", {row["batting_team"][i], row["bowling_team"][i]}),
+            ):
+                for key in keys:
+                    seen[kind].setdefault(key, set()).add(file)
+    return {
+        kind: {
+            key: index
+            for index, key in enumerate(
+                sorted(k for k, files in found.items() if len(files) >= min_matches), start=1
+            )
+        }
+        for kind, found in seen.items()
+    }
+
+
+def load_innings(
+    folder: Path,
+    *,
+    match_types: list[str],
+    strict: bool,
+    ratios: tuple[float, float],
+    split_seed: int,
+    split_by_date: bool,
+    min_matches: int,
+    workers: int,
+    cache_dir: Path | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The featurised innings of every usable match in `folder` (column `split`: 0 train, 1
+    val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached)."""
+    start = time.perf_counter()
+    files = match_files(folder)
+    cache_dir = cache_root(cache_dir)
+    parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
+    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches)
+    target = cache_dir / f"cricket-{key}"
+    was_cached = (target / VOCAB_FILE).is_file()
+    num_proc = workers if workers > 1 else None
+    parsed = cached(
+        cache_dir / f"cricket-parse-{parse_key}",
+        lambda: datasets.Dataset.from_dict({"path": [str(f) for f in files]}).map(
+            parse_files,
+            batched=True,
+            batch_size=8,
+            fn_kwargs={"match_types": list(match_types)},
+            remove_columns=["path"],
+            features=PARSED,
+            num_proc=num_proc,
+            new_fingerprint=parse_key,
+            desc=f"reading {folder}",
+        ),
+    )
+    status = parsed.select_columns(["file", "status", "note"]).to_dict()
+    not_matches = [(f, n) for f, s, n in zip(*status.values(), strict=True) if s == "not_match"]
+    if not_matches and strict:
+        file, note = not_matches[0]
+        raise DataError(f"{folder / file}: {note}; remove it, or leave out --strict to skip it")
+    if not was_cached:
+        info = build_features(parsed, status, target, ratios, split_seed, split_by_date,
+                              min_matches, num_proc)  # fmt: skip
+    else:
+        info = json.loads((target / VOCAB_FILE).read_text())
+    rows = datasets.load_from_disk(str(target))
+    info |= {"seconds": time.perf_counter() - start, "cached": was_cached}
+    info["not_matches"] = not_matches
+    return rows, info
+
+
+def build_features(
+    parsed: datasets.Dataset,
+    status: dict[str, list],
+    target: Path,
+    ratios: tuple[float, float],
+    split_seed: int,
+    split_by_date: bool,
+    min_matches: int,
+    num_proc: int | None,
+) -> dict[str, Any]:
+    """Split the usable matches, build the vocabulary from the training split, and compute
+    every innings' features into the cache folder `target` (with the vocabulary and summary)."""
+    ok = [i for i, s in enumerate(status["status"]) if s == "ok"]
+    if not ok:
+        raise DataError(
+            "no usable T20 innings in --data (see the counts above); check --match-types"
+        )
+    dates = dict(zip(parsed["file"], parsed["date"], strict=True))
+    used = sorted({status["file"][i] for i in ok})
+    split = split_matches(used, [dates[f] for f in used], ratios, split_seed, split_by_date)
+    vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
+    usable = parsed.select(ok)
+    usable = usable.add_column("split", [split[status["file"][i]] for i in ok])
+    names = [c for c in PARSED if c not in ("file", "innings")]
+    rows = usable.map(
+        add_features,
+        fn_kwargs={"vocab": vocab},
+        remove_columns=names,
+        features=FEATURES,
+        num_proc=num_proc,
+        new_fingerprint=target.name,
+        desc="features",
+    )
+    per_file = {}
+    for file, state in zip(status["file"], status["status"], strict=True):
+        per_file.setdefault(file, state)
+    summary = {
+        "files": len(per_file),
+        "matches": len(used),
+        "innings": len(ok),
+        "super_over_innings": status["status"].count("super_over"),
+        **{k: list(per_file.values()).count(k) for k in SKIPPED},
+    }
+    info = {"vocab": vocab, "summary": summary}
+    save_whole(rows, target, {VOCAB_FILE: json.dumps(info)})
+    return info
+
+
+# --------------------------------------------------------------------------- samples and graphs
+
+
+class PhaseBaseline:
+    """Mean runs in the next 5 overs by over number and wickets down, from the training split;
+    a cell no training delivery reached falls back to its over's mean, then the overall mean."""
+
+    def __init__(self, table: np.ndarray, mean: float) -> None:
+        self.table, self.mean = np.asarray(table, dtype=np.float32), mean
+
+    @classmethod
+    def fit(cls, over: np.ndarray, wickets: np.ndarray, y: np.ndarray) -> PhaseBaseline:
+        mean = float(y.mean())
+        cells = np.clip(over, 0, 19) * 11 + np.clip(wickets, 0, 10)
+        count = np.bincount(cells, minlength=220)
+        total = np.bincount(cells, weights=y, minlength=220)
+        over_count = count.reshape(20, 11).sum(1)
+        over_mean = np.where(
+            over_count > 0, total.reshape(20, 11).sum(1) / np.maximum(over_count, 1), mean
+        )
+        return cls(
+            np.where(count > 0, total / np.maximum(count, 1), np.repeat(over_mean, 11)), mean
+        )
+
+    def __call__(self, over: np.ndarray, wickets: np.ndarray) -> np.ndarray:
+        return self.table[np.clip(over, 0, 19) * 11 + np.clip(wickets, 0, 10)]
+
+
+class Deliveries:
+    """Every delivery's arrays, flat in memory (one copy out of Arrow, shared by the splits),
+    and every sample (a legal delivery) as its row, position and flat index, with its label,
+    over and wickets down."""
+
+    def __init__(self, rows: datasets.Dataset, balls_per_over: int = 6) -> None:
+        positions, sample_offsets = list_column(rows, "sample_pos")
+        self.y_all, offsets = list_column(rows, "y")
+        self.row = np.repeat(np.arange(len(rows)), np.diff(sample_offsets))
+        self.pos = positions.astype(np.int64)
+        self.flat = offsets[self.row] + self.pos
+        self.y = self.y_all[self.flat]
+        self.over = list_column(rows, "legal_before")[0][self.flat] // balls_per_over
+        self.wickets = list_column(rows, "wickets")[0][self.flat].astype(np.int64)
+        self.split = rows.data.column("split").to_numpy()[self.row]
+        self.rank = np.arange(len(self.row)) - sample_offsets[self.row]  # legal ball number
+        self.state = list_column(rows, "state_x")[0].reshape(-1, 4, STATE_DIM)
+        self.actor = list_column(rows, "actor_x")[0].reshape(-1, 3, ACTOR_DIM)
+        self.actor_ids = list_column(rows, "actor_ids")[0].reshape(-1, 3).astype(np.int64)
+        self.ball = list_column(rows, "ball_x")[0].reshape(-1, BALL_DIM)
+        self.context = np.stack(
+            [rows.data.column(k).to_numpy() for k in ("venue_id", "batting_id", "bowling_id")], 1
+        ).astype(np.int64)
+
+
+# The graph's fixed edges (context nodes: venue, batting team, bowling team; state nodes:
+# score, wickets, phase, chase; actors: striker, non-striker, bowler); the ball chain's edges
+# depend on how many recent balls there are.
+def _full(n_src: int, n_dst: int, self_loops: bool = True) -> torch.Tensor:
+    pairs = [(s, d) for s in range(n_src) for d in range(n_dst) if self_loops or s != d]
+    return torch.tensor(pairs, dtype=torch.long).t().contiguous()
+
+
+FIXED_EDGES = {
+    ("context", "informs", "state"): _full(3, 4),
+    ("context", "informs", "actor"): torch.tensor([[1, 1, 2], [0, 1, 2]]),
+    ("context", "informs", "query"): _full(3, 1),
+    ("state", "relates", "state"): _full(4, 4, self_loops=False),
+    ("actor", "faces", "actor"): _full(3, 3, self_loops=False),
+    ("state", "shapes", "actor"): _full(4, 3),
+    ("actor", "shapes", "state"): _full(3, 4),
+    ("state", "reads", "query"): _full(4, 1),
+    ("actor", "reads", "query"): _full(3, 1),
+}
+CHAIN, BALL_QUERY = ("ball", "precedes", "ball"), ("ball", "reads", "query")
+
+
+class CricketGraphs(Dataset):
+    """One HeteroData per sample of a split, assembled from the flat delivery arrays."""
+
+    def __init__(
+        self, deliveries: Deliveries, keep: np.ndarray, history: int, baseline: PhaseBaseline
+    ) -> None:
+        self.d = deliveries
+        self.index = np.flatnonzero(keep)
+        self.history = history
+        self.baseline = baseline(deliveries.over[keep], deliveries.wickets[keep])
+        self.template = HeteroData()  # the edges every graph has; copied per sample (cheaper)
+        for edge, edge_index in FIXED_EDGES.items():
+            self.template[edge].edge_index = edge_index
+        self.template["context"].num_nodes = 3
+        self.template["query"].num_nodes = 1
+        self.chains = [
+            torch.tensor([list(range(k - 1)), list(range(1, k))], dtype=torch.long).view(2, -1)
+            for k in range(history + 1)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, index: int) -> HeteroData:
+        d, k = self.d, int(self.index[index])
+        flat, balls = int(d.flat[k]), min(int(d.pos[k]), self.history)
+        graph = copy.copy(self.template)
+        graph["context"].id = torch.from_numpy(d.context[d.row[k]])
+        graph["state"].x = torch.from_numpy(d.state[flat])
+        graph["actor"].x = torch.from_numpy(d.actor[flat])
+        graph["actor"].id = torch.from_numpy(d.actor_ids[flat])
+        graph["ball"].x = torch.from_numpy(d.ball[flat - balls : flat])
+        graph[CHAIN].edge_index = self.chains[balls]
+        graph[BALL_QUERY].edge_index = torch.stack(
+            [torch.arange(balls), torch.zeros(balls, dtype=torch.long)]
+        )
+        graph.y = torch.tensor([float(d.y[k])])
+        graph.baseline = torch.tensor([float(self.baseline[index])])
+        return graph
