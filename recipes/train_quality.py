@@ -12,6 +12,8 @@ eta_k near 1 is a careful annotator, 0.5 a coin-flipper, below 0.5 one who answe
     accelerate launch --config_file accelerate_configs/4gpu.yaml recipes/train_quality.py \\
         --data DIR --backbone efficientnet_b3 --image-size 300 --batch-size 32
     python recipes/train_quality.py score --model runs/quality/model --images DIR --out scores.csv
+    python recipes/train_quality.py --config recipes/quality/configs/original.yaml --dry-run \\
+        --processes 8                           # the original's preset: its plan, nothing run
 
 Data: the original project's folder as it is, one folder per annotator (its S3 prefix
 quack_v2_data_user_logs/ synced to disk), images under --image-dir (default DIR/images):
@@ -23,12 +25,19 @@ choice: left | right | draw | tie | equal, any case; img1/img2: paths relative t
 (iter_0/x.png works). A record without them stops the run (--skip-invalid-records drops it, as
 the original does). DIR/annotations/<annotator>.json holding a bare list of records is read too.
 Optional DIR/truth.json (synthetic data): true quality and reliabilities, for extra metrics.
+
+This file is the training recipe: the settings (QualitySettings: every workload flag, `--config` key
+and what --resume checks), set-up, the Crowd-BT loss, loop, evaluation and the `score` command;
+recipes/quality/configs/original.yaml is the original's preset. What only it needs lives in
+recipes/quality/: the reader of the annotation files, the split and the dataset of pairs (data.py),
+the scorer network (model.py), the example set (example.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,79 +45,81 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from accel_common.checkpoint import load_for_inference, read_recipe_export, read_state_dict
+from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.console import say
-from accel_common.data import quality as quality_data
 from accel_common.data.images import image_batches, list_images, read_images
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_options
+from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
+from accel_common.settings import Settings, setting
+from recipes.quality.data import (
+    Pairs,
+    annotation_files,
+    read_comparisons,
+    read_truth,
+    split_comparisons,
+)
+from recipes.quality.example import ANNOTATORS, write_dataset
+from recipes.quality.model import QualityScorer, build_scorer
 
 RECIPE = "quality"
+RELIABILITY = ("full", "global", "fixed")
 
 
-# --------------------------------------------------------------------------- WORKLOAD: data
+@dataclass
+class QualitySettings(Settings):
+    """The workload's settings: each is a flag, a `--config` key and, unless adjustable, part of
+    the run's identity that --resume checks."""
+
+    backbone: str = setting(
+        "test_efficientnet_gn",
+        "timm model name; the default is timm's tiny GroupNorm EfficientNet for CPUs "
+        "(original: efficientnet_b3..b5).",
+    )
+    pretrained: bool = setting(False, "Start from timm's pretrained weights (network).")
+    weights: Path | None = setting(
+        None, "Local backbone weights (.safetensors/.pt) to start from.", adjustable=True
+    )
+    image_size: int = setting(32, "Images are resized to this square size.", min=8)
+    dropout: float = setting(0.2, "Dropout in the MLP head.", min=0.0, max=0.99)
+    reliability: str = setting(
+        "full", "full: eta per annotator in [0, 1]; global / fixed: the original's reduced form."
+    )
+    fixed_eta: float = setting(0.9, "eta for --reliability fixed, in [0.5, 1].", min=0.5, max=1)
+    draw_weight: float = setting(0.1, "Penalty on |s_i - s_j| for a draw.", min=0.0)
+    eta_lr: float = setting(
+        2e-2, "Learning rate of the annotator reliabilities (no weight decay).", min=0.0
+    )
+    held_out: float = setting(
+        0.15, "Share of comparisons held out for evaluation.", min=0.01, max=0.9
+    )
+    image_dir: Path | None = setting(
+        None,
+        "Folder the records' img1/img2 names are relative to (the original's --image-dir, "
+        "e.g. data/iter_0). Default: DATA/images.",
+        adjustable=True,
+    )
+    skip_missing_images: bool = setting(
+        False,
+        "Drop records naming images that are not under --image-dir, as the original did "
+        "silently, instead of stopping with a list of them.",
+    )
+    skip_invalid_records: bool = setting(
+        False,
+        "Drop records with a null, empty or unknown choice or without img1/img2, as the "
+        "original did silently, instead of stopping at the first one.",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.reliability not in RELIABILITY:
+            raise ConfigError(f"--reliability {self.reliability}: choose full, global or fixed")
 
 
-def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
-    """A fixed random split of the comparisons into training and held-out ones."""
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
-    cut = int(len(records) * (1 - held_out))
-    return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
-
-
-class Pairs(Dataset):
-    """Comparisons as (image i, image j, choice, annotator index), images held in memory."""
-
-    def __init__(self, records: list, images: torch.Tensor, index: dict, annotators: list[str]):
-        self.images = images
-        self.rows = [
-            (index[a], index[b], choice, annotators.index(who)) for a, b, choice, who in records
-        ]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, item: int):
-        i, j, choice, annotator = self.rows[item]
-        return self.images[i], self.images[j], torch.tensor(float(choice)), torch.tensor(annotator)
-
-
-# --------------------------------------------------------------------------- WORKLOAD: model
-
-
-class QualityScorer(nn.Module):
-    """timm backbone -> MLP head (F -> 512 -> 256 -> 1) -> score; plus one logit per annotator."""
-
-    def __init__(
-        self, backbone: str, num_annotators: int, dropout: float, pretrained: bool = False
-    ) -> None:
-        super().__init__()
-        # imported here, as scipy below: timm (torchvision behind it) takes ~6 s to import, and
-        # a run with bad data or flags is refused before any model is built
-        import timm
-
-        self.backbone = timm.create_model(backbone, pretrained=pretrained, num_classes=0)
-        self.head = nn.Sequential(
-            nn.Linear(self.backbone.num_features, 512),
-            nn.ReLU(),
-            nn.Dropout(dropout),
-            nn.Linear(512, 256),
-            nn.ReLU(),
-            nn.Dropout(dropout),
-            # no bias: the loss sees only score differences, so a bias would get no gradient but
-            # float noise, which Adam turns into a random walk
-            nn.Linear(256, 1, bias=False),
-        )
-        # start every annotator at eta = 0.8: "mostly right" breaks the symmetry between a
-        # reliable crowd and a reversed one with reversed scores
-        self.annotator_logits = nn.Parameter(torch.full((num_annotators,), math.log(4.0)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(images)).squeeze(1)
+# --------------------------------------------------------------------------- WORKLOAD: loss
 
 
 def reliabilities(model: QualityScorer, mode: str, fixed_eta: float) -> torch.Tensor:
@@ -201,7 +212,19 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-@train_options(
+def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
+    """The network for --dry-run: one reliability per annotator folder of --data (or file of
+    the flat layout), else per annotator of the example."""
+    annotators = len(ANNOTATORS)
+    if args.data is not None and args.data.is_dir():
+        with contextlib.suppress(DataError):  # the run itself names what is wrong with it
+            annotators = len(annotation_files(args.data)[1])
+    return QualityScorer(settings.backbone, annotators, settings.dropout)
+
+
+@train_command(
+    QualitySettings,
+    build_model=build_model,
     default_per_device_bs=32,
     lr=1e-4,
     ref_bs=32,
@@ -212,67 +235,23 @@ def evaluate(
     output_dir=Path("runs/quality"),
     aliases={"per_device_bs": ["--batch-size"]},
 )
-def train(
-    args: TrainArgs,
-    backbone: str = typer.Option(
-        "test_efficientnet_gn",
-        help="timm model name; the default is timm's tiny GroupNorm EfficientNet for CPUs "
-        "(original: efficientnet_b3..b5).",
-    ),
-    pretrained: bool = typer.Option(False, help="Start from timm's pretrained weights (network)."),
-    weights: Path = typer.Option(
-        None, help="Local backbone weights (.safetensors/.pt) to start from."
-    ),
-    image_size: int = typer.Option(32, min=8, help="Images are resized to this square size."),
-    dropout: float = typer.Option(0.2, min=0.0, max=0.99, help="Dropout in the MLP head."),
-    reliability: str = typer.Option(
-        "full",
-        help="full: eta per annotator in [0, 1]; global / fixed: the original's reduced form.",
-    ),
-    fixed_eta: float = typer.Option(0.9, help="eta for --reliability fixed, in [0.5, 1]."),
-    draw_weight: float = typer.Option(0.1, min=0.0, help="Penalty on |s_i - s_j| for a draw."),
-    eta_lr: float = typer.Option(
-        2e-2, min=0.0, help="Learning rate of the annotator reliabilities (no weight decay)."
-    ),
-    held_out: float = typer.Option(
-        0.15, min=0.01, max=0.9, help="Share of comparisons held out for evaluation."
-    ),
-    image_dir: Path = typer.Option(
-        None,
-        help="Folder the records' img1/img2 names are relative to (the original's --image-dir, "
-        "e.g. data/iter_0). Default: DATA/images.",
-    ),
-    skip_missing_images: bool = typer.Option(
-        False,
-        help="Drop records naming images that are not under --image-dir, as the original did "
-        "silently, instead of stopping with a list of them.",
-    ),
-    skip_invalid_records: bool = typer.Option(
-        False,
-        help="Drop records with a null, empty or unknown choice or without img1/img2, as the "
-        "original did silently, instead of stopping at the first one.",
-    ),
-) -> dict[str, float]:
+def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
     """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example).
 
     --data takes the original project's folder as it is: DATA/<annotator>/comparison_data.json
     (its quack_v2_data_user_logs/, synced from S3), or DATA/annotations/<annotator>.json; the
     images are under --image-dir. See docs/recipes/quality.md."""
-    if reliability not in ("full", "global", "fixed"):
-        raise ConfigError(f"--reliability {reliability}: choose full, global or fixed")
-    if not 0.5 <= fixed_eta <= 1:
-        raise ConfigError(f"--fixed-eta must be in [0.5, 1], got {fixed_eta}")
     accelerator, plan = args.make_accelerator()
-    data_dir = resolve_data(accelerator, RECIPE, args.data, quality_data.write_dataset)
-    image_dir = image_dir or data_dir / "images"
-    data = quality_data.read_comparisons(
+    data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
+    image_dir = settings.image_dir or data_dir / "images"
+    data = read_comparisons(
         data_dir,
         image_dir,
-        skip_missing_images=skip_missing_images,
-        skip_invalid_records=skip_invalid_records,
+        skip_missing_images=settings.skip_missing_images,
+        skip_invalid_records=settings.skip_invalid_records,
     )
     records, annotators, names = data.records, data.annotators, data.images
-    truth = quality_data.read_truth(data_dir / "truth.json", names, annotators)
+    truth = read_truth(data_dir / "truth.json", names, annotators)
     draws = sum(r[2] == 0 for r in records)
     found = f"{len(records)} comparisons ({draws} draws) by {len(annotators)} annotators"
     say(accelerator, f"read {found} of {len(names)} images in {image_dir} ({data.layout})")
@@ -286,17 +265,20 @@ def train(
     if truth is None:
         skipped = "the rank correlations with true quality and eta_corr are skipped"
         say(accelerator, f"no truth.json in {data_dir} (real data): {skipped}")
-    images = read_images(image_dir, names, image_size)
+    images = read_images(image_dir, names, settings.image_size)
     index = {name: i for i, name in enumerate(names)}
-    train_records, held_records = split_comparisons(records, held_out, args.seed)
+    train_records, held_records = split_comparisons(records, settings.held_out, args.seed)
 
-    model = build_scorer(backbone, len(annotators), dropout, pretrained, weights)
+    model = build_scorer(
+        settings.backbone, len(annotators), settings.dropout, settings.pretrained, settings.weights
+    )
     network = [p for name, p in model.named_parameters() if name != "annotator_logits"]
+    eta_scale = settings.eta_lr / args.lr  # --eta-lr, following --lr's scaling and schedule
     optimizer = torch.optim.AdamW(
         [
             {"params": network, "weight_decay": args.weight_decay},
             # a few scalars that must travel far (0.8 -> 0.1 for a reversed annotator)
-            {"params": [model.annotator_logits], "weight_decay": 0.0, "lr_scale": eta_lr / args.lr},
+            {"params": [model.annotator_logits], "weight_decay": 0.0, "lr_scale": eta_scale},
         ],
         lr=args.lr,
     )
@@ -307,16 +289,18 @@ def train(
         model, optimizer, train_loader, image_loader
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
-    config = {"backbone": backbone, "image_size": image_size, "dropout": dropout}
-    config |= {"reliability": reliability, "annotators": annotators}
-    loop = args.make_loop(accelerator, plan, train_loader, schedule, recipe=RECIPE, config=config)
+    derived = {"annotators": annotators}  # the score command builds the model from these too
+    loop = args.make_loop(
+        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
+    )
+    mode, fixed_eta = settings.reliability, settings.fixed_eta
 
     def score() -> dict[str, float]:
         scores = image_scores(accelerator, model, image_loader)
         metrics = evaluate(scores, train_records, held_records, index, truth, names)
-        eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta).detach()
+        eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta).detach()
         metrics |= {f"eta_{who}": eta[k].item() for k, who in enumerate(annotators)}
-        if truth is not None and reliability == "full":
+        if truth is not None and mode == "full":
             true_eta = torch.tensor([truth["reliability"][who] for who in annotators])
             metrics["eta_corr"] = torch.corrcoef(torch.stack([eta.cpu(), true_eta]))[0, 1].item()
         return metrics
@@ -325,8 +309,8 @@ def train(
         for image_i, image_j, choice, annotator in loop.batches():
             with accelerator.accumulate(model):
                 s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
-                eta = reliabilities(accelerator.unwrap_model(model), reliability, fixed_eta)
-                loss = crowd_bt_loss(s_i - s_j, choice, eta[annotator], draw_weight)
+                eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta)
+                loss = crowd_bt_loss(s_i - s_j, choice, eta[annotator], settings.draw_weight)
                 accelerator.backward(loss)
                 loop.clip_gradients(model)
                 optimizer.step()
@@ -334,27 +318,6 @@ def train(
             loop.record(loss)
         loop.end_epoch(score())
     return loop.finish(model)
-
-
-def build_scorer(
-    backbone: str, num_annotators: int, dropout: float, pretrained: bool, weights: Path | None
-) -> QualityScorer:
-    """The scorer, with a clear error when pretrained weights cannot be had."""
-    try:
-        model = QualityScorer(backbone, num_annotators, dropout, pretrained=pretrained)
-    except RuntimeError as err:  # timm: unknown model
-        raise ConfigError(f"--backbone {backbone}: {err}") from None
-    except OSError as err:  # no network for the hub download
-        raise ConfigError(
-            f"--pretrained: could not fetch {backbone}'s weights ({err}); without network access "
-            "pass --weights FILE with a local copy, or drop --pretrained"
-        ) from None
-    if weights is not None:
-        state = read_state_dict(weights)
-        _, unexpected = model.backbone.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ConfigError(f"--weights {weights}: keys that {backbone} lacks: {unexpected[:5]}")
-    return model
 
 
 # --------------------------------------------------------------------------- single-device use
@@ -369,11 +332,12 @@ def score_folder(
     """Rate every image in a folder with an exported model, on one device, best first."""
     require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
-    model = QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
+    settings = QualitySettings.from_config(config)
+    model = QualityScorer(settings.backbone, len(config["annotators"]), settings.dropout)
     device = load_for_inference(model_dir, model)
     scores: dict[str, float] = {}
     with torch.no_grad():
-        for names, pixels in image_batches(images, list_images(images), config["image_size"], bs):
+        for names, pixels in image_batches(images, list_images(images), settings.image_size, bs):
             scores.update(zip(names, model(pixels.to(device)).tolist(), strict=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
