@@ -1,7 +1,7 @@
 """How fast the crystal recipe builds its graphs cold, and how fast a cached start is.
 
 The structures are the recipe's own example (EMT-labelled crystals of 1 to 64 atoms, written by
-`accel_common.data.crystal.write_dataset`): 10,000 of them, and their first 1,000 as a second
+`recipes.crystal.example.write_dataset`): 10,000 of them, and their first 1,000 as a second
 file. For each size and worker count, `load_graphs` runs as the recipe calls it at its default
 settings: cold into a fresh cache folder (reading the extxyz file, looking up the targets,
 building the graphs, writing the Arrow cache), then cached (reading the cache back, plus the first
@@ -25,8 +25,8 @@ import ase.io
 import datasets
 import matscipy
 
-from accel_common.data.crystal import write_dataset
 from accel_common.tools.bench import load_recipe, write_section
+from recipes.crystal.example import write_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION_START = "<!-- graph-building benchmark: written by benchmarks/bench_graphs.py -->"

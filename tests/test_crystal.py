@@ -6,35 +6,50 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import warnings
 from pathlib import Path
 
 import ase.io
 import datasets
 import numpy as np
 import pytest
+import torch
+import typer
+from accelerate.state import AcceleratorState
 from ase import Atoms
 from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.neighborlist import neighbor_list
+from typer.testing import CliRunner
 
-from accel_common.data.crystal import (
+import recipes.train_crystal as recipe
+from accel_common.checkpoint import inference_device, write_export
+from accel_common.errors import CheckpointError, ConfigError, DataError
+from accel_common.runtime import train_in_python
+from recipes.crystal import api
+from recipes.crystal.data import (
+    CrystalGraphs,
     knn_graph,
-    random_crystal,
+    load_graphs,
     read_frames,
+    split_indices,
     target_value,
 )
-from accel_common.errors import ConfigError, DataError
-from accel_common.tools.bench import load_recipe
+from recipes.crystal.example import random_crystal
+from recipes.crystal.model import Comformer
 from tests.conftest import (
     CRYSTAL,
     CRYSTAL_TINY,
+    REPO,
     exported_params,
     max_relative_difference,
     metrics_log,
     run_recipe,
 )
 
-recipe = load_recipe("crystal")
+with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
+    warnings.simplefilter("ignore", FutureWarning)
+    from torch_geometric.loader.dataloader import Collater
 
 
 def labelled_frames() -> list[Atoms]:
@@ -152,19 +167,19 @@ def test_a_singular_cell_is_refused_even_with_non_periodic(tmp_path):
             DataError, match=r"flat.extxyz, frame 1: periodic \(pbc \[True, True, True\]\) but "
             r"its cell is singular \(volume 0\); give the frame three independent lattice"
         ):  # fmt: skip
-            recipe.load_graphs(path, non_periodic=non_periodic, cache=False, **options)
+            load_graphs(path, non_periodic=non_periodic, cache=False, **options)
 
 
 def test_split_is_fixed_by_its_seed_disjoint_covering_and_80_10_10():
-    parts = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    parts = split_indices(50, (0.8, 0.1, 0.1), seed=123)
     assert [len(p) for p in parts] == [40, 5, 5]
     assert sorted(np.concatenate(parts).tolist()) == list(range(50))  # disjoint and covering
-    again = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=123)
+    again = split_indices(50, (0.8, 0.1, 0.1), seed=123)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
-    other = recipe.split_indices(50, (0.8, 0.1, 0.1), seed=124)
+    other = split_indices(50, (0.8, 0.1, 0.1), seed=124)
     assert not np.array_equal(parts[2], other[2])
     with pytest.raises(DataError, match=r"5 structures are too few for the split ratios"):
-        recipe.split_indices(5, (0.8, 0.1, 0.1), seed=0)
+        split_indices(5, (0.8, 0.1, 0.1), seed=0)
 
 
 def test_two_graph_workers_build_exactly_the_graphs_of_one(tmp_path):
@@ -175,8 +190,8 @@ def test_two_graph_workers_build_exactly_the_graphs_of_one(tmp_path):
     ase.io.write(path, frames, format="extxyz")
     options = dict(index=":", target="y", per_atom=False, cutoff=5.0, max_neighbors=6)
     options |= dict(non_periodic=False, cache=False)
-    one, _, _ = recipe.load_graphs(path, workers=1, **options)
-    two, _, _ = recipe.load_graphs(path, workers=2, **options)
+    one, _, _ = load_graphs(path, workers=1, **options)
+    two, _, _ = load_graphs(path, workers=2, **options)
     assert one.column_names == two.column_names and len(one) == len(two) == 6
     assert one.to_dict() == two.to_dict()  # same rows, same order, same values
 
@@ -188,8 +203,8 @@ def test_a_structure_without_a_lattice_is_refused_unless_asked_for(tmp_path):
     ase.io.write(path, [molecule], format="extxyz")
     options = dict(index=":", target="y", per_atom=False, cutoff=4.0, max_neighbors=4, workers=1)
     with pytest.raises(DataError, match=r"frame 0: not a periodic crystal .*--non-periodic"):
-        recipe.load_graphs(path, non_periodic=False, **options)
-    graphs, _, _ = recipe.load_graphs(path, non_periodic=True, **options)
+        load_graphs(path, non_periodic=False, **options)
+    graphs, _, _ = load_graphs(path, non_periodic=True, **options)
     assert len(graphs[0]["source"]) == len(graphs[0]["target"]) == 2
 
 
@@ -214,14 +229,14 @@ def test_graphs_are_built_once_and_rebuilt_when_the_file_or_a_setting_changes(
     path = tmp_path / "t.extxyz"
     ase.io.write(path, labelled_frames(), format="extxyz")
     options = dict(index=":", target="energy", per_atom=True, non_periodic=False, workers=1)
-    graphs, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    graphs, _, cached = load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
     assert not cached and graphs["y"] == pytest.approx([-2.0, -2.1])
-    again, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    again, _, cached = load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
     assert cached and again["source"] == graphs["source"]
-    _, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=4, **options)
+    _, _, cached = load_graphs(path, cutoff=5.0, max_neighbors=4, **options)
     assert not cached  # another setting
     ase.io.write(path, labelled_frames()[:1], format="extxyz")
-    changed, _, cached = recipe.load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
+    changed, _, cached = load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
     assert not cached and len(changed) == 1  # another file
 
 
@@ -262,6 +277,32 @@ def test_predict_writes_one_row_per_frame(trained, crystal_data, tmp_path):
     errors = [abs(float(r["prediction"]) - float(r["energy_per_atom"])) for r in rows]
     spread = np.std([float(r["energy_per_atom"]) for r in rows])
     assert np.mean(errors) < spread
+
+
+def test_predict_writes_every_digit_of_the_models_output(tmp_path):
+    """The CSV holds each prediction and target as the exact float (the float32 output read back
+    as a float), not 6 significant digits: -163.0903 eV/atom was written as -163.09."""
+    torch.manual_seed(0)
+    model = Comformer(width=8, layers=1, heads=1, rbf_bins=8)
+    config = dict(width=8, layers=1, heads=1, rbf_bins=8, cutoff=4.0, max_neighbors=6)
+    config |= dict(target="volume", per_atom=False, mean=-163.0903, std=0.5, non_periodic=False)
+    write_export(model.state_dict(), tmp_path / "model", {"recipe": "crystal", "config": config})
+    path, out = tmp_path / "v.extxyz", tmp_path / "p.csv"
+    write_volumes(path, 5)
+    recipe.predict(model_dir=tmp_path / "model", data=path, out=out, index=":")
+
+    options = dict(index=":", target="volume", per_atom=False, cutoff=4.0, max_neighbors=6)
+    graphs = CrystalGraphs(
+        load_graphs(path, non_periodic=False, workers=1, cache=False, **options)[0]
+    )
+    batch = Collater(graphs)([graphs[i] for i in range(len(graphs))])
+    device = inference_device()
+    with torch.no_grad():
+        expected = (model.to(device).eval()(batch.to(device)) * 0.5 - 163.0903).tolist()
+    rows = list(csv.DictReader(out.open()))
+    assert [float(r["prediction"]) for r in rows] == expected  # exact, not approx
+    assert any(float(f"{p:.6g}") != p for p in expected)  # more digits than 6 can hold
+    assert [float(r["volume"]) for r in rows] == [a.info["volume"] for a in read_frames(path, ":")]
 
 
 @pytest.mark.slow
@@ -306,7 +347,7 @@ def test_the_originals_call_forms_train_in_process(tmp_path, monkeypatch):
     tiny = ("--width", "16", "--layers", "2", "--rbf-bins", "16")
     strucs = [bulk("Cu", "fcc", a=3.5 + 0.05 * i) for i in range(10)]
     labels = [s.get_volume() for s in strucs]
-    metrics, model_dir = recipe.train_from_list(
+    metrics, model_dir = api.train_from_list(
         strucs=strucs,
         labels=labels,
         learning_rate=0.001,
@@ -336,7 +377,7 @@ def test_the_originals_call_forms_train_in_process(tmp_path, monkeypatch):
 
     path = tmp_path / "volumes.extxyz"
     write_volumes(path, 12)
-    metrics, model_dir = recipe.train_from_extxyz(
+    metrics, model_dir = api.train_from_extxyz(
         extxyz_file=str(path),
         target_property="volume",
         index=slice(None, 10),  # the original takes an int, a slice or ASE's string
@@ -350,18 +391,38 @@ def test_the_originals_call_forms_train_in_process(tmp_path, monkeypatch):
 
 
 def test_the_originals_arguments_without_a_counterpart_are_refused_by_name(monkeypatch):
-    call = functools.partial(recipe.train_from_extxyz, "never_read.extxyz", "energy")
+    call = functools.partial(api.train_from_extxyz, "never_read.extxyz", "energy")
     with pytest.raises(ConfigError, match=r"^model_name='eComformer': not available here"):
         call(model_name="eComformer")
     with pytest.raises(ConfigError, match=r"^use_angle=True: not available here .* leave use_"):
         call(use_angle=True)
     with pytest.raises(ConfigError, match=r"^n_early_stopping: not an argument this recipe kn"):
         call(n_early_stopping=50)
-    monkeypatch.setattr(recipe.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^--train-ratio, --val-ratio and --test-ratio must"):
+        call(train_ratio=0.5)  # checked here, before anything is read or launched
+    monkeypatch.setattr(api.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match=r"^distributed=True: this machine has 0 GPU\(s\); pass"):
         call(distributed=True)
     with pytest.raises(ConfigError, match=r"^3 structures but 2 labels"):
-        recipe.train_from_list(strucs=[bulk("Cu")] * 3, labels=[1.0, 2.0])
+        api.train_from_list(strucs=[bulk("Cu")] * 3, labels=[1.0, 2.0])
+
+
+def test_a_training_split_smaller_than_the_global_batch_says_so_and_what_to_pass(
+    tmp_path, monkeypatch
+):
+    """22 training structures and batch_size=64: no optimizer step can be taken. The error names
+    the split's size, the global batch and the way out, not an empty schedule."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 28)  # 22 / 2 / 4 at 0.8 / 0.1 / 0.1
+    with pytest.raises(
+        ConfigError, match=r"^the training split \(22 structures\) is smaller than the global "
+        r"batch \(64\).* a smaller --bs \(batch_size= from Python\), at most 22, or more data"
+    ):  # fmt: skip
+        api.train_from_extxyz(
+            path, "volume", batch_size=64, n_epochs=1, cache_graphs=False,
+            extra_args=("--width", "16", "--layers", "1", "--rbf-bins", "16"),
+        )  # fmt: skip
 
 
 @pytest.mark.dist
@@ -378,10 +439,79 @@ def test_the_python_api_trains_in_process_and_on_two_processes(tmp_path, monkeyp
     ]
     labels = [s.get_volume() for s in structures]
     options = dict(n_epochs=2, batch_size=8, extra_args=tuple(CRYSTAL_TINY))
-    metrics, model_dir = recipe.train_from_list(structures, labels, output_dir="one", **options)
+    metrics, model_dir = api.train_from_list(structures, labels, output_dir="one", **options)
     assert metrics["test_n"] == 8 and (model_dir / "model.safetensors").is_file()
-    metrics, model_dir = recipe.train_from_list(
+    metrics, model_dir = api.train_from_list(
         structures, labels, output_dir="two", num_processes=2, **options
     )
     assert metrics_log(Path("two"))[0]["config"]["num_processes"] == 2
     assert metrics["test_n"] == 8 and model_dir == Path("two") / "model"
+
+
+# --------------------------------------------------------------------------- settings
+
+ORIGINAL = REPO / "recipes" / "crystal" / "configs" / "original.yaml"
+
+
+def invoke(args: list[str]):
+    app = typer.Typer()
+    app.command()(recipe.train)
+    return CliRunner().invoke(app, args)
+
+
+def dry_run(args: list[str]) -> dict[str, str]:
+    """The training command's `--dry-run` in-process: its `name: value` lines."""
+    result = invoke([*args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("dry run: nothing is trained or written")
+    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+
+
+def parameters(width: int, layers: int, heads: int = 1, rbf_bins: int = 256) -> str:
+    return str(sum(p.numel() for p in Comformer(width, layers, heads, rbf_bins).parameters()))
+
+
+def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = dry_run(["--config", str(ORIGINAL)])
+    # width 256, 4 convolutions, 1 head, 256 RBF centres: the original's sizes, not yet its
+    # layers (4,966,497 parameters there)
+    assert plan["parameters"] == parameters(256, 4) == "3793153"
+    assert plan["batch"] == "global batch 64 = 64 per device x 1 processes x 1 accumulation steps"
+    assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
+    assert plan["learning rate"].endswith("then onecycle")
+    assert plan["epochs"] == "500" and plan["mixed precision"] == "no"
+    assert list(tmp_path.iterdir()) == []  # no output folder, no example data
+
+
+def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("width: 16\nlayers: 2\nrbf-bins: 16\nlr: 2.0e-3\n")
+    plan = dry_run(["--config", str(config)])
+    assert plan["parameters"] == parameters(16, 2, rbf_bins=16)
+    assert plan["learning rate"].startswith("peak 0.002 (--lr 0.002 at --ref-bs 64")
+    plan = dry_run(["--config", str(config), "--width", "24", "--processes", "4"])
+    assert plan["parameters"] == parameters(24, 2, rbf_bins=16)
+    assert plan["batch"] == "global batch 64 = 16 per device x 4 processes x 1 accumulation steps"
+    # the recipe's own checks hold for a file as for a flag
+    config.write_text("train-ratio: 0.5\n")
+    result = invoke(["--config", str(config), "--dry-run"])
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == "--train-ratio, --val-ratio and --test-ratio must sum to 1"
+
+
+def test_resuming_with_another_split_seed_is_refused_naming_it(tmp_path):
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 30)
+    out = tmp_path / "run"
+    argv = ["--data", str(path), "--target", "volume", "--no-cache-graphs", *CRYSTAL_TINY]
+    argv += ["--bs", "8", "--output-dir", str(out)]
+    try:
+        train_in_python(recipe.train, [*argv, "--max-steps", "2"], out, script=CRYSTAL)
+        again = [*argv, "--max-steps", "3", "--resume", "latest", "--split-seed", "7"]
+        with pytest.raises(CheckpointError, match=r"belongs to another run") as refused:
+            train_in_python(recipe.train, again, out, script=CRYSTAL)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert len(str(refused.value).splitlines()) == 1
+    assert "--split-seed 123 in the checkpoint, 7 now" in str(refused.value)

@@ -12,20 +12,32 @@ all periodic images. The neighbour search is matscipy's (C, the same "ijdD" inte
 `neighbor_list`, about 20x faster on 64-atom cells: 0.8 ms against 16 ms); the k-nearest
 selection is one lexsort for the whole structure, no Python loop over atoms.
 
-`write_dataset` builds varied crystals with ASE (fcc, bcc, hcp and simple-cubic lattices of Al,
-Cu, Ag, Au, Ni, Pd, Pt, random alloying, strain and rattling, 1 to 64 atoms) and labels them
-with ASE's EMT calculator: a real, learnable physical target with no download.
+`load_graphs` builds every selected frame's graph once with `datasets`' `map` and caches the
+result as Arrow, keyed by the file's bytes and the graph settings; `CrystalGraphs` turns the
+cached rows into PyG graphs per item, and `split_indices` cuts the fixed train/val/test split.
+The generator of the example structures is in recipes/crystal/example.py.
 """
 
 from __future__ import annotations
 
+import math
+import time
+import warnings
 from pathlib import Path
+from typing import Any
 
+import datasets
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
+with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
+    warnings.simplefilter("ignore", FutureWarning)
+    from torch_geometric.data import Data
+
+from accel_common.data.cache import cache_key, cache_root, files_digest, save_whole
 from accel_common.errors import ConfigError, DataError
 
-ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt")
 TARGET_HELP = "info key, calculator result (energy, forces, stress, ...) or per-atom array"
 
 
@@ -155,54 +167,118 @@ def reduced_lattice(atoms: object) -> np.ndarray:
     return reduced.astype(np.float32)
 
 
-# --------------------------------------------------------------------------- synthetic data
+# --------------------------------------------------------------------------- graph cache, dataset
 
 
-def random_crystal(rng: np.random.Generator) -> object:
-    """A strained, rattled, possibly alloyed crystal of 1 to 64 atoms."""
-    from ase.build import bulk
-
-    lattice = str(rng.choice(["fcc", "bcc", "hcp", "sc"]))
-    host = str(rng.choice(ELEMENTS))
-    a = {"fcc": 4.0, "bcc": 3.2, "hcp": 2.8, "sc": 2.6}[lattice] * rng.uniform(0.92, 1.08)
-    atoms = bulk(host, lattice, a=a, c=a * 1.63 if lattice == "hcp" else None)
-    for _ in range(20):  # a random supercell of at most 64 atoms
-        reps = rng.integers(1, 4, size=3)
-        if len(atoms) * reps.prod() <= 64:
-            atoms = atoms.repeat(tuple(int(r) for r in reps))
-            break
-    if rng.uniform() < 0.6:  # alloy: replace a random share of the atoms
-        share = rng.uniform(0.1, 0.5)
-        other = str(rng.choice(ELEMENTS))
-        swap = rng.uniform(size=len(atoms)) < share
-        atoms.symbols[swap] = other
-    strain = np.eye(3) + rng.normal(scale=0.02, size=(3, 3))
-    atoms.set_cell(atoms.cell.array @ strain, scale_atoms=True)
-    atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
-    return atoms
+def structures_table(frames: list, targets: list[float] | None) -> datasets.Dataset:
+    """The frames as plain columns, so `map` workers get rows, not pickled ASE objects."""
+    columns: dict[str, list] = {
+        "numbers": [a.numbers.tolist() for a in frames],
+        "positions": [a.positions.tolist() for a in frames],
+        "cell": [a.cell.array.reshape(-1).tolist() for a in frames],
+        "pbc": [a.pbc.tolist() for a in frames],
+    }
+    if targets is not None:
+        columns["y"] = targets
+    return datasets.Dataset.from_dict(columns)
 
 
-def write_dataset(out_dir: Path, *, structures: int = 1000, seed: int = 0) -> Path:
-    """Write `structures.extxyz`: EMT-labelled crystals with energy, forces and stress as
-    calculator results and `energy_per_atom` in each frame's info."""
-    import ase.io
-    from ase.calculators.emt import EMT
-    from ase.calculators.singlepoint import SinglePointCalculator
+def build_graph(row: dict[str, Any], cutoff: float, max_neighbors: int) -> dict[str, Any]:
+    from ase import Atoms
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    frames = []
-    for _ in range(structures):
-        atoms = random_crystal(rng)
-        atoms.calc = EMT()
-        energy, forces, stress = (
-            atoms.get_potential_energy(),
-            atoms.get_forces(),
-            atoms.get_stress(),
+    atoms = Atoms(
+        numbers=row["numbers"],
+        positions=row["positions"],
+        cell=np.reshape(row["cell"], (3, 3)),
+        pbc=row["pbc"],
+    )
+    graph = knn_graph(atoms, cutoff, max_neighbors)
+    if graph["distance"].size == 0:
+        raise DataError(
+            f"structure {row['index']}: no neighbours within --cutoff {cutoff} angstrom"
         )
-        atoms.info["energy_per_atom"] = energy / len(atoms)
-        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
-        frames.append(atoms)
-    ase.io.write(out_dir / "structures.extxyz", frames, format="extxyz")
-    return out_dir
+    # flat columns: Arrow hands flat lists to NumPy without copying, nested ones row by row
+    return {
+        "source": graph["edge_index"][0].astype(np.int32),
+        "target": graph["edge_index"][1].astype(np.int32),
+        "distance": graph["distance"],
+        "vector": graph["vector"].reshape(-1),
+        "lattice": reduced_lattice(atoms).reshape(-1),
+    }
+
+
+def load_graphs(
+    path: Path,
+    *,
+    index: str,
+    target: str | None,
+    per_atom: bool,
+    cutoff: float,
+    max_neighbors: int,
+    non_periodic: bool,
+    workers: int,
+    cache: bool = True,
+    cache_dir: Path | None = None,
+) -> tuple[datasets.Dataset, float, bool]:
+    """Graphs of every selected frame, from the cache (under `cache_dir`, else the `datasets`
+    cache) when the file's bytes and the settings are unchanged. Returns (graphs, seconds,
+    whether they came from the cache)."""
+    start = time.perf_counter()
+    settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 3]  # 3: format
+    key = cache_key(files_digest([path]) if path.is_file() else "", settings)
+    folder = cache_root(cache_dir) / f"crystal-{key}"
+    if cache and folder.is_dir():
+        return datasets.load_from_disk(str(folder)), time.perf_counter() - start, True
+    frames = read_frames(path, index)
+    targets = None
+    if target is not None:
+        targets = [
+            target_value(a, target, f"{path}, frame {i}", per_atom) for i, a in enumerate(frames)
+        ]
+    for i, atoms in enumerate(frames):
+        check_periodic(atoms, f"{path}, frame {i}", non_periodic)
+    table = structures_table(frames, targets).add_column("index", list(range(len(frames))))
+    graphs = table.map(
+        build_graph,
+        fn_kwargs={"cutoff": cutoff, "max_neighbors": max_neighbors},
+        remove_columns=["positions", "pbc"],
+        num_proc=workers if workers > 1 else None,
+        new_fingerprint=key,
+        desc=f"graphs of {path.name}",
+    )
+    if not cache:
+        return graphs, time.perf_counter() - start, False
+    save_whole(graphs, folder)
+    return datasets.load_from_disk(str(folder)), time.perf_counter() - start, False
+
+
+class CrystalGraphs(Dataset):
+    """PyG graphs over the cached Arrow rows (memory-mapped; converted per item)."""
+
+    def __init__(self, rows: datasets.Dataset) -> None:
+        self.rows = rows.with_format("numpy")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Data:
+        row = self.rows[int(index)]
+        return Data(
+            z=torch.as_tensor(row["numbers"], dtype=torch.long),
+            edge_index=torch.as_tensor(np.stack([row["source"], row["target"]]), dtype=torch.long),
+            distance=torch.as_tensor(row["distance"], dtype=torch.float32),
+            vector=torch.as_tensor(row["vector"], dtype=torch.float32).view(-1, 3),
+            lattice=torch.as_tensor(row["lattice"], dtype=torch.float32).view(1, 3, 3),
+            y=torch.tensor([float(row["y"]) if "y" in row else math.nan]),
+            num_nodes=len(row["numbers"]),
+        )
+
+
+def split_indices(n: int, ratios: tuple[float, float, float], seed: int) -> list[np.ndarray]:
+    """Train/val/test indices by ratio, from a permutation fixed by `seed`."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_train, n_val = int(ratios[0] * n), int(ratios[1] * n)
+    parts = [order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]]
+    if any(len(p) == 0 for p in parts):
+        raise DataError(f"{n} structures are too few for the split ratios {ratios}")
+    return parts
