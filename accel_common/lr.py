@@ -63,10 +63,12 @@ def describe_lr(
     decay: Decay,
 ) -> str:
     """The banner's LR line: the peak, where it came from, and the schedule's shape."""
+    warmup = f"{warmup_steps} warmup steps"
+    if Decay(decay) is Decay.onecycle and warmup_steps == 0:
+        warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
     return (
         f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
-        f"scaling to global batch {global_batch_size}); {warmup_steps} warmup steps, then "
-        f"{Decay(decay).value}"
+        f"scaling to global batch {global_batch_size}); {warmup}, then {Decay(decay).value}"
     )
 
 

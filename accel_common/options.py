@@ -329,9 +329,10 @@ def settings_parameters(
     for f in fields(cls):
         meta = f.metadata
         numeric = base_type(hints[f.name]) in (int, float)
+        switch = base_type(hints[f.name]) is bool  # on/off: --x and --no-x
         option = typer.Option(
             defaults.get(f.name, f.default),
-            flag(f.name),
+            f"{flag(f.name)}/--no-{flag(f.name)[2:]}" if switch else flag(f.name),
             *meta.get("aliases", ()),
             *aliases.get(f.name, []),
             help=helps.get(f.name, meta["help"]),
@@ -426,7 +427,9 @@ def train_command(
 
     def resolve(values: dict[str, Any], recipe: str) -> tuple[TrainArgs, Any]:
         values = dict(values)
-        shared = {name: values.pop(name, defaults.get(name)) for name in shared_names}
+        # None: this recipe's default (a Python API passes every argument, unset ones as None)
+        shared = {name: values.pop(name, None) for name in shared_names}
+        shared = {k: defaults.get(k) if v is None else v for k, v in shared.items()}
         shared = {k: v for k, v in shared.items() if v is not None}
         if own_class is not None:
             own_defaults = {k: v for k, v in defaults.items() if k not in shared_names}

@@ -1,6 +1,6 @@
-"""Readers of each workload's original format, and generators of small example sets in it.
+"""Readers every recipe with files of that kind uses: numeric CSV and path lists (files), image
+folders (images), and Arrow caches built once on the main process (cache).
 
-A recipe imports its own workload's module (`accel_common.data.template`, ...); this package
-imports none of them, so a recipe loads only what its workload needs (PIL only for images).
-`accel-recipes make-data` finds the generators through `accel_common.tools.example_data`.
+A workload's own format (Cricsheet JSON, extxyz, SkullBreak point clouds, ...) is read by its
+recipe's folder, `recipes/X/data.py`; its example generator is `recipes/X/example.py`.
 """
