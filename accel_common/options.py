@@ -388,7 +388,7 @@ CLI_PARAMETERS = [
 
 
 def train_command(
-    settings: type[Settings] | None = None,
+    settings: type[Settings],
     *,
     default_bs: int | None = None,
     default_per_device_bs: int | None = None,
@@ -408,11 +408,11 @@ def train_command(
     values would give on the command line, for a recipe's Python API.
     """
     aliases = aliases or {}
-    own_class = settings
     shared_names = [f.name for f in fields(TrainArgs)]
-    unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(
-        [f.name for f in fields(own_class)] if own_class else []
-    ) | ({"bs", "per_device_bs"} & set(defaults))
+    own_names = [f.name for f in fields(settings)]
+    unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(own_names) | (
+        {"bs", "per_device_bs"} & set(defaults)
+    )
     if unknown:
         raise TypeError(f"train_command got unknown defaults: {sorted(unknown)}")
     if (default_bs is None) == (default_per_device_bs is None):
@@ -431,17 +431,13 @@ def train_command(
         shared = {name: values.pop(name, None) for name in shared_names}
         shared = {k: defaults.get(k) if v is None else v for k, v in shared.items()}
         shared = {k: v for k, v in shared.items() if v is not None}
-        if own_class is not None:
-            own_defaults = {k: v for k, v in defaults.items() if k not in shared_names}
-            own = own_class.from_config({**own_defaults, **values})
-            own.validate()
-            own_config = own.as_config()
-        else:
-            own, own_config = values, values
+        own_defaults = {k: v for k, v in defaults.items() if k not in shared_names}
+        own = settings.from_config({**own_defaults, **values})
+        own.validate()
         cap = shared.get("max_per_device_bs")
         if cap is not None:
             shared["max_per_device_bs"] = parse_max_per_device_bs(
-                str(cap), recipe, memory_flags(own_config, shared.get("mixed_precision"))
+                str(cap), recipe, memory_flags(own.as_config(), shared.get("mixed_precision"))
             )
         args = TrainArgs.from_config(shared)
         if args.bs is None and args.per_device_bs is None:
@@ -451,13 +447,7 @@ def train_command(
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
-        if own_class is not None:
-            own_params = settings_parameters(own_class, defaults, aliases, {})
-        else:  # a command whose own flags are Typer parameters of its signature
-            own_params = [
-                p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                for p in list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
-            ]
+        own_params = settings_parameters(settings, defaults, aliases, {})
         shared_params = settings_parameters(TrainArgs, defaults, aliases, helps)
         params = own_params + shared_params + CLI_PARAMETERS
         annotations = {p.name: p.annotation for p in params}
@@ -477,10 +467,10 @@ def train_command(
             if dry_run:
                 print_dry_run(recipe, args, own, build_model, processes)
                 return None
-            return fn(args, own) if own_class is not None else fn(args, **own)
+            return fn(args, own)
 
         command.default_batch = (default_bs, default_per_device_bs)  # type: ignore[attr-defined]
-        command.settings_class = own_class  # type: ignore[attr-defined]
+        command.settings_class = settings  # type: ignore[attr-defined]
         command.resolve = lambda **values: resolve(values, recipe)  # type: ignore[attr-defined]
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = annotations
@@ -488,10 +478,6 @@ def train_command(
         return command
 
     return decorate
-
-
-# the decorator's name before recipes declared their settings in a class
-train_options = train_command
 
 
 def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]) -> dict[str, Any]:
