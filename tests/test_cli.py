@@ -180,3 +180,41 @@ def test_plan_without_flags_prints_a_guide_table():
     assert [cell.strip() for cell in eight_gpus.split("│")[1:-1]] == [
         "8", "256", "32", "1", "0.008", "0.00283",
     ]  # fmt: skip
+
+
+def test_convert_from_an_original_finds_the_recipe_that_converts_it(tmp_path, monkeypatch):
+    """`convert --from NAME` uses the recipes/X/convert.py that declares ORIGINAL = "NAME", found
+    by where it lives; `--to NAME` writes the original's format; an unknown name lists the known."""
+    import recipes
+    from accel_common.tools import originals
+
+    folder = tmp_path / "recipes"
+    (folder / "zzorig").mkdir(parents=True)
+    (folder / "zzorig" / "__init__.py").write_text("")
+    (folder / "zzorig" / "convert.py").write_text(
+        'import torch\nORIGINAL = "zz-original"\n\n'
+        "def import_checkpoint(source):\n"
+        "    state = torch.load(source, weights_only=True)['model_state']\n"
+        "    return state, {'width': 2}\n\n"
+        "def export_checkpoint(model_dir, target):\n"
+        "    (target).write_text('original format')\n"
+        "    return target\n"
+    )
+    monkeypatch.setattr(originals, "RECIPES", folder)
+    monkeypatch.setattr(recipes, "__path__", [*recipes.__path__, str(folder)])
+    assert originals.originals() == {"zz-original": "zzorig"}
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save({"model_state": {"w": torch.ones(2)}}, checkpoint)
+    out = tmp_path / "export"
+    result = runner.invoke(app, ["convert", str(checkpoint), str(out), "--from", "zz-original"])
+    assert result.exit_code == 0, result.output
+    meta = read_export_metadata(out)
+    assert meta["recipe"] == "zzorig" and meta["config"] == {"width": 2}
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], torch.ones(2))
+    again = runner.invoke(app, ["convert", str(checkpoint), str(out), "--from", "zz-original"])
+    assert again.exit_code == 2 and "pass --force" in again.output
+    back = tmp_path / "back.pt"
+    result = runner.invoke(app, ["convert", str(out), str(back), "--to", "zz-original"])
+    assert result.exit_code == 0 and back.read_text() == "original format"
+    unknown = runner.invoke(app, ["convert", str(checkpoint), str(out), "--from", "nope"])
+    assert "no recipe converts it; choose one of: zz-original" in unknown.output

@@ -10,13 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
-from accel_common.checkpoint import convert_checkpoint
+from accel_common.checkpoint import convert_checkpoint, export_paths, write_export
 from accel_common.errors import RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench import run_benchmark
 from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
 from accel_common.tools.example_data import make_data, workloads
 from accel_common.tools.launch import run as run_launch
+from accel_common.tools.originals import converter
 
 app = typer.Typer(
     add_completion=False,
@@ -177,6 +178,18 @@ def convert(
     force: bool = typer.Option(
         False, help="Overwrite an existing export (OUTPUT/model.safetensors or NAME.safetensors)."
     ),
+    from_original: str | None = typer.Option(
+        None,
+        "--from",
+        help="SOURCE is a checkpoint saved by this original project's code (e.g. pcdiff): import "
+        "it, strictly, as the export of the recipe that trains its network.",
+    ),
+    to_original: str | None = typer.Option(
+        None,
+        "--to",
+        help="SOURCE is this project's export folder: write OUTPUT as a checkpoint the original "
+        "project's code loads.",
+    ),
 ) -> None:
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
@@ -188,7 +201,30 @@ def convert(
     (`pytorch_model_fsdp_0/`) into full tensors, and never unpickles arbitrary objects. DeepSpeed
     ZeRO checkpoints are merged first with DeepSpeed's zero_to_fp32.py (see docs/sharded.md).
     """
-    path = convert_checkpoint(source, output, recipe=recipe, model_index=model_index, force=force)
+    if from_original and to_original:
+        raise RecipeError("give --from or --to, not both")
+    if to_original:
+        _, module = converter(to_original)
+        if output.exists() and not force:
+            raise RecipeError(f"{output} exists; pass --force to overwrite it")
+        console.print(f"wrote {module.export_checkpoint(source, output)}")
+        return
+    if from_original:
+        recipe, module = converter(from_original)
+        state, config = module.import_checkpoint(source)
+        target, _ = export_paths(output)
+        if target.exists() and not force:
+            raise RecipeError(f"{target} exists; pass --force to overwrite it")
+        metadata = {
+            "recipe": recipe,
+            "config": config,
+            "converted_from": f"{from_original}: {source}",
+        }
+        path = write_export(state, output, metadata)
+    else:
+        path = convert_checkpoint(
+            source, output, recipe=recipe, model_index=model_index, force=force
+        )
     console.print(f"wrote {path} and {path.with_suffix('.json')}")
 
 

@@ -1,0 +1,48 @@
+"""`accel-recipes convert --from ORIGINAL` / `--to ORIGINAL`: checkpoints of the original projects.
+
+Each recipe with an original owns its conversion, beside its model: `recipes/X/convert.py` names
+the original (`ORIGINAL = "pcdiff"`) and defines
+
+    import_checkpoint(source: Path) -> tuple[dict[str, Tensor], dict[str, Any]]
+        the original's checkpoint as this recipe's state dict (loads strictly into its model) and
+        the export's config (the settings, and derived values, its commands rebuild the model from)
+    export_checkpoint(model_dir: Path, target: Path) -> Path
+        this recipe's export as a file the original's code loads
+
+Found by where it lives, like make-data's generators: adding an original edits no registry, and
+listing the names reads the files without importing any recipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from types import ModuleType
+
+from accel_common.errors import RecipeError
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+DECLARATION = re.compile(r'^ORIGINAL = "([\w.-]+)"', re.MULTILINE)
+
+
+def originals() -> dict[str, str]:
+    """{original's name: recipe} for every recipes/X/convert.py."""
+    found = {}
+    for path in sorted(RECIPES.glob("*/convert.py")):
+        match = DECLARATION.search(path.read_text())
+        if match:
+            found[match.group(1)] = path.parent.name
+    return found
+
+
+def converter(original: str) -> tuple[str, ModuleType]:
+    """The recipe that trains `original`'s network, and its convert module."""
+    known = originals()
+    if original not in known:
+        choices = ", ".join(known) or "none yet"
+        raise RecipeError(
+            f"--from/--to {original}: no recipe converts it; choose one of: {choices}"
+        )
+    recipe = known[original]
+    return recipe, importlib.import_module(f"recipes.{recipe}.convert")
