@@ -190,7 +190,8 @@ def train(args: TrainArgs, settings: MLPSettings) -> dict[str, float]:
         model, optimizer, train_loader, test_loader
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
-    derived = {"target_mean": train_mean}  # WORKLOAD: what evaluate_export needs besides settings
+    # WORKLOAD: what evaluate_export needs besides the settings
+    derived = {"target_mean": train_mean, "columns": train_set.columns}
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
     )
@@ -217,7 +218,8 @@ def evaluate_export(
     """Load an exported model on one device and score a CSV split against the mean baseline."""
     config = read_recipe_export(model_dir, RECIPE)
     settings = MLPSettings.from_config(config)
-    dataset = load_split(data, split)
+    # the training split's columns, so that a CSV with others is named, not a size mismatch
+    dataset = load_split(data, split, columns=config.get("columns"))  # None: an older export
     model = MLPRegressor(dataset.tensors[0].shape[1], settings.hidden, settings.depth)
     load_exported(model_dir, model)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())

@@ -235,6 +235,32 @@ def test_a_bad_metadata_csv_row_names_the_file_and_line(tmp_path, row, expected)
         read_split(folder.parent, "train")
 
 
+@pytest.mark.parametrize(
+    "others", [["metadata.csv"], ["captions.json"], ["metadata.csv", "captions.json"]]
+)
+def test_a_folder_with_two_caption_files_names_both_and_reads_neither(tmp_path, others):
+    """metadata.jsonl beside metadata.csv (or captions.json): one would be read and the other
+    silently ignored, so the folder is refused until one is kept."""
+    data = write_dataset(tmp_path / "d", train_images=3, test_images=1)
+    folder = data / "train"
+    if "metadata.csv" in others:
+        (folder / "metadata.csv").write_text("file_name,text\n00000.png,a cat\n")
+    if "captions.json" in others:
+        (folder / "captions.json").write_text(json.dumps({"00000.png": "a cat"}))
+    named = {
+        1: f"both metadata.jsonl and {others[0]}",
+        2: "metadata.jsonl, metadata.csv and captions.json",
+    }[len(others)]
+    other = "other" if len(others) == 1 else "others"
+    expected = (
+        f"{folder}: holds {named}, and only one of them would be read; keep the one with the "
+        f"captions to train on and move the {other} out of the folder"
+    )
+    with pytest.raises(DataError) as raised:
+        read_split(data, "train")
+    assert str(raised.value) == expected
+
+
 def test_an_empty_txt_caption_names_the_txt_file(tmp_path):
     folder = _without_metadata(tmp_path)
     for name, text in (("00000", "a cat"), ("00001", "\n"), ("00002", "a dog")):

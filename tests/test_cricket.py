@@ -189,6 +189,22 @@ def test_a_malformed_delivery_names_file_innings_over_and_delivery(tmp_path):
         cricket.parse_match(path, T20)
 
 
+@pytest.mark.parametrize("key", ["batter", "extras", "total"])
+def test_negative_runs_name_the_match_innings_over_and_delivery(tmp_path, key):
+    """Negative runs would train as a score going down: refused, naming where they are."""
+    match = a_match()
+    runs = match["innings"][0]["overs"][3]["deliveries"][1]["runs"]
+    runs[key] = -runs["total"] - 1
+    path = write(tmp_path / "negative.json", match)
+    expected = (
+        f"{path}, innings 1, over 3, delivery 2: runs.{key} is {runs[key]}; runs cannot be "
+        "negative: correct the delivery or remove this file"
+    )
+    with pytest.raises(DataError) as raised:
+        cricket.parse_match(path, T20)
+    assert str(raised.value) == expected
+
+
 @pytest.fixture
 def folder(tmp_path, monkeypatch) -> Path:
     """12 matches with the oddities of a real download: a README, a .json that is no match, an
@@ -239,6 +255,17 @@ def test_the_cli_with_strict_stops_at_a_non_match_with_one_line_naming_it(folder
     ], result.stderr
     assert "Traceback" not in result.stderr
     assert "optimizer steps" not in result.stdout and not (out / "model").exists()
+
+
+def test_a_match_with_negative_runs_stops_the_reading_of_the_folder(folder):
+    """Through the reader the training command uses (not skipped as a non-match)."""
+    path = sorted(folder.glob("1*.json"))[0]
+    match = json.loads(path.read_text())
+    match["innings"][1]["overs"][0]["deliveries"][0]["runs"]["batter"] = -4
+    write(path, match)
+    expected = f"{path}, innings 2, over 0, delivery 1: runs.batter is -4; runs cannot be negative"
+    with pytest.raises(DataError, match="^" + re.escape(expected)):
+        cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
 
 
 def test_cache_is_reused_until_a_file_or_a_setting_changes(folder):

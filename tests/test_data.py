@@ -31,6 +31,39 @@ def test_csv_with_a_non_finite_number_names_file_line_and_column(bad, tmp_path):
         read_numeric_csv(csv, required=["y"])
 
 
+def test_a_csv_of_random_bytes_is_refused_naming_the_file_and_line(tmp_path):
+    csv = tmp_path / "train.csv"
+    csv.write_bytes(b"x0,x1,y\n1,2,3\n" + np.random.default_rng(0).bytes(4000))
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    message = str(error.value)
+    assert message.startswith(f"{csv}, line 3: byte 0x")
+    assert message.endswith("is not UTF-8 text; save the file as UTF-8 comma-separated values")
+    assert "\n" not in message
+    csv.write_bytes(b"x0,x1,y\n1,2,3\n" + b"7" * 200_000)  # UTF-8, but no line ends
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    limit = "field larger than field limit (131072)"
+    assert str(error.value) == f"{csv}, line 3: not CSV text ({limit})"
+
+
+@pytest.mark.parametrize(("delimiter", "named"), [(";", "';'"), ("\t", "tab"), ("|", "'|'")])
+def test_a_csv_with_another_delimiter_names_the_delimiter_found(tmp_path, delimiter, named):
+    csv = tmp_path / "train.csv"
+    csv.write_text(f"x0{delimiter}x1{delimiter}y\n1,5{delimiter}2{delimiter}3\n")
+    header = f"x0{delimiter}x1{delimiter}y"
+    expected = (
+        f"{csv}: the header {header!r} looks {named}-separated; write comma-separated values "
+        "(a header such as x0,x1,y)"
+    )
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    assert str(error.value) == expected
+    csv.write_text("x0,x1,target\n1,2,3\n")  # comma-separated, but without y: as before
+    with pytest.raises(DataError, match=r"train\.csv: header lacks column\(s\) y$"):
+        read_numeric_csv(csv, required=["y"])
+
+
 def test_point_cloud_with_nan_or_not_npy_at_all_is_refused(tmp_path):
     load_points = load(POINTCLOUD).load_points
     points = np.zeros((10, 3), dtype=np.float32)

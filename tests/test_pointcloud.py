@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
 import recipes.train_pointcloud as recipe
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, DataError
 from recipes.pointcloud.data import DEFECTS, SPACING_FILE, SkullBreak
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset
@@ -198,8 +199,39 @@ def break_not_npy(folder):
     return "train.csv, line 2: 'complete_skull/001.txt' is not a .npy or .nrrd path", ""
 
 
+def set_spacing(folder, value):
+    """Give one implant a voxel spacing of `value` in the folder's voxel_spacing.json."""
+    path = folder / SPACING_FILE
+    document = json.loads(path.read_text())
+    document["spacing"]["implant/random_1/002_surf.npy"] = value
+    path.write_text(json.dumps(document))
+    return f"{path}: entry 'implant/random_1/002_surf.npy' is {json.dumps(value)}; ", SPACING_HELP
+
+
+SPACING_HELP = (
+    "a voxel spacing is 3 positive numbers (mm per coordinate unit along x, y, z), or null "
+    "where it is unknown: correct it, or write the file again with prepare"
+)
+
+
+def break_zero_spacing(folder):
+    return set_spacing(folder, [1.0, 0.0, 1.0])
+
+
+def break_text_spacing(folder):
+    return set_spacing(folder, ["0.4 mm", 0.4, 0.5])
+
+
 @pytest.mark.parametrize(
-    "breaker", [break_missing_implant, break_shape, break_empty_split, break_not_npy]
+    "breaker",
+    [
+        break_missing_implant,
+        break_shape,
+        break_empty_split,
+        break_not_npy,
+        break_zero_spacing,
+        break_text_spacing,
+    ],
 )
 @pytest.mark.slow
 def test_bad_data_gives_one_clear_error(breaker, broken_data, tmp_path):
@@ -277,7 +309,8 @@ def test_distances_in_mm_follow_the_recorded_voxel_spacing(tmp_path):
         loader = DataLoader(test, batch_size=5)
         diffusion = Diffusion(sizes["timesteps"])
         pool = recipe.implant_pool(train)
-        return recipe.evaluate(single_process, model, loader, diffusion, 2, 0, pool, test.unit)
+        noise = torch.Generator().manual_seed(0)
+        return recipe.evaluate(single_process, model, loader, diffusion, 2, noise, pool, test.unit)
 
     at_1mm = metrics()
     recorded = json.loads((root / SPACING_FILE).read_text())["spacing"]
@@ -287,6 +320,28 @@ def test_distances_in_mm_follow_the_recorded_voxel_spacing(tmp_path):
     assert len(in_mm) == 4 and at_2mm.keys() == at_1mm.keys() and at_2mm["n"] == at_1mm["n"] == 5
     for name in in_mm:
         assert at_1mm[name] > 0 and at_2mm[name] == pytest.approx(2 * at_1mm[name], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value", [[0, 1, 1], [-0.4, 0.4, 0.5], [1, "a", 1], [1, 1], "1 mm", [1, True, 1], [1, 1e400, 1]]
+)
+def test_a_voxel_spacing_that_is_not_three_positive_numbers_is_refused(tmp_path, value):
+    """Zero or negative spacings would still report distances "in mm" (0 mm, or negative),
+    others a traceback: each is refused naming the file and the entry, read or merged."""
+    root = write_dataset(tmp_path, train_skulls=2, test_skulls=1, points_per_skull=400)
+    before = (root / SPACING_FILE).read_text()
+    message = "^" + re.escape(f"{root / SPACING_FILE}: entry 'implant/bilateral/000_surf.npy' is ")
+    with pytest.raises(DataError, match=message + ".*" + re.escape(SPACING_HELP) + "$"):
+        merge_spacing(root, {"implant/bilateral/000_surf.npy": value})
+    assert (root / SPACING_FILE).read_text() == before  # nothing written
+    document = json.loads(before)
+    document["spacing"]["implant/bilateral/000_surf.npy"] = None  # unknown: distances in units
+    (root / SPACING_FILE).write_text(json.dumps(document))
+    assert SkullBreak(root, "train", num_points=64, num_nn=16, timesteps=10, seed=0).unit == "units"
+    document["spacing"]["implant/bilateral/000_surf.npy"] = value
+    (root / SPACING_FILE).write_text(json.dumps(document))
+    with pytest.raises(DataError, match=message + ".*" + re.escape(SPACING_HELP) + "$"):
+        SkullBreak(root, "train", num_points=64, num_nn=16, timesteps=10, seed=0)
 
 
 ORIGINAL = REPO / "recipes" / "pointcloud" / "configs" / "original.yaml"

@@ -141,6 +141,36 @@ def test_a_bad_volume_is_named_and_nothing_is_half_written(raw, tmp_path, damage
     assert not list(target.glob("*.partial"))
 
 
+@pytest.mark.parametrize(
+    ("header", "spacing"),
+    [
+        ({"space directions": np.diag((0.4, 0.0, 0.5))}, "[0.4, 0.0, 0.5]"),
+        ({"spacings": [0.4, -0.4, 0.5]}, "[0.4, -0.4, 0.5]"),
+        ({"spacings": [0.4, float("nan"), 0.5]}, "[0.4, nan, 0.5]"),
+    ],
+)
+def test_a_volume_whose_header_gives_no_positive_spacing_is_named(raw, tmp_path, header, spacing):
+    """A zero, negative or NaN spacing would be recorded and give distances "in mm" that are
+    not: the volume is named, with the spacing its header gives, and nothing is written for it."""
+    broken = tmp_path / "SkullBreak"
+    shutil.copytree(raw, broken)
+    volume = broken / "implant" / "parietotemporal" / "001.nrrd"
+    data, _ = nrrd.read(str(volume))
+    nrrd.write(str(volume), data, header)
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as raised:
+        prepare_skullbreak(broken, out, points=50, workers=1, overwrite=False)
+    assert str(raised.value) == (
+        f"{volume}: its header gives a voxel spacing of {spacing} mm; each must be a positive "
+        "number: correct the header (space directions or spacings) and prepare again "
+        "(nothing was written for it)"
+    )
+    assert not (out / "implant" / "parietotemporal" / "001_surf.npy").exists()
+    recorded = json.loads((out / "voxel_spacing.json").read_text())["spacing"]
+    assert "implant/parietotemporal/001_surf.npy" not in recorded
+    assert all(value == pytest.approx(SPACING) for value in recorded.values())
+
+
 def test_a_missing_volume_is_named_before_any_work(raw, tmp_path):
     broken = tmp_path / "SkullBreak"
     shutil.copytree(raw, broken)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,20 +86,43 @@ def bad_data(tmp_path, template_data) -> Path:
     return folder
 
 
+@pytest.fixture
+def odd_data(tmp_path, template_data) -> Path:
+    """Folders whose train.csv is not comma-separated text: random bytes, `;`-separated."""
+    for name in ("binary", "semicolon"):
+        shutil.copytree(template_data, tmp_path / name)
+    (tmp_path / "binary" / "train.csv").write_bytes(bytes(range(255, -1, -1)) * 8)
+    train = tmp_path / "semicolon" / "train.csv"
+    train.write_text(train.read_text().replace(",", ";"))
+    return tmp_path
+
+
 BAD_INPUTS = {
     "unsplittable batch": (["--bs", "30", "--grad-accum", "4"], "--bs 30 cannot be split"),
     "lr not a number": (["--lr", "nan"], "--lr nan: give a positive number"),
     "both batch flags": (["--bs", "32", "--per-device-bs", "16"], "both were given"),
     "missing data": (["--data", "/nonexistent/data"], "--data /nonexistent/data: no such folder"),
     "malformed csv": (["--data", "{bad_data}"], "train.csv, line 5: column x2 is 'oops'"),
+    "random bytes": (
+        ["--data", "{odd}/binary"],
+        "binary/train.csv, line 1: byte 0xff at offset 0 is not UTF-8 text; save the file as "
+        "UTF-8 comma-separated values",
+    ),
+    "semicolons": (
+        ["--data", "{odd}/semicolon"],
+        "semicolon/train.csv: the header 'x0;x1;x2;x3;x4;x5;x6;x7;y' looks ';'-separated; write "
+        "comma-separated values (a header such as x0,x1,x2,x3,x4,x5,x6,x7,y)",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_data, tmp_path):
+def test_bad_input_gives_one_clear_error(
+    case, finished_run, template_data, bad_data, odd_data, tmp_path
+):
     flags, message = BAD_INPUTS[case]
-    flags = [f.format(bad_data=bad_data) for f in flags]
+    flags = [f.format(bad_data=bad_data, odd=odd_data) for f in flags]
     if "--data" not in flags:
         flags = ["--data", str(template_data), *flags]
     before = digest(finished_run)
@@ -106,6 +130,26 @@ def test_bad_input_gives_one_clear_error(case, finished_run, template_data, bad_
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    assert digest(finished_run) == before
+
+
+@pytest.mark.slow
+def test_evaluate_on_a_csv_with_other_columns_names_both(finished_run, template_data, tmp_path):
+    """A test split missing two of the model's feature columns: the columns are named, not the
+    tensor sizes of a model that does not fit."""
+    folder = tmp_path / "fewer"
+    folder.mkdir()
+    rows = [line.split(",") for line in (template_data / "test.csv").read_text().splitlines()]
+    (folder / "test.csv").write_text("".join(",".join(r[:6] + r[-1:]) + "\n" for r in rows))
+    before = digest(finished_run)
+    args = ["evaluate", "--model", str(finished_run / "model"), "--data", str(folder)]
+    result = run_recipe(args, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {folder / 'test.csv'}: columns x0, x1, x2, x3, x4, x5, y differ from the "
+        "training split's x0, x1, x2, x3, x4, x5, x6, x7, y; every split needs the same columns "
+        "in the same order"
+    ]
     assert digest(finished_run) == before
 
 
@@ -158,7 +202,9 @@ def test_help_explains_the_batch_conventions():
         [sys.executable, str(TEMPLATE), "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0
-    text = " ".join(result.stdout.split())
+    # rich wraps the help in a box, with each flag's range ([x>=1]) in a column of its own
+    text = re.sub(r"\[[^\]]*x[<>]=?[^\]]*\]", " ", result.stdout.replace("│", " "))
+    text = " ".join(text.split())
     for flag in ("--bs", "--per-device-bs", "--ref-bs", "--lr-scaling", "--resume", "--hidden"):
         assert flag in text
     assert "GLOBAL batch" in text and "EACH device" in text

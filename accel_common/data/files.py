@@ -19,19 +19,54 @@ def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[s
     """(line number, row) pairs of a CSV with a header; errors name the file, line and problem."""
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    with path.open(newline="") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's BOM is skipped
         reader = csv.DictReader(handle)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
-        if missing:
-            raise DataError(f"{path}: header lacks column(s) {', '.join(missing)}")
-        rows = []
-        for row in reader:
-            if None in row or any(row[c] in (None, "") for c in required):
-                raise DataError(f"{path}, line {reader.line_num}: wrong number of fields")
-            rows.append((reader.line_num, row))
+        try:
+            missing = [c for c in required if c not in (reader.fieldnames or [])]
+            if missing:
+                raise DataError(_lacking(path, reader.fieldnames or [], missing))
+            rows = []
+            for row in reader:
+                if None in row or any(row[c] in (None, "") for c in required):
+                    raise DataError(f"{path}, line {reader.line_num}: wrong number of fields")
+                rows.append((reader.line_num, row))
+        except UnicodeDecodeError:
+            raise DataError(_not_utf8(path)) from None
+        except csv.Error as err:  # a NUL byte, as in a file cut short by a crash
+            raise DataError(f"{path}, line {reader.line_num + 1}: not CSV text ({err})") from None
     if not rows:
         raise DataError(f"{path}: no data rows (an empty split cannot be trained or scored)")
     return rows
+
+
+# delimiters a CSV is often written with instead of commas (Excel in many locales: ';')
+OTHER_DELIMITERS = {";": "';'", "\t": "tab", "|": "'|'"}
+
+
+def _lacking(path: Path, header: Sequence[str], missing: Sequence[str]) -> str:
+    """Why the header lacks `missing`: another delimiter than ',' if the header looks so."""
+    counts = {d: header[0].count(d) for d in OTHER_DELIMITERS} if len(header) == 1 else {}
+    delimiter = max(counts, key=counts.__getitem__, default=None)
+    if delimiter is None or not counts[delimiter]:
+        return f"{path}: header lacks column(s) {', '.join(missing)}"
+    return (
+        f"{path}: the header {header[0]!r} looks {OTHER_DELIMITERS[delimiter]}-separated; write "
+        f"comma-separated values (a header such as {','.join(header[0].split(delimiter))})"
+    )
+
+
+def _not_utf8(path: Path) -> str:
+    """Where a file that is not UTF-8 text (binary, UTF-16, Latin-1) first stops being it."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        return (
+            f"{path}, line {line}: byte 0x{data[err.start]:02x} at offset {err.start} is not "
+            "UTF-8 text; save the file as UTF-8 comma-separated values"
+        )
+    return f"{path}: not UTF-8 text; save the file as UTF-8 comma-separated values"
 
 
 def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]]:

@@ -100,17 +100,22 @@ def _sidecars(folder: Path) -> list[tuple[str, str]]:
 
 
 def read_folder(folder: Path) -> list[tuple[str, str]]:
-    """(image path relative to `folder`, caption) for every image, in whichever layout it uses."""
-    for reader, name in (
-        (_imagefolder_jsonl, "metadata.jsonl"),
-        (_imagefolder_csv, "metadata.csv"),
-        (_manifest, "captions.json"),
-    ):
-        if (folder / name).is_file():
-            records = reader(folder, folder / name)
-            break
-    else:
-        records = _sidecars(folder)
+    """(image path relative to `folder`, caption) for every image, in whichever layout it uses.
+    A folder with two caption lists is refused: one would be read and the other ignored."""
+    layouts = {
+        "metadata.jsonl": _imagefolder_jsonl,
+        "metadata.csv": _imagefolder_csv,
+        "captions.json": _manifest,
+    }
+    found = [name for name in layouts if (folder / name).is_file()]
+    if len(found) > 1:
+        named = f"{', '.join(found[:-1])} and {found[-1]}"
+        both, others = ("both ", "other") if len(found) == 2 else ("", "others")
+        raise DataError(
+            f"{folder}: holds {both}{named}, and only one of them would be read; keep the one "
+            f"with the captions to train on and move the {others} out of the folder"
+        )
+    records = layouts[found[0]](folder, folder / found[0]) if found else _sidecars(folder)
     if not records:
         raise DataError(
             f"{folder}: no captioned images (expected metadata.jsonl, metadata.csv, captions.json "

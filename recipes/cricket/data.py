@@ -130,11 +130,20 @@ def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[st
                 runs = delivery["runs"]
                 names = [delivery[k] for k in ("batter", "non_striker", "bowler")]
                 runs_batter, runs_total = int(runs["batter"]), int(runs["total"])
+                runs_extras = int(runs.get("extras", 0))
             except (KeyError, TypeError, ValueError) as err:
                 raise DataError(
                     f"{where}, over {over.get('over', '?')}, delivery {ball}: malformed "
                     f"delivery (missing or bad {err}); fix or remove this file"
                 ) from None
+            if min(runs_batter, runs_extras, runs_total) < 0:  # would train as a score going down
+                counts = {"batter": runs_batter, "extras": runs_extras, "total": runs_total}
+                key = next(k for k, v in counts.items() if v < 0)
+                raise DataError(
+                    f"{where}, over {over.get('over', '?')}, delivery {ball}: runs.{key} is "
+                    f"{counts[key]}; runs cannot be negative: correct the delivery or remove "
+                    "this file"
+                )
             extras = delivery.get("extras") or {}
             flags = (
                 WIDE * ("wides" in extras)

@@ -12,6 +12,7 @@ for the five defect types. Each CSV row expands to the five defective skull + im
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -82,15 +83,38 @@ def case_folder(root: Path, listed: str, stem: str) -> Path:
     return folder
 
 
-def read_spacing(root: Path) -> dict[str, list[float]]:
-    """mm per coordinate unit per axis for each point file, as `prepare` records it."""
+def read_spacing(root: Path, checked: bool = True) -> dict[str, list[float] | None]:
+    """mm per coordinate unit per axis for each point file (None: unknown), as `prepare`
+    records it; every entry is checked (`checked`=False: as written, for prepare to merge)."""
     path = root / SPACING_FILE
     if not path.is_file():
         return {}
     try:
-        return dict(json.loads(path.read_text())["spacing"])
+        recorded = dict(json.loads(path.read_text())["spacing"])
     except (ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
+    if not checked:
+        return recorded
+    return {key: checked_spacing(path, key, value) for key, value in recorded.items()}
+
+
+def checked_spacing(path: Path, key: str, value: object) -> list[float] | None:
+    """One entry of a voxel-spacing file: three positive numbers, or None (unknown). A zero or
+    negative spacing would still report distances "in mm"."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        and all(math.isfinite(v) and v > 0 for v in value)
+    ):
+        return [float(v) for v in value]
+    raise DataError(
+        f"{path}: entry '{key}' is {json.dumps(value)}; a voxel spacing is 3 positive numbers "
+        "(mm per coordinate unit along x, y, z), or null where it is unknown: correct it, or "
+        "write the file again with prepare"
+    )
 
 
 class SkullBreak(Dataset):
@@ -105,7 +129,7 @@ class SkullBreak(Dataset):
         self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
     ):
         csv = root / f"{split}.csv"
-        recorded: dict[Path, dict[str, list[float]]] = {}  # per case folder: its spacing file
+        recorded: dict[Path, dict[str, list[float] | None]] = {}  # per case folder: its spacings
         self.entries, spacings = [], []
         for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
             stem = case_stem(listed)

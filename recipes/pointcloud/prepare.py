@@ -18,6 +18,7 @@ Needs the `volumes` extra: pip install "accel-recipes[volumes]" (pynrrd, PyMCube
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import zlib
@@ -30,7 +31,13 @@ from tqdm import tqdm
 
 from accel_common.data.files import read_path_list
 from accel_common.errors import ConfigError, DataError
-from recipes.pointcloud.data import DEFECTS, SPACING_FILE, case_stem
+from recipes.pointcloud.data import (
+    DEFECTS,
+    SPACING_FILE,
+    case_stem,
+    checked_spacing,
+    read_spacing,
+)
 
 
 def surface_name(volume: Path) -> str:
@@ -62,18 +69,26 @@ def volume_relatives(raw: Path) -> list[Path]:
     return relatives
 
 
-def voxel_spacing(header: dict) -> list[float] | None:
-    """Millimetres per voxel along each array axis, from an NRRD header (None: not given)."""
+def voxel_spacing(header: dict, source: Path) -> list[float] | None:
+    """Millimetres per voxel along each array axis, from an NRRD header (None: not given). A
+    zero, negative or NaN spacing is refused, naming the volume `source`: recorded, it would
+    give distances "in mm" that are not."""
+    spacing = None
     if "space directions" in header:
         directions = np.array(
             [d for d in header["space directions"] if d is not None and not np.isnan(d).any()],
             dtype=float,
         )
         if directions.shape == (3, 3):
-            return np.linalg.norm(directions, axis=1).tolist()
-    if "spacings" in header and len(header["spacings"]) == 3:
-        return [float(s) for s in header["spacings"]]
-    return None
+            spacing = np.linalg.norm(directions, axis=1).tolist()
+    if spacing is None and "spacings" in header and len(header["spacings"]) == 3:
+        spacing = [float(s) for s in header["spacings"]]
+    if spacing is not None and not all(math.isfinite(s) and s > 0 for s in spacing):
+        raise DataError(
+            f"{source}: its header gives a voxel spacing of {spacing} mm; each must be a "
+            "positive number: correct the header (space directions or spacings) and prepare again"
+        )
+    return spacing
 
 
 def existing_cloud_is_valid(path: Path) -> bool:
@@ -114,7 +129,7 @@ def prepare_volume(job: tuple[Path, Path, int, bool]) -> tuple[str, list[float] 
             header = nrrd.read_header(str(source))
         except Exception as err:  # pynrrd raises several types for a damaged header
             raise DataError(f"{source}: not a readable NRRD volume ({err})") from None
-        spacing = voxel_spacing(header)
+        spacing = voxel_spacing(header, source)
         if not overwrite and existing_cloud_is_valid(target):
             return str(target), spacing, "skipped"
         try:
@@ -195,8 +210,9 @@ def merge_spacing(out: Path, spacings: dict[str, list[float] | None]) -> None:
     """Add to `voxel_spacing.json`: mm per voxel along each axis, per point-cloud file (null
     where the volume's header gives none; the recipe then reports distances in voxels)."""
     path = out / SPACING_FILE
-    recorded = json.loads(path.read_text())["spacing"] if path.is_file() else {}
-    recorded |= spacings
+    recorded = read_spacing(out, checked=False) | spacings
+    for key, value in recorded.items():  # nothing but spacings is written (nor NaN, not JSON)
+        checked_spacing(path, key, value)
     document = {"unit": "mm per point-coordinate unit, per axis", "spacing": recorded}
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(document, indent=1, sort_keys=True))
