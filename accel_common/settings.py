@@ -70,7 +70,8 @@ def expected(f: Field) -> str:
     """What a valid value of `f` is, in words: 'a number above 0', '1 or more', ..."""
     low, high, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
     if above is not None:
-        return f"a number above {above:g}" + (f" and at most {high:g}" if high is not None else "")
+        low_text = "a positive number" if above == 0 else f"a number above {above:g}"
+        return low_text + (f" at most {high:g}" if high is not None else "")
     if low is not None and high is not None:
         return f"a value from {low:g} to {high:g}"
     if low is not None:

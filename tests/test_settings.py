@@ -56,8 +56,8 @@ def test_a_declaration_checks_its_bounds_by_flag_name():
     Example().validate()
     for values, message in [
         ({"width": 0}, "--width 0: give 1 or more"),
-        ({"rate": 0.0}, "--rate 0.0: give a number above 0 and at most 1"),
-        ({"rate": 1.5}, "--rate 1.5: give a number above 0 and at most 1"),
+        ({"rate": 0.0}, "--rate 0.0: give a positive number at most 1"),
+        ({"rate": 1.5}, "--rate 1.5: give a positive number at most 1"),
         ({"rate": math.nan}, "--rate nan: give"),
     ]:
         with pytest.raises(ConfigError, match=f"^{message}"):
