@@ -63,6 +63,7 @@ from recipes.crystal.data import (
     CrystalGraphs,
     build_graph,
     check_periodic,
+    extxyz_file,
     load_graphs,
     read_frames,
     split_indices,
@@ -161,8 +162,7 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     accelerator, plan = args.make_accelerator()
     path = args.data
     if path is None or path.is_dir():
-        folder = resolve_data(accelerator, RECIPE, path, write_dataset)
-        path = folder / "structures.extxyz"
+        path = extxyz_file(resolve_data(accelerator, RECIPE, path, write_dataset))
     with accelerator.main_process_first():  # the main process builds; the others read its cache
         rows, seconds, cached = load_graphs(
             path, index=settings.index, target=settings.target, per_atom=settings.per_atom,
@@ -226,7 +226,11 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
 
 def predict(
     model_dir: Path = model_option(RECIPE),
-    data: Path = typer.Option(..., help="Extended XYZ file of the structures to predict."),
+    data: Path = typer.Option(
+        ...,
+        help="Extended XYZ file of the structures to predict, or a folder holding "
+        "structures.extxyz (as training reads --data).",
+    ),
     out: Path = typer.Option(..., help="CSV to write: index, formula, prediction[, target]."),
     index: str = typer.Option(":", help="Frames to read, as ASE takes it."),
 ) -> None:
@@ -236,6 +240,7 @@ def predict(
     settings = CrystalSettings.from_config(config)
     model = build_model(None, settings)
     device = load_for_inference(model_dir, model)
+    data = extxyz_file(data)
     frames = read_frames(data, index)
     targets = []
     for i, atoms in enumerate(frames):

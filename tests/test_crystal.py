@@ -515,3 +515,64 @@ def test_resuming_with_another_split_seed_is_refused_naming_it(tmp_path):
         AcceleratorState._reset_state(reset_partial_state=True)
     assert len(str(refused.value).splitlines()) == 1
     assert "--split-seed 123 in the checkpoint, 7 now" in str(refused.value)
+
+
+def write_with_nan(path: Path, what: str) -> None:
+    """Three labelled copper crystals; frame 1 has one NaN position or cell entry."""
+    frames = []
+    for i in range(3):
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+        atoms.info["y"] = float(i)
+        frames.append(atoms)
+    if what == "position":
+        frames[1].positions[2, 0] = np.nan
+    else:
+        cell = frames[1].cell.array.copy()
+        cell[1, 1] = np.inf
+        frames[1].set_cell(cell)
+    ase.io.write(path, frames, format="extxyz")
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("position", r"nan.extxyz, frame 1: atom 2 has position \[nan, 0\.0, 1\.8\], not finite"),
+        ("cell", r"nan.extxyz, frame 1: its cell has a value that is not finite"),
+    ],
+)
+def test_a_non_finite_position_or_cell_is_refused_in_training_and_predict(tmp_path, what, message):
+    path = tmp_path / "nan.extxyz"
+    write_with_nan(path, what)
+    options = dict(index=":", target="y", per_atom=False, cutoff=4.0, max_neighbors=4, workers=1)
+    with pytest.raises(DataError, match=message):
+        load_graphs(path, non_periodic=False, cache=False, **options)
+    model = Comformer(width=8, layers=1, heads=1, rbf_bins=8)
+    config = dict(width=8, layers=1, heads=1, rbf_bins=8, cutoff=4.0, max_neighbors=6)
+    config |= dict(target="y", per_atom=False, mean=0.0, std=1.0, non_periodic=False)
+    write_export(model.state_dict(), tmp_path / "model", {"recipe": "crystal", "config": config})
+    out = tmp_path / "p.csv"
+    with pytest.raises(DataError, match=message):
+        recipe.predict(model_dir=tmp_path / "model", data=path, out=out, index=":")
+    assert not out.exists()
+
+
+def test_predict_reads_a_data_folder_as_training_does(tmp_path):
+    """`--data FOLDER` means FOLDER/structures.extxyz in training; predict reads it the same way."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_volumes(folder / "structures.extxyz", 3)
+    model = Comformer(width=8, layers=1, heads=1, rbf_bins=8)
+    config = dict(width=8, layers=1, heads=1, rbf_bins=8, cutoff=4.0, max_neighbors=6)
+    config |= dict(target="volume", per_atom=False, mean=0.0, std=1.0, non_periodic=False)
+    write_export(model.state_dict(), tmp_path / "model", {"recipe": "crystal", "config": config})
+    out = tmp_path / "p.csv"
+    recipe.predict(model_dir=tmp_path / "model", data=folder, out=out, index=":")
+    assert len(list(csv.DictReader(out.open()))) == 3
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"empty: no structures.extxyz in this folder"):
+        recipe.predict(
+            model_dir=tmp_path / "model",
+            data=tmp_path / "empty",
+            out=out.with_name("q.csv"),
+            index=":",
+        )

@@ -38,6 +38,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 from accel_common.data.cache import cache_key, cache_root, files_digest, save_whole
 from accel_common.errors import ConfigError, DataError
 
+STRUCTURES_FILE = "structures.extxyz"  # what a --data folder holds (make-data writes it)
 TARGET_HELP = "info key, calculator result (energy, forces, stress, ...) or per-atom array"
 
 
@@ -119,9 +120,35 @@ def target_value(atoms: object, name: str, where: str, per_atom: bool) -> float:
     return value / len(atoms) if per_atom else value
 
 
+def extxyz_file(data: Path) -> Path:
+    """`--data` as training and predict read it: an extxyz file, or a folder holding
+    structures.extxyz (the layout make-data writes)."""
+    if not data.is_dir():
+        return data
+    if not (data / STRUCTURES_FILE).is_file():
+        raise DataError(
+            f"{data}: no {STRUCTURES_FILE} in this folder; give the extxyz file itself, or a "
+            f"folder holding {STRUCTURES_FILE}"
+        )
+    return data / STRUCTURES_FILE
+
+
 def check_periodic(atoms: object, where: str, allow_molecules: bool) -> None:
-    """A crystal needs a lattice: pbc on all three axes and a non-singular cell. A frame that is
-    periodic along some axis with a singular cell has no lattice to repeat, even as a molecule."""
+    """Positions and cell must be finite numbers. A crystal needs a lattice: pbc on all three
+    axes and a non-singular cell. A frame that is periodic along some axis with a singular cell
+    has no lattice to repeat, even as a molecule."""
+    bad = ~np.isfinite(atoms.positions).all(axis=1)
+    if bad.any():
+        atom = int(np.flatnonzero(bad)[0])
+        raise DataError(
+            f"{where}: atom {atom} has position {atoms.positions[atom].tolist()}, not finite; "
+            "fix the frame or leave it out with --index"
+        )
+    if not np.isfinite(atoms.cell.array).all():
+        raise DataError(
+            f"{where}: its cell has a value that is not finite ({atoms.cell.array.tolist()}); "
+            "fix the frame or leave it out with --index"
+        )
     volume = abs(np.linalg.det(atoms.cell.array))
     if atoms.pbc.any() and volume < 1e-8:
         raise DataError(
