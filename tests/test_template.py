@@ -101,6 +101,11 @@ BAD_INPUTS = {
     "unsplittable batch": (["--bs", "30", "--grad-accum", "4"], "--bs 30 cannot be split"),
     "lr not a number": (["--lr", "nan"], "--lr nan: give a positive number"),
     "both batch flags": (["--bs", "32", "--per-device-bs", "16"], "both were given"),
+    "batch above the split": (
+        ["--bs", "4096"],
+        "the training split is smaller than one global batch: its 20 epoch(s) fill 0 of the 4096 "
+        "samples of one optimizer step",
+    ),
     "missing data": (["--data", "/nonexistent/data"], "--data /nonexistent/data: no such folder"),
     "malformed csv": (["--data", "{bad_data}"], "train.csv, line 5: column x2 is 'oops'"),
     "random bytes": (
