@@ -13,7 +13,9 @@ sharded torch.distributed.checkpoint folders) without ever unpickling arbitrary 
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from accel_common.batching import BatchPlan
+from accel_common.data.files import CONTENT_FINGERPRINT
 from accel_common.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
@@ -35,6 +38,7 @@ PROGRESS_FILE = "progress.json"
 MODEL_FILE = "model.safetensors"
 META_FILE = "model.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+DATA_KEY = "data_fingerprint"  # the run identity's entry for the data's contents
 
 # Wrappers that training scripts put around a state dict, outermost first.
 STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
@@ -66,6 +70,8 @@ class TrainProgress:
     best_metrics: dict[str, float] = field(default_factory=dict)
     bad_epochs: int = 0
     stopped: bool = False
+    # seconds spent training (in loop.batches()) up to this point, over every launch of the run
+    train_seconds: float = 0.0
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""
@@ -84,6 +90,11 @@ class TrainProgress:
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS / f"step_{step}"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step of a `step_N` checkpoint folder."""
+    return int(Path(path).name.removeprefix("step_"))
 
 
 def list_checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
@@ -136,20 +147,54 @@ def save_checkpoint(
     """
     final = checkpoint_dir(output_dir, progress.step)
     tmp = final.with_name(final.name + ".tmp")
+    # on every process, before anything is written: a value JSON cannot hold stops them all
+    record = {"progress": asdict(progress), "batch_plan": plan.as_dict(), "run": run}
+    text = strict_json(record, final / PROGRESS_FILE)
     remove_unfinished_saves(accelerator, output_dir)
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()  # every rank's RNG file is in place
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()  # every rank's RNG file is in place
+        if accelerator.is_main_process:
+            (tmp / PROGRESS_FILE).write_text(text)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except OSError as err:
+        if accelerator.is_main_process:  # never complete; on a full disk, space again
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = list_checkpoints(output_dir)
+        last = f"the last complete checkpoint is {latest[-1]}" if latest else "no checkpoint is"
+        raise CheckpointError(
+            f"{write_failure(err)} while saving {final.name}; {last} (nothing of {final.name} "
+            f"was kept in {final.parent}): {WRITE_ADVICE[disk_full(err)]}, then continue with "
+            "--resume latest"
+        ) from None
     if accelerator.is_main_process:
-        record = {"progress": asdict(progress), "batch_plan": plan.as_dict(), "run": run}
-        (tmp / PROGRESS_FILE).write_text(json.dumps(record, indent=2, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
         run_id = (run or {}).get("id")
         for old in list_checkpoints(output_dir, run_id)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+# what to do after a write failed: on a full disk (or quota), or for another reason
+WRITE_ADVICE = {
+    True: "free space on that disk, or move --output-dir to another one",
+    False: "check that the --output-dir disk is writable and healthy",
+}
+
+
+def disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failure(err: OSError) -> str:
+    """'no space left on device' (or the quota, or the system's own words for another error)."""
+    if err.errno == errno.ENOSPC:
+        return "no space left on device"
+    if err.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    return f"could not write ({err.strerror or err})"
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
@@ -179,6 +224,7 @@ def load_checkpoint(
     identity: dict[str, Any] | None = None,
     adjustable: frozenset[str] = frozenset(),
     total_steps: int | None = None,
+    data_dir: Path | None = None,
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
     its run record ({"id", "identity"}).
@@ -196,6 +242,14 @@ def load_checkpoint(
         saved_processes = int(saved_plan["num_processes"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
+    run = record.get("run") or {}
+    saved_recipe = (run.get("identity") or {}).get("recipe")
+    recipe = (identity or {}).get("recipe")
+    if saved_recipe and recipe and saved_recipe != recipe:  # before any setting: none compares
+        raise CheckpointError(
+            f"{path} is a checkpoint of the {saved_recipe} recipe, not of {recipe}; resume it "
+            f"with recipes/train_{saved_recipe}.py, or give this {recipe} run its own --output-dir"
+        )
     if saved_global != plan.global_batch_size:
         raise CheckpointError(
             f"{path} was trained at global batch {saved_global}, this launch uses "
@@ -207,12 +261,11 @@ def load_checkpoint(
             "has (--epochs / --max-steps); resume with the settings that checkpoint was trained "
             "with, or start a new run in another --output-dir"
         )
-    run = record.get("run") or {}
     if identity is not None and "identity" in run:
         saved = {k: v for k, v in run["identity"].items() if k not in adjustable}
-        differences = describe_differences(
-            saved, {k: v for k, v in identity.items() if k not in adjustable}
-        )
+        current = {k: v for k, v in identity.items() if k not in adjustable}
+        check_same_data(path, saved, current, data_dir)
+        differences = describe_differences(saved, current)
         if differences:
             raise CheckpointError(
                 f"{path} belongs to another run (id {run.get('id')}): {differences}; resume with "
@@ -235,7 +288,26 @@ def load_checkpoint(
 
 
 # what a run's identity holds besides its settings (the others are named as their flags)
-NOT_FLAGS = frozenset({"recipe", "global_batch_size", "data_fingerprint"})
+NOT_FLAGS = frozenset({"recipe", "global_batch_size", DATA_KEY})
+
+
+def check_same_data(
+    path: Path, saved: dict[str, Any], current: dict[str, Any], data_dir: Path | None
+) -> None:
+    """Refuse a resume on data whose contents differ from those the checkpoint was trained on.
+    Both identities lose their fingerprint once compared: what remains are the settings. A
+    checkpoint of an earlier version recorded none, or only the files' names and sizes: those
+    cannot be compared with a content fingerprint, so they are not."""
+    before, now = saved.pop(DATA_KEY, None), current.pop(DATA_KEY, None)
+    if before is None or now is None or not str(before).startswith(CONTENT_FINGERPRINT):
+        return
+    if before != now:
+        data = f"--data {data_dir}" if data_dir is not None else "the data"
+        raise CheckpointError(
+            f"{data}: its files' contents differ from the data {path} was trained on "
+            f"(fingerprint {before} then, {now} now); resume with the data it was trained on, "
+            "or train on this data from the start in another --output-dir"
+        )
 
 
 def describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
@@ -311,17 +383,52 @@ def export_paths(target: Path) -> tuple[Path, Path]:
 def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
     """Write the weights and their JSON (see `export_paths`), each via a temporary name."""
     model_path, meta_path = export_paths(target)
-    model_path.parent.mkdir(parents=True, exist_ok=True)
+    text = strict_json(metadata, meta_path)  # before anything is written
     tmp_model = model_path.with_name(model_path.name + ".tmp")
-    save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
     tmp_meta = meta_path.with_name(meta_path.name + ".tmp")
-    tmp_meta.write_text(json.dumps(metadata, indent=2, default=str))
-    # safetensors writes through a private temporary file (mode 0600): give the export the
-    # permissions any file the user creates gets, so colleagues and serving jobs can read it
-    os.chmod(tmp_model, 0o666 & ~current_umask())
+    try:
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
+        tmp_meta.write_text(text)
+        # safetensors writes through a private temporary file (mode 0600): give the export the
+        # permissions any file the user creates gets, so colleagues and serving jobs can read it
+        os.chmod(tmp_model, 0o666 & ~current_umask())
+    except OSError as err:
+        tmp_model.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"{write_failure(err)} while writing the export {model_path}; an export already "
+            f"there is unchanged: {WRITE_ADVICE[disk_full(err)]}, then export again (a training "
+            "run: --resume latest)"
+        ) from None
     os.replace(tmp_model, model_path)
     os.replace(tmp_meta, meta_path)
     return model_path
+
+
+def strict_json(data: Any, path: Path) -> str:
+    """`data` as the JSON text of `path`. NaN and infinity are refused, naming the entry: JSON has
+    no such numbers (Python would write `NaN`, which strict readers reject)."""
+    try:
+        return json.dumps(data, indent=2, default=str, allow_nan=False)
+    except ValueError:
+        bad = "; ".join(f"{key} is {value}" for key, value in non_finite_entries(data))
+        raise CheckpointError(
+            f"{path}: {bad or 'a value is not finite'}; JSON cannot hold it, so nothing was written"
+        ) from None
+
+
+def non_finite_entries(data: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """('metrics.train_loss', nan) for every NaN or infinite float in nested dicts and lists."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [(prefix or "the value", data)]
+    if isinstance(data, Mapping):
+        items = ((f"{prefix}.{key}" if prefix else str(key), v) for key, v in data.items())
+    elif isinstance(data, (list, tuple)):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(data))
+    else:
+        return []
+    return [found for key, value in items for found in non_finite_entries(value, key)]
 
 
 def current_umask() -> int:

@@ -35,8 +35,11 @@ a resumed run restores the best value and the count.
 
 `epochs()` sets the epoch on the loader and on a dataset that has `set_epoch` (so samples that
 depend on the epoch are the same on 1 or N processes), and skips what a resumed run already
-trained on. A run resumed after it had finished yields one epoch with no batches, so the
-recipe's evaluation runs again and the export carries its metrics.
+trained on. A run resumed after it had finished yields no epoch and `finish` leaves its export
+as it was (it says so); only if that export is missing (a crash between the final save and the
+export) does it yield one epoch with no batches, so the recipe's evaluation runs again and the
+export carries its metrics. An epoch in which nothing was trained reports no training loss.
+Nothing non-finite reaches a JSON file: a NaN evaluation metric stops the run like a NaN loss.
 
 Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
 processes all-reduce one small flag vector (any non-finite loss in the step, any stop signal
@@ -66,6 +69,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
@@ -74,8 +78,10 @@ from torch.utils.data import DataLoader
 
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
+    META_FILE,
     MODEL_FILE,
     TrainProgress,
+    checkpoint_step,
     describe_differences,
     export_model,
     list_checkpoints,
@@ -86,14 +92,14 @@ from accel_common.checkpoint import (
     save_checkpoint,
     write_export,
 )
-from accel_common.console import print_banner, say
+from accel_common.console import format_metrics, print_banner, say
 from accel_common.data.files import folder_fingerprint
 from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
 from accel_common.lr import LRSchedule
 from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
-LAUNCH_SETTINGS = frozenset({"resume", "overwrite"})
+LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later"})
 BEST_DIR = "best"  # the best epoch's export, with a `monitor`
 # what a scheduler sends before it ends a job: SLURM (--signal=USR1@120, then SIGTERM at the end),
 # Kubernetes and torchrun's agent (SIGTERM)
@@ -141,6 +147,7 @@ class TrainLoop:
         adjustable: frozenset[str] = frozenset(),
         resume: str | None = None,
         overwrite: bool = False,
+        overwrite_later: bool = False,
         data_dir: Path | None = None,
         log_every: int = 50,
         save_every: int = 0,
@@ -169,9 +176,11 @@ class TrainLoop:
                 "scaler already skips overflowing steps)"
             )
         self.metrics: dict[str, float] = {}
-        self.train_seconds = 0.0
         self.last_saved: Path | None = None
+        self.finished_export: Path | None = None  # a finished run's export, left as it is
+        self._timing_since: float | None = None  # inside batches(): training time runs
         self._epoch_number = 0
+        self._finished_before_epoch = False
         self._grad_norm: torch.Tensor | None = None
         self._recorded = False
         self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
@@ -179,8 +188,14 @@ class TrainLoop:
         self._skip_step = False
         self._stop_signal: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
-        self.adjustable = adjustable
-        self.identity = run_identity(recipe, config, plan, data_dir, adjustable)
+        self.adjustable, self.data_dir = adjustable, data_dir
+        # the data's content fingerprint: read by the main process (once: its per-file digests
+        # are cached), the same for all
+        fingerprint = None
+        if accelerator.is_main_process and data_dir is not None and Path(data_dir).exists():
+            fingerprint = folder_fingerprint(data_dir, cache_dir=data_hash_cache())
+        fingerprint = broadcast_object_list([fingerprint])[0]
+        self.identity = run_identity(recipe, config, plan, None, adjustable, fingerprint)
 
         print_banner(
             accelerator,
@@ -189,15 +204,16 @@ class TrainLoop:
             lr_line=schedule.description,
             total_steps=self.total_steps,
         )
-        self.progress = self._resume(resume, overwrite)
+        self.progress = self._resume(resume, overwrite, overwrite_later)
         self._catch_stop_signals()
-        start_tracking(
-            accelerator,
-            project=tracker_project or f"accel-recipes-{recipe}",
-            run_name=tracker_run_name,
-            output_dir=self.output_dir,
-            config={**config, **plan.as_dict()},
-        )
+        if self.finished_export is None:  # a finished run logs nothing more
+            start_tracking(
+                accelerator,
+                project=tracker_project or f"accel-recipes-{recipe}",
+                run_name=tracker_run_name,
+                output_dir=self.output_dir,
+                config={**config, **plan.as_dict()},
+            )
         self.log = StepLogger(
             accelerator,
             total_steps=self.total_steps,
@@ -213,6 +229,28 @@ class TrainLoop:
         return self.progress.step
 
     @property
+    def train_seconds(self) -> float:
+        """Seconds spent training so far, over every launch of the run (checkpointed)."""
+        self._count_time()
+        return self.progress.train_seconds
+
+    def _count_time(self) -> None:
+        if self._timing_since is not None:
+            now = time.perf_counter()
+            self.progress.train_seconds += now - self._timing_since
+            self._timing_since = now
+
+    def eval_generator(self, *, per_process: bool = True) -> torch.Generator:
+        """A CPU generator for this evaluation's random draws (sampling noise, random baselines):
+        seeded by the run's --seed, the optimizer step being evaluated and, unless
+        `per_process=False`, the process index. What an evaluation draws then depends only on
+        the step it scores, never on how many evaluations ran before it in this process, so a
+        resumed run exports the metrics of the uninterrupted one. The global RNG (dropout,
+        restored by a resume) is left alone."""
+        index = self.accelerator.process_index if per_process else 0
+        return evaluation_generator(int(self.config.get("seed", 0)), self.step, index)
+
+    @property
     def done(self) -> bool:
         """Whether the run has taken all its optimizer steps, or stopped early."""
         return self.progress.step >= self.total_steps or self.progress.stopped
@@ -220,10 +258,14 @@ class TrainLoop:
     # ----------------------------------------------------------------------- the loop itself
 
     def epochs(self) -> Iterator[int]:
-        """Epoch numbers (from 1) until the run's optimizer steps are done; at least one."""
+        """Epoch numbers (from 1) until the run's optimizer steps are done: at least one, but
+        none for a resumed run that had finished and exported (`finished_export`)."""
+        if self.finished_export is not None:
+            return
         while True:
             before = (self.progress.step, self.progress.epoch)
             self._epoch_number = self.progress.epoch + 1
+            self._finished_before_epoch = self.done
             yield self._epoch_number
             if self.done:
                 return
@@ -244,7 +286,7 @@ class TrainLoop:
         if self.progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
             skip = self.progress.batches_to_skip(self.plan)
             batches = self.accelerator.skip_first_batches(self.loader, skip)
-        started = time.perf_counter()
+        self._timing_since = time.perf_counter()
         try:
             for batch in batches:
                 yield batch
@@ -253,7 +295,8 @@ class TrainLoop:
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
         finally:
-            self.train_seconds += time.perf_counter() - started
+            self._count_time()
+            self._timing_since = None
 
     def clip_gradients(self, model: torch.nn.Module) -> None:
         """Call between `backward` and `optimizer.step()`: on the micro-batch that ends an
@@ -403,13 +446,45 @@ class TrainLoop:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        trained = self.log.epoch_loss.count > 0  # not so after resuming a finished run
-        self.metrics = self.log.end_epoch(self._epoch_number, self.progress.step, eval_metrics)
-        if trained:
+        self._require_finite_metrics(eval_metrics)  # before they are logged
+        if self.log.epoch_loss.count == 0:  # resumed at the epoch's end: nothing trained in it
+            self.metrics = self._end_untrained_epoch(eval_metrics)
+        else:
+            self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics)
             self._require_finite(self.metrics["train_loss"])
-            if self.monitor:
-                self._track_best(model)
+        # not again for a finished run evaluated once more: its last epoch counted before its save
+        if self.monitor and not self._finished_before_epoch:
+            self._track_best(model)
         return self.metrics
+
+    def _end_untrained_epoch(self, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log and print an epoch's evaluation without a training loss (there is none: the
+        logger's mean over no steps would be NaN)."""
+        metrics = dict(eval_metrics)
+        self.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
+        if self.accelerator.is_main_process:
+            self.log.bar.write(f"epoch {self._epoch_number}: {format_metrics(metrics)}")
+        return metrics
+
+    def _require_finite_metrics(self, metrics: dict[str, float]) -> None:
+        """Stop on a NaN or infinite evaluation metric (the same on every process: the recipes
+        compute them from gathered values): the metrics log and the export are JSON, which has
+        no such numbers."""
+        bad = [(k, v) for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if not bad:
+            return
+        named = ", ".join(f"{key} is {value}" for key, value in bad)
+        where = (
+            f"the last good checkpoint is {self.last_saved}"
+            if self.last_saved
+            else "no checkpoint was saved before it"
+        )
+        raise NonFiniteError(
+            f"the evaluation metric {named} at epoch {self._epoch_number} (optimizer step "
+            f"{self.step}); a metrics log or export cannot record it, so the run stopped "
+            f"without saving or exporting ({where}). Check the evaluation (a constant target "
+            "or score, an empty split) and the weights"
+        )
 
     def _track_best(self, model: torch.nn.Module | None) -> None:
         """Export the model when the monitored metric improved; count the epochs it did not."""
@@ -438,6 +513,7 @@ class TrainLoop:
 
         Called only after the step's non-finite check, so the last checkpoint is always one to
         resume from."""
+        self._count_time()  # the checkpoint records the training time up to here
         self.last_saved = save_checkpoint(
             self.accelerator,
             self.output_dir,
@@ -452,10 +528,15 @@ class TrainLoop:
         """Save the final resumable state, export `model` with the last metrics, close trackers.
 
         Returns the metrics the export records. Every process calls it (gathering shards is
-        collective).
+        collective). A resumed run that had finished and exported (`finished_export`) saves and
+        exports nothing: it returns the metrics its export records.
         """
         self.log.close()
         self._release_stop_signals()
+        if self.finished_export is not None:
+            self.metrics = read_export_metadata(self.finished_export)["metrics"]
+            self.accelerator.end_training()
+            return self.metrics
         self.metrics["train_seconds"] = self.train_seconds
         if self.accelerator.scaler is not None:
             self.metrics["skipped_steps"] = self.progress.skipped_steps
@@ -499,10 +580,15 @@ class TrainLoop:
         """Every setting of this run as it reads back from JSON (recorded with checkpoints)."""
         return json.loads(json.dumps(self.config, default=str))
 
-    def _resume(self, resume: str | None, overwrite: bool) -> TrainProgress:
+    def _resume(self, resume: str | None, overwrite: bool, overwrite_later: bool) -> TrainProgress:
         """Restore `resume`, or start fresh in an output folder that holds no other run."""
         if overwrite and resume is not None:
             raise ConfigError("--overwrite starts a new run; it cannot go with --resume")
+        if overwrite_later and resume is None:
+            raise ConfigError(
+                "--overwrite-later goes with --resume CHECKPOINT (an older step of the run); "
+                "without --resume there is nothing to train on from"
+            )
         remove_unfinished_saves(self.accelerator, self.output_dir)
         restart = launcher_restart()
         if restart and (resume is None or list_checkpoints(self.output_dir)):
@@ -521,7 +607,9 @@ class TrainLoop:
             identity=self.identity,
             adjustable=self.adjustable,
             total_steps=self.total_steps,
+            data_dir=self.data_dir,
         )
+        self._make_way_for(path, progress.step, resume, overwrite_later)
         noted = self.adjustable - LAUNCH_SETTINGS
         saved = run.get("settings", run.get("identity", {}))
         changed = describe_differences(
@@ -537,7 +625,81 @@ class TrainLoop:
             f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
             f"{progress.samples_in_epoch} samples into it",
         )
+        self.finished_export = self._export_of_finished_run(progress)
+        if self.finished_export is not None:
+            say(
+                self.accelerator,
+                f"the run in {self.output_dir} already finished at step {progress.step}; its "
+                f"export in {self.finished_export} is unchanged (to train on, resume with a "
+                "larger --epochs or --max-steps)",
+            )
         return progress
+
+    def _make_way_for(
+        self, path: Path, step: int, resume: str | None, overwrite_later: bool
+    ) -> None:
+        """Training on from `step` would overwrite what the run saved after it (its checkpoints
+        of later steps, an export of a later step) and prune its own new checkpoints in favour
+        of those: refused, unless `overwrite_later`, which moves them aside (nothing is
+        deleted), so the folder holds one history again. The main process looks, for all."""
+        found_later: list[Any] = [[], {}]
+        if self.accelerator.is_main_process:
+            found_later = [
+                [str(p) for p in list_checkpoints(self.output_dir) if checkpoint_step(p) > step],
+                {
+                    str(folder): exported
+                    for folder in (self.output_dir / "model", self.output_dir / BEST_DIR)
+                    if (exported := export_step(folder)) is not None and exported > step
+                },
+            ]
+        names, steps = broadcast_object_list(found_later)
+        later = [Path(name) for name in names]
+        exports = {Path(folder): exported for folder, exported in steps.items()}
+        if not later and not exports:
+            return
+        found = ", ".join(
+            [p.name for p in later]
+            + [f"the export of step {n} ({folder})" for folder, n in exports.items()]
+        )
+        if not overwrite_later:
+            raise CheckpointError(
+                f"--resume {resume}: {self.output_dir} holds later results of this run "
+                f"({found}); training on from step {step} would overwrite them. Continue from "
+                "the newest with --resume latest, or pass --overwrite-later to move them aside "
+                f"(to NAME.replaced-<time>) and train on from {path.name}"
+            )
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = [*later, *exports]
+        if self.accelerator.is_main_process:
+            for old in moved:
+                old.rename(old.with_name(f"{old.name}.replaced-{stamp}"))
+        self.accelerator.wait_for_everyone()
+        say(
+            self.accelerator,
+            f"--overwrite-later: moved aside {found} (to NAME.replaced-{stamp}); training on "
+            f"from step {step}",
+        )
+
+    def _export_of_finished_run(self, progress: TrainProgress) -> Path | None:
+        """The export of a run that had finished when it was saved, if it is the one `finish`
+        wrote: of its last step, or with a `monitor` the best epoch's with its final metrics.
+        One missing or unreadable is exported again. The main process decides for all."""
+        found = None
+        finished = progress.step >= self.total_steps or progress.stopped
+        folder = self.output_dir / "model"
+        if finished and self.accelerator.is_main_process and (folder / MODEL_FILE).is_file():
+            try:
+                metadata = read_export_metadata(folder) if (folder / META_FILE).is_file() else {}
+            except CheckpointError:
+                metadata = {}
+            if self.monitor and progress.best_metrics:
+                final = {**progress.best_metrics, "train_seconds": progress.train_seconds}
+                written = metadata.get("metrics") == final
+            else:
+                written = metadata.get("step") == progress.step
+            found = str(folder) if written else None
+        found = broadcast_object_list([found])[0]
+        return Path(found) if found else None
 
     def _claim_output_dir(self, resume: str | None, overwrite: bool) -> None:
         """A new run refuses a folder that holds another run's results (its checkpoints would be
@@ -597,14 +759,48 @@ def run_identity(
     plan: BatchPlan,
     data_dir: Path | None,
     adjustable: frozenset[str] = frozenset(),
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """What makes a checkpoint this run's: every setting but the `adjustable` ones, the recipe,
-    the global batch and the data's fingerprint, as they read back from JSON."""
+    the global batch and the data's content fingerprint (`fingerprint`, or computed from
+    `data_dir`, a folder or a file), as they read back from JSON."""
     identity = {k: v for k, v in config.items() if k not in adjustable}
     identity |= {"recipe": recipe, "global_batch_size": plan.global_batch_size}
-    if data_dir is not None and Path(data_dir).is_dir():
-        identity["data_fingerprint"] = folder_fingerprint(data_dir)
+    if fingerprint is None and data_dir is not None and Path(data_dir).exists():
+        fingerprint = folder_fingerprint(data_dir)
+    if fingerprint is not None:
+        identity["data_fingerprint"] = fingerprint
     return json.loads(json.dumps(identity, default=str))
+
+
+def export_step(folder: Path) -> int | None:
+    """The optimizer step an export folder records, or None (none there, or unreadable)."""
+    if not (folder / META_FILE).is_file():
+        return None
+    try:
+        step = read_export_metadata(folder).get("step")
+    except CheckpointError:
+        return None
+    return step if isinstance(step, int) else None
+
+
+def data_hash_cache() -> Path:
+    """Where data fingerprints keep their per-file digests: beside the prepared tables
+    (accel_common.data.cache: HF_DATASETS_CACHE/accel-recipes, so HF_HOME moves both), found as
+    `datasets` finds its cache, without importing it."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        root = Path(os.environ["HF_DATASETS_CACHE"])
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", os.path.join("~", ".cache"))
+        root = Path(os.environ.get("HF_HOME", os.path.join(xdg, "huggingface"))) / "datasets"
+    return root.expanduser() / "accel-recipes"
+
+
+def evaluation_generator(seed: int, step: int, process_index: int = 0) -> torch.Generator:
+    """A CPU generator seeded from (seed, step, process index), each mixed in fully (numpy's
+    SeedSequence): neighbouring steps or processes get unrelated streams."""
+    state = np.random.SeedSequence([seed, step, process_index]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
 
 
 @torch.no_grad()

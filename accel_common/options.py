@@ -174,6 +174,14 @@ class TrainArgs(Settings):
         "refused: continue that run with --resume latest, or choose another --output-dir.",
         adjustable=True,
     )
+    overwrite_later: bool = setting(
+        False,
+        "With --resume of a checkpoint that is not the run's newest: move the run's later "
+        "checkpoints and an export of a later step aside (to NAME.replaced-<time>; nothing is "
+        "deleted) and train on from the older one. Without it such a resume is refused, since "
+        "it would overwrite them.",
+        adjustable=True,
+    )
     report_to: str = setting(
         "none",
         "Trackers besides metrics.jsonl, comma-separated: any that Accelerate supports ("
@@ -292,6 +300,7 @@ class TrainArgs(Settings):
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,
+            overwrite_later=self.overwrite_later,
             data_dir=self.data or runtime.example_data_dir(recipe),
             log_every=self.log_every,
             save_every=self.save_every,

@@ -6,8 +6,12 @@ them one at a time; `accel_common.options.TrainArgs` maps the shared recipe flag
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import inspect
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,8 +23,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import typer
+import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.utils import (
@@ -71,9 +77,9 @@ def make_accelerator(
     """
     if dist_timeout < 0:
         raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
-    require_writable_output_dir(Path(output_dir))
     cpu = cpu or not torch.accelerator.is_available()
-    require_requested_devices(cpu)
+    require_requested_devices(cpu)  # before the output folder is created
+    require_writable_output_dir(Path(output_dir))
     kwargs_handlers = list(kwargs_handlers)
     init = next((h for h in kwargs_handlers if isinstance(h, InitProcessGroupKwargs)), None)
     group_kwargs = init.to_kwargs() if init else {}
@@ -183,20 +189,112 @@ def require_new_file(out: Path) -> None:
 
 
 def require_requested_devices(cpu: bool) -> None:
-    """Refuse a multi-process launch whose config asks for GPUs on a machine without any.
+    """Refuse a multi-process launch that asks for GPUs on a machine without any.
 
     `accelerate launch` with a GPU config (use_cpu: false) on a CPU-only machine starts one CPU
-    process per GPU it was told about, silently; `accel-recipes doctor --config-file` flags the
-    same config before a launch.
+    process per GPU it was told about, silently. Its workers cannot tell: the multi-GPU launcher
+    sets ACCELERATE_USE_CPU only on its single-process path, and the environments it gives the
+    workers of 2gpu.yaml and cpu_2proc.yaml differ in nothing but ACCELERATE_MIXED_PRECISION. So
+    the request is read where it was made, from the launcher's command line and the config it
+    names (`launcher_gpu_request`). `accel-recipes doctor --config-file` calls the same configs
+    a blocker (`config_asks_for_gpus`).
     """
-    asked_for_gpus = os.environ.get("ACCELERATE_USE_CPU", "").lower() == "false"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if asked_for_gpus and world > 1 and cpu and not torch.accelerator.is_available():
+    if world < 2 or not cpu or torch.accelerator.is_available():
+        return
+    request = launcher_gpu_request()
+    if request is not None:
         raise ConfigError(
-            f"the launch config asks for GPUs (use_cpu: false, {world} processes), but this "
-            "machine has none, so every process would train on the CPU; use "
-            "accelerate_configs/cpu_2proc.yaml on a CPU, or launch on a machine with GPUs"
+            f"this launch asks for {world} GPUs ({request}): none is visible, so every process "
+            "would train on the CPU; use accelerate_configs/cpu_2proc.yaml (or "
+            "ACCELERATE_USE_CPU=true accelerate launch ...) on a CPU, or launch on a machine "
+            "with GPUs"
         )
+
+
+# distributed types that `accelerate launch` runs one process per GPU for (unless use_cpu)
+GPU_DISTRIBUTED_TYPES = frozenset({"MULTI_GPU", "FSDP", "DEEPSPEED"})
+
+
+def config_asks_for_gpus(config: dict[str, Any]) -> bool:
+    """Whether an accelerate config (its YAML as a dict) starts its processes on GPUs."""
+    kind = str(config.get("distributed_type", "NO"))
+    return kind in GPU_DISTRIBUTED_TYPES and not bool(config.get("use_cpu", False))
+
+
+def launcher_gpu_request() -> str | None:
+    """What made the `accelerate launch` that started this worker ask for GPUs ("config
+    2gpu.yaml", "--multi_gpu"), or None: no such launcher (plain python, torchrun), or one told
+    to use the CPU (--cpu, use_cpu: true, ACCELERATE_USE_CPU=true in its environment).
+
+    The launcher is this worker's parent process (torch elastic's agent runs inside it); its
+    arguments are read with Accelerate's own parser, and the config it loads is the file given
+    with --config_file (relative to its working folder) or Accelerate's default config.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    try:
+        launcher = psutil.Process(os.getppid())
+        command, cwd = launcher.cmdline(), launcher.cwd()
+    except (psutil.Error, OSError):
+        return None
+    args = accelerate_launch_args(command)
+    if args is None or args.cpu:
+        return None
+    config_file = args.config_file
+    if config_file is None and os.path.isfile(default_accelerate_config()):
+        config_file = default_accelerate_config()
+    config: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(cwd, config_file)
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return None  # the launcher read it, or failed on it itself
+        if not isinstance(config, dict):
+            return None
+        if config_asks_for_gpus(config):
+            return f"config {path.name}"
+    if bool(config.get("use_cpu", False)):
+        return None
+    flag = next((f for f in ("multi_gpu", "use_fsdp", "use_deepspeed") if getattr(args, f)), None)
+    return f"--{flag}" if flag else None
+
+
+def accelerate_launch_args(command: list[str]) -> argparse.Namespace | None:
+    """`accelerate launch`'s own arguments parsed from its command line (`accelerate launch ...`,
+    `accelerate-launch ...`, `python -m accelerate.commands.launch ...`); None for another one."""
+    for i, word in enumerate(command):
+        name = Path(word).name
+        if word == "accelerate.commands.launch" or name == "accelerate-launch":
+            rest = command[i + 1 :]
+            break
+        if name == "accelerate" and command[i + 1 : i + 2] == ["launch"]:
+            rest = command[i + 2 :]
+            break
+    else:
+        return None
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    # imported here: on import it points the root logger at rich (logging.basicConfig), which
+    # is undone at once; the recipes' own logging stays as it was
+    from accelerate.commands.launch import launch_command_parser
+
+    root.handlers[:] = handlers
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage text: not ours to show
+            return launch_command_parser().parse_args(rest)
+    except SystemExit:
+        return None
+
+
+def default_accelerate_config() -> str:
+    """The config `accelerate launch` loads when given none (`accelerate config` writes it)."""
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file
 
 
 def require_requested_sharding(accelerator: Accelerator) -> None:

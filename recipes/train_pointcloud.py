@@ -170,7 +170,8 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
         steps, unit = settings.sample_steps, test_set.unit
-        return evaluate(accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit)
+        noise = loop.eval_generator()  # depends only on the step evaluated: resumes report alike
+        return evaluate(accelerator, scored, test_loader, diffusion, steps, noise, pool, unit)
 
     for epoch in loop.epochs():
         for batch in loop.batches():
@@ -210,7 +211,7 @@ def evaluate(
     loader: DataLoader,
     diffusion: Diffusion,
     sample_steps: int,
-    seed: int,
+    generator: torch.Generator,
     pool: torch.Tensor,
     unit: str,
 ) -> dict[str, float]:
@@ -220,9 +221,15 @@ def evaluate(
     point files' own units. The trivial baseline ignores the skull: points drawn from all
     training implants (`pool`). Two stronger ones know where the true implant is: its centroid,
     and uniform points in its bounding box.
+
+    Every random draw comes from `generator` (in training `loop.eval_generator()`, seeded by the
+    step evaluated), and the test points are the test set's epoch 0 at every evaluation: a
+    prepared loader would otherwise advance the epoch once per pass, so an evaluation's points
+    would depend on how many evaluations this process ran before it (a resumed run fewer).
     """
     model.eval()
-    generator = torch.Generator().manual_seed(seed + accelerator.process_index)
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(0)
     scores = []
     for batch in loader:
         skull, implant = batch["skull"], batch["implant"]
@@ -280,7 +287,8 @@ def evaluate_export(
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     steps = sample_steps or settings.sample_steps
-    metrics = evaluate(accelerator, model, loader, diffusion, steps, seed, pool, dataset.unit)
+    generator = torch.Generator().manual_seed(seed)
+    metrics = evaluate(accelerator, model, loader, diffusion, steps, generator, pool, dataset.unit)
     print(format_metrics(metrics))
 
 

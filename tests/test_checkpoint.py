@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
+import errno
 import importlib
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from accel_common.checkpoint import (
     strip_wrapper_prefixes,
     write_export,
 )
+from accel_common.data import files
 from accel_common.errors import CheckpointError
 
 
@@ -205,7 +209,9 @@ def test_crash_during_save_keeps_previous_checkpoint_loadable(tmp_path, accelera
     monkeypatch.setattr(accelerator, "save_state", crash_midway)
     with torch.no_grad():
         model.encoder.weight.add_(1.0)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(
+        CheckpointError, match=r"could not write \(disk full\) while saving step_10"
+    ):
         save_checkpoint(accelerator, tmp_path, TrainProgress(step=10), plan=plan)
     monkeypatch.undo()
 
@@ -387,3 +393,124 @@ def test_exports_get_the_users_normal_file_permissions(tmp_path):
         os.umask(old)
     for file in (path, path.with_suffix(".json"), converted, converted.with_suffix(".json")):
         assert file.stat().st_mode & 0o777 == 0o644, file
+
+
+def test_an_export_with_a_non_finite_metric_is_refused_and_nothing_written(tmp_path):
+    """JSON has no NaN: `train_loss: NaN` in a model.json breaks every strict reader."""
+    target = tmp_path / "model"
+    with pytest.raises(CheckpointError, match=r"model.json: metrics.train_loss is nan"):
+        write_export(reference_state(), target, {"metrics": {"train_loss": float("nan")}})
+    assert not target.exists() or not any(target.iterdir())
+
+
+# --------------------------------------------------------------------------- the data's identity
+
+
+def test_the_data_fingerprint_covers_contents_and_reads_each_file_once(tmp_path, monkeypatch):
+    """Issue 27: the fingerprint held names and sizes, so an edit of the same size resumed."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    (data / "train.csv").write_text("x,y\n1.5,2.0\n")
+    (data / ".cache").mkdir()
+    (data / ".cache" / "tmp").write_text("ignored")
+    first = files.folder_fingerprint(data, cache_dir=cache)
+    assert first.startswith("sha256:")
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    (copy / ".cache" / "tmp").write_text("other")
+    assert files.folder_fingerprint(copy) == first  # the same data anywhere
+
+    read = []
+    monkeypatch.setattr(files, "file_digest", lambda path: read.append(path) or "x")
+    assert files.folder_fingerprint(data, cache_dir=cache) == first  # from the cache
+    assert read == []
+    monkeypatch.undo()
+    stat = (data / "train.csv").stat()
+    (data / "train.csv").write_text("x,y\n1.5,2.1\n")  # same size
+    os.utime(data / "train.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime
+    assert (data / "train.csv").stat().st_size == stat.st_size
+    assert files.folder_fingerprint(data, cache_dir=cache) != first
+    assert files.folder_fingerprint(data) == files.folder_fingerprint(data, cache_dir=cache)
+
+
+def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    saved = {"recipe": "template", "hidden": 64, "data_fingerprint": "sha256:aaaa"}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {**saved, "data_fingerprint": "sha256:bbbb"}
+    with pytest.raises(CheckpointError, match=r"^--data D: its files' contents differ from the "):
+        load_checkpoint(accelerator, path, plan, identity=now, data_dir=Path("D"))
+    # an earlier version's fingerprint (names and sizes) cannot be compared with contents
+    old = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=65), plan=plan,
+        run={"id": "abc", "identity": {**saved, "data_fingerprint": "0123456789abcdef"}},
+    )  # fmt: skip
+    assert load_checkpoint(accelerator, old, plan, identity=now)[0].step == 65
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def no_space(output_dir: str) -> None:
+    """accelerator.save_state on a full disk: part of the weights written, then ENOSPC."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "model.safetensors"), "wb") as half_written:
+        half_written.write(b"\x00" * 10)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(
+    tmp_path, accelerator, monkeypatch
+):
+    """Issue 27: a full disk during a save printed a 78-line traceback."""
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    good = save_checkpoint(accelerator, tmp_path, TrainProgress(step=5), plan=plan)
+    monkeypatch.setattr(accelerator, "save_state", no_space)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(accelerator, tmp_path, TrainProgress(step=10), plan=plan)
+    assert str(error.value).startswith(
+        f"no space left on device while saving step_10; the last complete checkpoint is {good}"
+    )
+    assert "\n" not in str(error.value) and "--resume latest" in str(error.value)
+    monkeypatch.undo()
+    assert list_checkpoints(tmp_path) == [good]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5"]  # no .tmp
+    assert load_checkpoint(accelerator, good, plan)[0].step == 5
+
+
+def test_a_full_disk_during_an_export_keeps_the_export_before_it(tmp_path, monkeypatch):
+    target = tmp_path / "model"
+    write_export(reference_state(), target, {"step": 1})
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("accel_common.checkpoint.save_file", full)
+    with pytest.raises(CheckpointError, match=r"^no space left on device while writing .*model"):
+        write_export(reference_state(), target, {"step": 2})
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # no .tmp left either
+
+
+def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batch(
+    tmp_path, accelerator
+):
+    """Issue 27: resuming in another recipe's output folder first asked for `--bs 8`."""
+    accelerator.prepare(Net())
+    saved = {"recipe": "pointcloud", "width": 16, "global_batch_size": 8}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=45), plan=plan_batch(1, global_batch_size=8),
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {"recipe": "template", "hidden": 64, "global_batch_size": 64}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(accelerator, path, plan_batch(1, global_batch_size=64), identity=now)
+    assert str(error.value) == (
+        f"{path} is a checkpoint of the pointcloud recipe, not of template; resume it with "
+        "recipes/train_pointcloud.py, or give this template run its own --output-dir"
+    )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,14 +127,89 @@ def test_resume_mid_epoch_skips_what_was_trained_and_ends_in_the_same_place(run,
     assert resumed == uninterrupted[16:]  # the remaining micro-batches, in the same order
 
 
-def test_a_finished_run_resumed_is_evaluated_again(run, tmp_path):
+def test_a_finished_run_resumed_leaves_its_export_as_it_was(run, tmp_path, capsys):
+    """Issue 27: resuming a finished run rewrote its model.json with `train_loss: NaN` (not
+    JSON), `train_seconds: 0.0` and the resuming launch's process count."""
     accelerator, model, optimizer, loop, _ = run()
     train(accelerator, model, optimizer, loop)
     loop.finish(model)
+    export = tmp_path / "model"
+    before = {name: (export / name).read_bytes() for name in ("model.json", "model.safetensors")}
+    capsys.readouterr()
+    accelerator, model, optimizer, loop, _ = run(resume="latest")
+    epochs, firsts, _ = train(accelerator, model, optimizer, loop)
+    assert (epochs, firsts) == ([], [])  # nothing to train or evaluate
+    metrics = loop.finish(model)
+    printed = capsys.readouterr().out
+    assert f"the run in {tmp_path} already finished at step 12; its export in {export} is " in (
+        printed
+    )
+    assert "train_loss nan" not in printed
+    assert {name: (export / name).read_bytes() for name in before} == before
+    assert metrics == json.loads(before["model.json"])["metrics"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_8", "step_12"]
+
+
+def test_a_finished_run_without_its_export_is_evaluated_and_exported_again(run, tmp_path, capsys):
+    """A run killed between its final save and its export: the resume evaluates once more and
+    exports, with no training loss (no step was trained) rather than NaN."""
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    shutil.rmtree(tmp_path / "model")
+    capsys.readouterr()
     accelerator, model, optimizer, loop, _ = run(resume="latest")
     epochs, firsts, _ = train(accelerator, model, optimizer, loop)
     assert (epochs, firsts) == ([3], [])  # one epoch with no batches: the evaluation runs
-    assert loop.metrics["epoch"] == 3.0
+    loop.finish(model)
+    assert "train_loss" not in capsys.readouterr().out
+    exported = json.loads((tmp_path / "model" / "model.json").read_text(), parse_constant=refuse)
+    assert exported["step"] == 12 and exported["metrics"]["epoch"] == 3.0
+    assert "train_loss" not in exported["metrics"]
+    logged = [json.loads(line, parse_constant=refuse) for line in metrics_lines(tmp_path)]
+    assert "eval/train_loss" not in logged[-1] and logged[-1]["eval/epoch"] == 3.0
+
+
+def refuse(constant: str) -> None:
+    raise AssertionError(f"{constant} in a JSON file")
+
+
+def metrics_lines(out: Path) -> list[str]:
+    return (out / "logs" / "metrics.jsonl").read_text().splitlines()
+
+
+def test_an_epoch_resumed_at_its_end_reports_no_training_loss(run, tmp_path, capsys):
+    """Saved after the last step of epoch 1 (step 5 of 5): the resumed run trains nothing in
+    that epoch before its evaluation, which used to print `train_loss nan`."""
+    accelerator, model, optimizer, loop, _ = run(save_every=5)
+    train(accelerator, model, optimizer, loop)  # saves step_5 and step_10; not finished
+    shutil.rmtree(tmp_path / "checkpoints" / "step_10")
+    capsys.readouterr()
+    accelerator, model, optimizer, loop, _ = run(resume="latest", save_every=5)
+    epochs, _, _ = train(accelerator, model, optimizer, loop)
+    assert epochs == [1, 2, 3]
+    printed = capsys.readouterr().out
+    assert "epoch 1: epoch 1\n" in printed.replace("\r", "\n")  # its evaluation, no train_loss
+    assert "nan" not in printed
+    for line in metrics_lines(tmp_path):
+        json.loads(line, parse_constant=refuse)
+
+
+def test_a_non_finite_evaluation_metric_stops_the_run_before_it_reaches_a_json_file(run, tmp_path):
+    accelerator, model, optimizer, loop, _ = run()
+    with pytest.raises(NonFiniteError, match=r"the evaluation metric r2 is nan at epoch 1"):
+        for epoch in loop.epochs():
+            for x, y in loop.batches():
+                with accelerator.accumulate(model):
+                    loss = (model(x / 1000) - y).pow(2).mean()
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                loop.record(loss)
+            loop.end_epoch({"epoch": float(epoch), "r2": float("nan")})
+    for line in metrics_lines(tmp_path):
+        json.loads(line, parse_constant=refuse)
+    assert not (tmp_path / "model").exists()
 
 
 def test_forgetting_record_or_batches_is_an_error(run, tmp_path):
@@ -278,3 +356,30 @@ def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run,
         loop.end_epoch({"val_mae": 9.0}, model)
     assert loop.finish(model)["best_epoch"] == 1
     assert torch.equal(exported_params(tmp_path)["weight"], weights_at[1])
+
+
+def test_a_full_disk_during_a_periodic_save_stops_the_run_and_keeps_the_last_checkpoint(
+    run, tmp_path, monkeypatch
+):
+    accelerator, model, optimizer, loop, _ = run()
+    saved = accelerator.save_state
+    calls = []
+
+    def full_on_the_second(output_dir: str) -> None:
+        calls.append(output_dir)
+        if len(calls) == 2:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"\x00" * 10)
+            raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+        saved(output_dir)
+
+    monkeypatch.setattr(accelerator, "save_state", full_on_the_second)
+    with pytest.raises(CheckpointError) as error:
+        train(accelerator, model, optimizer, loop)
+    first = tmp_path / "checkpoints" / "step_4"
+    assert str(error.value).startswith(
+        f"no space left on device while saving step_8; the last complete checkpoint is {first}"
+    )
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_4"]
+    monkeypatch.undo()
+    assert run(resume="latest")[3].step == 4  # what was complete still loads

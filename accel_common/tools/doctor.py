@@ -35,6 +35,7 @@ from rich.table import Table
 
 from accel_common.batching import plan_batch
 from accel_common.errors import RecipeError
+from accel_common.runtime import config_asks_for_gpus
 from accel_common.tools.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,6 @@ DEFAULT_ADDR = "127.0.0.1"
 DEFAULT_PER_DEVICE_BS = 32
 GPU_CONFIGS = {1: "1gpu.yaml", 2: "2gpu.yaml", 4: "4gpu.yaml", 8: "8gpu.yaml"}
 CPU_CONFIG = "cpu_2proc.yaml"
-GPU_DISTRIBUTED_TYPES = {"MULTI_GPU", "FSDP", "DEEPSPEED"}
 EXIT_BLOCKER = 1
 # spawned processes import torch before their process group exists; slow on a busy node
 STARTUP_ALLOWANCE_S = 60.0
@@ -317,20 +317,43 @@ def check_environment(
     return problems
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """The accelerate config at `path`; a missing or malformed file is a user error (exit 2)."""
+def yaml_error(err: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: where, what, and while doing what."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
+
+
+def load_config(path: Path, flag: str = "--config-file") -> dict[str, Any]:
+    """The accelerate config at `path`; a missing or malformed file is a user error (exit 2).
+    `flag` is how the caller's user named it (`accelerate launch` spells it --config_file)."""
     if not path.is_file():
         shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
         raise RecipeError(
-            f"--config-file {path}: no such file; the configs in {CONFIG_DIR.name}/ are: {shipped}"
+            f"{flag} {path}: no such file; the configs in {CONFIG_DIR.name}/ are: {shipped}"
         )
     try:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise RecipeError(f"--config-file {path}: not valid YAML ({err})") from None
+        raise RecipeError(f"{flag} {path}: {yaml_error(err)}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{flag} {path}: not a text file, so not an accelerate config") from None
     if not isinstance(config, dict):
-        raise RecipeError(f"--config-file {path}: not an accelerate config (no `key: value` lines)")
+        raise RecipeError(f"{flag} {path}: not an accelerate config (no `key: value` lines)")
     return config
+
+
+def missing_deepspeed(name: str) -> Problem | None:
+    """A blocker when `name` (a config or a flag) asks for DeepSpeed and it is not installed."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return None
+    return Problem(
+        "blocker",
+        f"{name} needs DeepSpeed, which is not installed",
+        "`pip install deepspeed` on every GPU machine",
+    )
 
 
 def check_config(
@@ -372,7 +395,7 @@ def check_config(
                 "all machines together",
             )
         )
-    wants_gpus = not use_cpu and kind in GPU_DISTRIBUTED_TYPES
+    wants_gpus = config_asks_for_gpus(config)  # what a recipe's workers refuse without GPUs
     hidden = env.get("CUDA_VISIBLE_DEVICES")
     hint = f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else ""
     if wants_gpus and gpus == 0:
@@ -395,11 +418,8 @@ def check_config(
                 "recommended config below",
             )
         )
-    if kind == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
-        problems.append(
-            Problem("blocker", f"{path.name} needs DeepSpeed, which is not installed",
-                    "`pip install deepspeed` on every GPU machine")
-        )  # fmt: skip
+    if kind == "DEEPSPEED" and (missing := missing_deepspeed(path.name)) is not None:
+        problems.append(missing)
     if config.get("mixed_precision") == "bf16" and gpus and not torch.cuda.is_bf16_supported():
         problems.append(
             Problem(
