@@ -67,7 +67,7 @@ def test_plan_with_a_memory_cap_uses_accumulation():
 def test_plan_refuses_bad_lr():
     result = runner.invoke(app, ["plan", "--ref-bs", "8", "--ref-lr", "-1", "--per-device-bs", "8"])
     assert result.exit_code == 2
-    assert "--lr must be a positive number" in result.output
+    assert "--ref-lr must be a positive number" in result.output
 
 
 def test_new_copies_the_template_and_never_overwrites(tmp_path):

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
+from accel_common.checkpoint import list_checkpoints
+from accel_common.errors import EXIT_PREEMPTED
 from accel_common.tools.launch import Condensed, condense
-from tests.conftest import BIN, CPU_2PROC, TEMPLATE, free_port, recipe_env
+from tests.conftest import (
+    ACCELERATE_LAUNCH,
+    BIN,
+    CPU_2PROC,
+    TEMPLATE,
+    free_port,
+    recipe_env,
+)
 
 # what `accelerate launch` printed when rank 0 refused --lr nan (shortened)
 LAUNCHER_STDERR = """\
@@ -60,3 +76,99 @@ def test_a_failed_two_process_launch_is_one_line_and_the_workers_exit_code(tmp_p
     # both ranks refuse the flag; which one the launcher sees fail first is a race
     assert re.search(r"launcher: rank [01] failed first, with exit code 2", result.stderr)
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def processes_of(run: Path) -> list[psutil.Process]:
+    """Live processes whose command line names the run's output folder (launcher, workers)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run) in " ".join(process.info["cmdline"] or []) and process.status() != "zombie":
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("full_report", [False, True], ids=["condensed", "full-report"])
+def test_sigterm_to_the_launch_saves_the_step_and_exits_75(tmp_path, template_data, full_report):
+    """The documented launch, `accel-recipes launch -- accelerate launch ...` (the Makefile, the
+    SLURM node step), stopped by SIGTERM mid-run: the workers save the step in progress and the
+    command exits 75 (requeue me) with one line, also when the launcher's full report is asked
+    for; a bare `accelerate launch` would exit 1 with a traceback."""
+    out = tmp_path / "run"
+    command = [str(BIN / "accel-recipes"), "launch", "--", *ACCELERATE_LAUNCH]
+    command += ["--config_file", str(CPU_2PROC), "--main_process_port", str(free_port())]
+    command += [str(TEMPLATE), "--data", str(template_data), "--output-dir", str(out)]
+    command += ["--bs", "32", "--max-steps", "400", "--save-every", "5"]
+    env = {**recipe_env(tmp_path), "ACCEL_RECIPES_FULL_REPORT": "1" if full_report else "0"}
+    job = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        first = out / "checkpoints" / "step_5" / "progress.json"
+        deadline = time.monotonic() + 240
+        while not first.exists():  # mid-run: a checkpoint written, far from step 400
+            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)  # to the command only, as a scheduler or `kill` does
+        _, stderr = job.communicate(timeout=240)
+        time.sleep(1)
+        left = processes_of(out)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # anything left over, the test has failed
+    assert job.returncode == EXIT_PREEMPTED, stderr
+    assert left == [], f"still running after the launch exited: {left}"
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith("preempted: SIGTERM arrived")]
+    step = int(line.split("optimizer step ")[1].split(";")[0])
+    checkpoints = list_checkpoints(out)
+    assert checkpoints[-1].name == f"step_{step}" and 5 <= step < 400
+    assert (checkpoints[-1] / "progress.json").exists() and not (out / "model").exists()
+    last = stderr.splitlines()[-1]
+    assert last.startswith("launcher: preempted, the checkpoint is saved; exit code 75")
+    # the launcher's own traceback (SignalException) only where the full report was asked for
+    assert ("Traceback" in stderr) is full_report
+
+
+# a launcher whose workers have not started training: on SIGTERM it stops them and exits 1 with
+# a traceback, as torch elastic's agent does (workers that die of the signal save nothing)
+STARTING_LAUNCHER = """
+import pathlib, signal, sys, time
+def stop(sig, frame):
+    print("W1124 09:24:49.731000 25779 torch/distributed/elastic/agent/server/api.py:753] "
+          f"Received {sig} death signal, shutting down workers", file=sys.stderr, flush=True)
+    raise RuntimeError(f"Process 1 got signal: {sig}")
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path(sys.argv[1]).touch()
+time.sleep(120)
+"""
+
+
+def test_a_stop_signal_before_the_workers_saved_is_one_line(tmp_path):
+    launcher, ready = tmp_path / "launcher.py", tmp_path / "ready"
+    launcher.write_text(STARTING_LAUNCHER)
+    job = subprocess.Popen(
+        [str(BIN / "accel-recipes"), "launch", "--", sys.executable, str(launcher), str(ready)],
+        env=recipe_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.splitlines() == [
+        "launcher: stopped by SIGTERM before any worker reported a saved checkpoint (a signal "
+        "while they start is not caught); exit code 143: relaunch with --resume latest to "
+        "continue from the newest complete checkpoint (ACCEL_RECIPES_FULL_REPORT=1 shows the "
+        "launcher's full report)"
+    ]

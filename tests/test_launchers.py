@@ -11,12 +11,16 @@ proven to work, not only to look right.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import BIN, REPO, free_port, metrics_log, recipe_env
@@ -28,9 +32,13 @@ TORCHRUN_SH = REPO / "scripts" / "torchrun_multinode.sh"
 MULTINODE_YAML = "accelerate_configs/multinode_2x8.yaml"
 
 FAKE_SCONTROL = """
-import os, re, sys
+import json, os, re, sys
+if sys.argv[1:2] == ["requeue"]:
+    with open(os.environ["FAKE_LOG"], "a") as log:
+        log.write(json.dumps({"prog": "scontrol", "argv": sys.argv[1:]}) + "\\n")
+    sys.exit(0)
 if sys.argv[1:3] != ["show", "hostnames"]:
-    sys.exit("fake scontrol: only 'show hostnames [LIST]'")
+    sys.exit("fake scontrol: only 'show hostnames [LIST]' and 'requeue JOBID'")
 nodelist = sys.argv[3] if len(sys.argv) > 3 else os.environ["SLURM_JOB_NODELIST"]
 for item in re.findall(r"[^,\\[]+(?:\\[[^\\]]*\\])?", nodelist):  # gpu[01-02,05],login1
     match = re.fullmatch(r"(.*)\\[(.*)\\]", item)
@@ -101,6 +109,16 @@ FAKE_WRAPPER = """
 import os, sys
 assert sys.argv[1:3] == ["launch", "--"], sys.argv
 os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+# `accel-recipes launch -- CMD` whose workers are preempted: it waits, and a stop signal makes it
+# exit 75 as the real one does once the workers have saved
+FAKE_PREEMPTED_WRAPPER = """
+import os, signal, sys, time
+for name in ("SIGTERM", "SIGUSR1"):
+    signal.signal(getattr(signal, name), lambda *_: sys.exit(75))
+open(os.path.join(os.environ["FAKE_READY_DIR"], os.environ["SLURM_NODEID"]), "w").close()
+time.sleep(120)
 """
 
 # a GPU machine's nvidia-smi must not leak into the tests: by default it reports no driver
@@ -340,6 +358,46 @@ def test_node_step_refuses_two_tasks_on_one_node(tmp_path, fakes):
     assert result.returncode == 2
     assert "srun must start exactly one task per node" in result.stderr
     assert calls(tmp_path, "accelerate") == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_preempted_job_is_requeued_when_slurm_signals_its_steps(tmp_path, fakes, sig):
+    """SLURM delivers --signal=USR1@120 (and `scancel -s TERM`) to every process of the job's
+    steps: each node's node.sh as well as the launch under it. node.sh must live on to report the
+    launch's exit code 75, so that launch.sh requeues the job."""
+    write_tool(fakes, "accel-recipes", FAKE_PREEMPTED_WRAPPER)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = slurm_env(
+        tmp_path, fakes, SLURM_JOB_NODELIST="gpu[1-2]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8",
+        RECIPE="template", FAKE_READY_DIR=str(ready),
+    )  # fmt: skip
+    job = subprocess.Popen(
+        ["bash", str(SBATCH_MULTI)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(p.name for p in ready.iterdir()) != ["0", "1"]:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        # the job steps' processes (each node.sh and what it started), not the batch script
+        steps = [
+            p for p in psutil.Process(job.pid).children(recursive=True)
+            if p.cmdline()[:2] == ["bash", "scripts/slurm/node.sh"]
+        ]  # fmt: skip
+        assert len(steps) == 2
+        for step in steps:
+            for process in [step, *step.children(recursive=True)]:
+                process.send_signal(sig)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr
+    assert "job 123456: preempted, checkpoint saved; requeueing" in stdout
+    assert [c["argv"] for c in calls(tmp_path, "scontrol")] == [["requeue", "123456"]]
+    assert not (tmp_path / "logs" / ".preempted-123456").exists()  # consumed by the requeue
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
 from accel_common.checkpoint import convert_checkpoint, export_paths, write_export
-from accel_common.errors import RecipeError, exit_on_error
+from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench import run_benchmark
 from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
@@ -68,6 +69,8 @@ def plan(
     --measure-bs batch, fits memory = fixed + per-sample x batch, and prints for each device count
     and memory size (this device, 24/40/80/141 GB) the largest per-device batch that fits, the
     accumulation that reaches --bs and the LR; `--max-per-device-bs auto` then uses it."""
+    if ref_lr is not None and not (ref_lr > 0 and math.isfinite(ref_lr)):
+        raise ConfigError(f"--ref-lr must be a positive number, got {ref_lr}")
     if measure is not None:
         recipe_argv = [*ctx.args]
         for flag, value in (
@@ -92,7 +95,7 @@ def plan(
     if per_device_bs is None and bs is None:
         per_device_bs = ref_bs
     counts = parse_counts(gpus, "--gpus")
-    scale_lr(ref_lr, ref_bs, ref_bs, LRScaling.none)  # validates --ref-lr and --ref-bs
+    scale_lr(ref_lr, ref_bs, ref_bs, LRScaling.none)  # validates --ref-bs (--ref-lr: above)
     keep = "per-GPU batch" if bs is None else "global batch"
     table = Table(title=f"Batch and LR plan (reference: lr {ref_lr:g} at global batch {ref_bs})")
     for column in ("GPUs", "global batch", "per-GPU batch", "accum", "linear LR", "sqrt LR"):
@@ -298,7 +301,9 @@ def launch(ctx: typer.Context) -> None:
     bad input, 3: a collective failed, 4: launcher gone) instead of the launcher's 1. SIGTERM and
     SIGUSR1 reach the workers, which save the step in progress: exit code 75 (preempted, requeue
     me). The Makefile's launch targets and the SLURM scripts use it; ACCEL_RECIPES_FULL_REPORT=1
-    shows everything.
+    shows everything (with the same exit code). Before anything starts, a missing or malformed
+    accelerate config, a DeepSpeed launch without DeepSpeed and a launcher that does not exist are
+    refused in one line.
     """
     if not ctx.args:
         raise RecipeError(

@@ -41,6 +41,14 @@ def make_data(workload: str, out_dir: Path, *, force: bool = False, **options: o
     """Write `workload`'s synthetic set to `out_dir`, refusing to overwrite unless forced."""
     write_dataset = generator(workload)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(
+            f"{out_dir} is a file, not a folder: give a folder to write the data set into (it is "
+            "created if missing)"
+        )
+    above = next((p for p in out_dir.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise RecipeError(f"{out_dir}: {above} is a file, not a folder; give a folder's path")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise RecipeError(f"{out_dir} exists and is not empty; pass --force to write into it")
     return write_dataset(out_dir, **options)

@@ -7,27 +7,38 @@ exit 1, so a user sees the cause buried above a wall of launcher text and a scri
 every kind of failure. Nothing inside the worker can change what the launcher prints; this
 wrapper runs the launcher, passes its output through until a worker has reported an error, then
 replaces the launcher's report by one line naming the rank that failed first, and exits with
-that rank's exit code. `ACCEL_RECIPES_FULL_REPORT=1` passes everything through unchanged.
+that rank's exit code. `ACCEL_RECIPES_FULL_REPORT=1` passes everything through unchanged (the
+exit code and the closing line stay the same).
+
+Before it starts anything, an `accelerate launch` command's config is read as Accelerate would
+read it: a missing or malformed YAML file, or a DeepSpeed launch without DeepSpeed installed, is
+one `error:` line (the checks `accel-recipes doctor --config-file` makes), not a traceback after
+the launcher has started; so is a launcher that does not exist.
 
 Preemption: SIGTERM/SIGUSR1 sent to this wrapper is passed to the launcher, whose torch elastic
 agent passes it on to every worker (PET_SIGNALS_TO_HANDLE, set here, is torchrun's
 --signals-to-handle, which `accelerate launch` reads too: it adds SIGUSR1 to the signals the agent
 handles; by default SIGUSR1 would kill the agent and orphan its workers). The
 workers save a checkpoint and rank 0 reports `preempted: ...`; the agent itself then exits 1
-with a traceback, which this wrapper turns into exit code 75 (EXIT_PREEMPTED: requeue me).
+with a traceback, which this wrapper turns into exit code 75 (EXIT_PREEMPTED: requeue me). A bare
+`accelerate launch` or `torchrun` exits 1 there: only this wrapper knows the workers saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from accel_common.errors import EXIT_PREEMPTED
+from accel_common.errors import EXIT_PREEMPTED, RecipeError
 
 WORKER_ERROR = re.compile(r"^error( \(rank \d+\))?: ")
 PREEMPTED = re.compile(r"^preempted( \(rank \d+\))?: ")
@@ -38,6 +49,11 @@ ELASTIC_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/"
 ROOT_CAUSE = "Root Cause (first observed failure):"
 RANK = re.compile(r"^\s*rank\s*: (\d+)")
 EXIT_CODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")  # Ctrl-C, SLURM: the launcher decides
+EXAMPLE = (
+    "accel-recipes launch -- accelerate launch --config_file accelerate_configs/cpu_2proc.yaml "
+    "recipes/train_template.py"
+)
 
 
 @dataclass
@@ -50,11 +66,15 @@ class Condensed:
     preempted: bool = False
 
 
-def condense(stderr: Iterable[str]) -> Iterable[str | Condensed]:
+def condense(
+    stderr: Iterable[str], full: bool = False, stopping: Callable[[], bool] = lambda: False
+) -> Iterable[str | Condensed]:
     """Yield the launcher's stderr lines to show as they come, then a Condensed summary.
 
-    Once a worker has printed `error...`, the launcher's log lines and its failure report are
-    held back; the report's root-cause block gives the rank and exit code to report instead.
+    Once a worker has printed `error...`, or once `stopping()` (a stop signal was passed on), the
+    launcher's log lines and its failure report are held back; the report's root-cause block
+    gives the rank and exit code to report instead. `full` shows every line and still reads the
+    report.
     """
     summary = Condensed(lines=[])
     worker_failed, in_root_cause = False, False
@@ -64,47 +84,147 @@ def condense(stderr: Iterable[str]) -> Iterable[str | Condensed]:
             summary.preempted = summary.preempted or bool(PREEMPTED.match(line))
             yield line
             continue
-        if not worker_failed:
+        held = worker_failed or stopping()
+        if full or not held:
             yield line
-            continue
-        if ELASTIC_LOG.match(line):
+        if not held or ELASTIC_LOG.match(line):
             continue
         in_root_cause = in_root_cause or line.strip() == ROOT_CAUSE
         if in_root_cause and (found := RANK.match(line)):
             summary.rank = int(found.group(1))
         if in_root_cause and (found := EXIT_CODE.match(line)):
             summary.exit_code = int(found.group(1))
-        summary.lines.append(line)
+        if not full:
+            summary.lines.append(line)
     yield summary
 
 
+def accelerate_launch_args(command: Sequence[str]) -> list[str] | None:
+    """The arguments of `accelerate launch ARGS` (or `python -m accelerate.commands.launch ARGS`,
+    or `accelerate-launch ARGS`); None for any other launcher."""
+    for i, word in enumerate(command):
+        name = Path(word).name
+        if name == "accelerate" and command[i + 1 : i + 2] == ["launch"]:
+            return list(command[i + 2 :])
+        if name == "accelerate-launch" or (
+            word == "accelerate.commands.launch" and command[i - 1 : i] == ["-m"]
+        ):
+            return list(command[i + 1 :])
+    return None
+
+
+def accelerate_config(args: list[str]) -> tuple[Any, Path | None, str]:
+    """Accelerate's own reading of the launch arguments, the config file it would load (None:
+    none) and how to name that file in a message; (None, None, "") where the arguments do not
+    parse: the launcher then says why itself."""
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            parsed = launch_command_parser().parse_args(args)
+    except SystemExit:  # --help, or arguments accelerate refuses with its own message
+        return None, None, ""
+    if parsed.config_file is not None:
+        return parsed, Path(parsed.config_file), "--config_file"
+    if Path(default_config_file).is_file() and not parsed.cpu:  # as `accelerate launch` decides
+        return parsed, Path(default_config_file), "accelerate's default config"
+    return parsed, None, ""
+
+
+def preflight(command: Sequence[str]) -> None:
+    """Refuse, before anything starts, an `accelerate launch` that would die with a traceback:
+    its config missing or not valid YAML, or DeepSpeed asked for and not installed. The checks
+    and their wording are the doctor's (`accel-recipes doctor --config-file`)."""
+    args = accelerate_launch_args(command)
+    if args is None:
+        return
+    from accel_common.tools.doctor import load_config, missing_deepspeed  # torch: only here
+
+    parsed, path, flag = accelerate_config(args)
+    if parsed is None:
+        return
+    config = load_config(path, flag) if path is not None else {}
+    others = ("multi_gpu", "use_fsdp", "tpu", "use_megatron_lm")
+    if parsed.use_deepspeed:
+        wants, name = True, "--use_deepspeed"
+    else:  # a config's distributed_type counts unless a flag picks another kind
+        wants = config.get("distributed_type") == "DEEPSPEED"
+        wants = wants and not any(getattr(parsed, other, False) for other in others)
+        name = path.name if path is not None else ""
+    if wants and (problem := missing_deepspeed(name)) is not None:
+        raise RecipeError(f"{problem.message}: {problem.advice}")
+
+
+def start(command: Sequence[str], **options: Any) -> subprocess.Popen:
+    """Popen, with a launcher that cannot be run reported as one line."""
+    try:
+        return subprocess.Popen(command, **options)
+    except FileNotFoundError:
+        where = "file" if os.sep in command[0] else "command on PATH"
+        raise RecipeError(
+            f"{command[0]}: no such {where}; give the launcher after --, e.g. {EXAMPLE}"
+        ) from None
+    except OSError as err:  # not executable, a folder, not a program
+        raise RecipeError(
+            f"{command[0]}: cannot run it ({err.strerror}); give the launcher after --, e.g. "
+            f"{EXAMPLE}"
+        ) from None
+
+
 def run(command: Sequence[str]) -> int:
-    """Run the launcher command; return the failed worker's exit code, else the launcher's."""
+    """Run the launcher command; return the failed worker's exit code, else the launcher's.
+
+    Stop signals that reach this process (SIGINT, SIGTERM, SIGUSR1) are passed to the launcher,
+    also those that arrive while it starts; once it has exited, the previous handlers return."""
+    preflight(command)
     env = {"PET_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **os.environ}
-    if os.environ.get("ACCEL_RECIPES_FULL_REPORT") == "1":
-        return subprocess.call(command, env=env)
-    launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):  # Ctrl-C, SLURM: the launcher decides
-        signal.signal(getattr(signal, name), lambda sig, _frame: launcher.send_signal(sig))
-    summary = Condensed(lines=[])
-    for item in condense(launcher.stderr):
-        if isinstance(item, Condensed):
-            summary = item
-        else:
-            sys.stderr.write(item)
-            sys.stderr.flush()
-    code = launcher.wait()
+    full = os.environ.get("ACCEL_RECIPES_FULL_REPORT") == "1"
+    launcher: subprocess.Popen | None = None
+    received: list[int] = []
+
+    def forward(sig: int, _frame: object) -> None:
+        received.append(sig)
+        if launcher is not None:
+            launcher.send_signal(sig)
+
+    previous = {name: signal.signal(getattr(signal, name), forward) for name in STOP_SIGNALS}
+    try:
+        launcher = start(command, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        for sig in list(received):  # arrived while it started
+            launcher.send_signal(sig)
+        summary = Condensed(lines=[])
+        for item in condense(launcher.stderr, full=full, stopping=lambda: bool(received)):
+            if isinstance(item, Condensed):
+                summary = item
+            else:
+                sys.stderr.write(item)
+                sys.stderr.flush()
+        code = launcher.wait()
+    finally:
+        for name, handler in previous.items():  # None: a handler not set from Python
+            signal.signal(getattr(signal, name), signal.SIG_DFL if handler is None else handler)
+    hint = "" if full else " (ACCEL_RECIPES_FULL_REPORT=1 shows the launcher's full report)"
     if code != 0 and summary.preempted:
         sys.stderr.write(
-            f"launcher: preempted, the checkpoint is saved; exit code {EXIT_PREEMPTED} (requeue "
-            "the job to continue; ACCEL_RECIPES_FULL_REPORT=1 shows the launcher's full report)\n"
+            f"launcher: preempted, the checkpoint is saved; exit code {EXIT_PREEMPTED}: requeue "
+            f"the job to continue{hint}\n"
         )
         return EXIT_PREEMPTED
-    if code == 0 or summary.exit_code is None or summary.exit_code <= 0:
-        sys.stderr.writelines(summary.lines)  # not a worker's reported error: show everything
-        return code
-    sys.stderr.write(
-        f"launcher: rank {summary.rank} failed first, with exit code {summary.exit_code}; the "
-        "others were stopped (ACCEL_RECIPES_FULL_REPORT=1 shows the launcher's full report)\n"
-    )
-    return summary.exit_code
+    if code != 0 and summary.exit_code is not None and summary.exit_code > 0:
+        sys.stderr.write(
+            f"launcher: rank {summary.rank} failed first, with exit code {summary.exit_code}; the "
+            f"others were stopped{hint}\n"
+        )
+        return summary.exit_code
+    if code != 0 and received:  # stopped before the workers could save: while they started
+        name, stopped = signal.Signals(received[0]).name, 128 + received[0]
+        sys.stderr.write(
+            f"launcher: stopped by {name} before any worker reported a saved checkpoint (a "
+            f"signal while they start is not caught); exit code {stopped}: relaunch with "
+            f"--resume latest to continue from the newest complete checkpoint{hint}\n"
+        )
+        return stopped
+    sys.stderr.writelines(summary.lines)  # not a worker's reported error: show everything
+    return code

@@ -8,8 +8,9 @@
 # ACCELERATE and ACCEL_RECIPES (the binaries). Arguments are appended to the recipe's flags.
 #
 # The launch runs under `accel-recipes launch`, which passes SIGUSR1/SIGTERM on to the workers and
-# exits 75 once they have saved a checkpoint on preemption; this node then leaves PREEMPT_MARKER
-# for launch.sh, which requeues the job (srun may report another code for a node it stopped).
+# exits 75 once they have saved a checkpoint on preemption; this node, which outlives the signal,
+# then exits 75 too and leaves PREEMPT_MARKER for launch.sh, which requeues the job (srun may
+# report another code for a node it stopped).
 set -euo pipefail
 cd "${REPO_DIR:-$PWD}"
 # shellcheck source=scripts/common.sh
@@ -63,6 +64,11 @@ cmd=(
   "$RECIPE_SCRIPT" "${recipe_args[@]}" "$@"
 )
 echo "[node $rank of $NNODES, $(hostname)] $(printf '%q ' "${cmd[@]}")"
+# SLURM sends --signal=USR1@120 (and `scancel -s TERM`) to every process of the step, this shell
+# included, whose default is to die of it: then srun reports the signal instead of the launch's
+# 75 and nothing requeues the job. A trap that runs a command (an empty one would be inherited
+# as "ignore" by the launch) keeps this shell waiting; the launch got the signal itself.
+trap ':' TERM USR1
 code=0
 "$(resolve_bin ACCEL_RECIPES accel-recipes)" launch -- "${cmd[@]}" || code=$?
 if ((code == EXIT_PREEMPTED)) && [[ -n ${PREEMPT_MARKER:-} ]]; then

@@ -1,0 +1,134 @@
+"""`accel-recipes` refuses what cannot work with one `error:` line, exit code 2, nothing started
+or overwritten: a DeepSpeed config without DeepSpeed, a malformed or missing accelerate config,
+a launcher that does not exist, a file where make-data needs a folder, a bad --ref-lr."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from tests.conftest import ACCELERATE_LAUNCH, BIN, CPU_2PROC, REPO, TEMPLATE
+
+runner = CliRunner()
+DEEPSPEED_CONFIG = REPO / "accelerate_configs" / "deepspeed_zero2_8gpu.yaml"
+# not valid YAML: an unclosed flow sequence, then a key with two colons
+BROKEN_YAML = "distributed_type: [MULTI_GPU\nnum_processes: : 2\n"
+
+
+def invoke(*args: str) -> Result:
+    from accel_common.tools.cli import app  # imports torch: only when a test runs
+
+    return runner.invoke(app, list(args))
+
+
+def one_error_line(result: Result) -> str:
+    """The single `error: ...` line a refused command prints on stderr (and nothing else)."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def launch(tmp_path: Path, *launcher: str) -> tuple[Result, Path]:
+    """`accel-recipes launch -- LAUNCHER recipes/train_template.py --output-dir RUN`."""
+    out = tmp_path / "run"
+    command = [*launcher, str(TEMPLATE), "--max-steps", "1", "--output-dir", str(out)]
+    return invoke("launch", "--", *command), out
+
+
+@pytest.fixture
+def no_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed reads as not installed, whether this machine has it or not."""
+    find_spec = importlib.util.find_spec
+
+    def without_deepspeed(name: str, *args, **kwargs):
+        return None if name.split(".")[0] == "deepspeed" else find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_deepspeed)
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        [str(BIN / "accelerate"), "launch", "--config_file", str(DEEPSPEED_CONFIG)],
+        [*ACCELERATE_LAUNCH, "--config-file", str(DEEPSPEED_CONFIG)],  # accelerate's other spelling
+        [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--num_processes", "2"],
+    ],
+    ids=["config", "module-and-hyphen", "flag"],
+)
+def test_a_deepspeed_launch_without_deepspeed_names_the_package(tmp_path, no_deepspeed, launcher):
+    result, out = launch(tmp_path, *launcher)
+    line = one_error_line(result)
+    assert "needs DeepSpeed, which is not installed: `pip install deepspeed`" in line
+    if "--use_deepspeed" not in launcher:
+        assert line.startswith("error: deepspeed_zero2_8gpu.yaml needs DeepSpeed")
+    else:
+        assert line.startswith("error: --use_deepspeed needs DeepSpeed")
+    assert not out.exists()  # nothing was launched
+
+
+def test_a_malformed_accelerate_config_is_one_line_from_launch_and_doctor(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN_YAML)
+    result, out = launch(tmp_path, *ACCELERATE_LAUNCH, "--config_file", str(bad))
+    line = one_error_line(result)
+    assert line.startswith(f"error: --config_file {bad}: not valid YAML at line 2, column ")
+    assert not out.exists()
+    # the doctor reads it with the same check, worded for its own flag, also on one line
+    doctor = one_error_line(invoke("doctor", "--config-file", str(bad)))
+    assert doctor == line.replace("--config_file", "--config-file")
+    assert bad.read_text() == BROKEN_YAML
+
+
+def test_a_missing_accelerate_config_names_the_shipped_ones(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    result, out = launch(tmp_path, *ACCELERATE_LAUNCH, "--config_file", str(missing))
+    line = one_error_line(result)
+    assert line.startswith(f"error: --config_file {missing}: no such file; the configs in")
+    assert CPU_2PROC.name in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["nosuchbinary", "./nosuchbinary"])
+def test_a_launcher_that_does_not_exist_is_one_line(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(invoke("launch", "--", name, "--flag"))
+    assert line.startswith(f"error: {name}: no such ")
+    assert "accel-recipes launch -- accelerate launch --config_file" in line  # what to run
+
+
+def test_a_launcher_that_is_not_executable_is_one_line(tmp_path):
+    script = tmp_path / "launcher.sh"
+    script.write_text("echo hi\n")
+    line = one_error_line(invoke("launch", "--", str(script)))
+    assert line.startswith(f"error: {script}: cannot run it (Permission denied)")
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_make_data_into_a_file_refuses_and_keeps_the_file(tmp_path, force):
+    target = tmp_path / "notes.txt"
+    target.write_text("my notes\n")
+    args = ["make-data", "template", str(target), *(["--force"] if force else [])]
+    line = one_error_line(invoke(*args))
+    assert line == (
+        f"error: {target} is a file, not a folder: give a folder to write the data set into "
+        "(it is created if missing)"
+    )
+    assert target.read_text() == "my notes\n"
+    below = one_error_line(invoke("make-data", "template", str(target / "data")))
+    assert below.startswith(f"error: {target / 'data'}: {target} is a file, not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "0"])
+def test_plan_names_ref_lr_for_a_bad_ref_lr(value):
+    line = one_error_line(invoke("plan", "--ref-bs", "8", "--ref-lr", value))
+    assert line.startswith(f"error: --ref-lr must be a positive number, got {float(value)}")
+
+
+def test_plan_measure_checks_ref_lr_before_measuring(tmp_path):
+    line = one_error_line(invoke("plan", "--measure", "template", "--ref-lr", "nan"))
+    assert line.startswith("error: --ref-lr must be a positive number, got nan")
