@@ -225,6 +225,7 @@ def load_checkpoint(
     adjustable: frozenset[str] = frozenset(),
     total_steps: int | None = None,
     data_dir: Path | None = None,
+    derived: frozenset[str] = frozenset(),
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
     its run record ({"id", "identity"}).
@@ -265,7 +266,7 @@ def load_checkpoint(
         saved = {k: v for k, v in run["identity"].items() if k not in adjustable}
         current = {k: v for k, v in identity.items() if k not in adjustable}
         check_same_data(path, saved, current, data_dir)
-        differences = describe_differences(saved, current)
+        differences = describe_differences(saved, current, derived)
         if differences:
             raise CheckpointError(
                 f"{path} belongs to another run (id {run.get('id')}): {differences}; resume with "
@@ -310,20 +311,26 @@ def check_same_data(
         )
 
 
-def describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs."""
+def describe_differences(
+    saved: dict[str, Any], current: dict[str, Any], derived: frozenset[str] = frozenset()
+) -> str:
+    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs;
+    `derived` values (computed from the data, not flags) are named as such."""
     keys = sorted(set(saved) | set(current), key=str)
     missing = object()
     parts = [
-        f"{name(key)} {saved.get(key, 'unset')} in the checkpoint, {current.get(key, 'unset')} now"
+        f"{name(key, derived)} {saved.get(key, 'unset')} in the checkpoint, "
+        f"{current.get(key, 'unset')} now"
         for key in keys
         if saved.get(key, missing) != current.get(key, missing)
     ]
     return "; ".join(parts)
 
 
-def name(key: str) -> str:
+def name(key: str, derived: frozenset[str] = frozenset()) -> str:
     """A setting as its flag (`--draw-weight`), other recorded values as `key:`."""
+    if key in derived:
+        return f"{key} (computed from the data):"
     return f"{key}:" if key in NOT_FLAGS else "--" + str(key).replace("_", "-")
 
 

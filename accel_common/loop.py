@@ -145,6 +145,7 @@ class TrainLoop:
         config: dict[str, Any],
         output_dir: Path,
         adjustable: frozenset[str] = frozenset(),
+        derived: frozenset[str] = frozenset(),
         resume: str | None = None,
         overwrite: bool = False,
         overwrite_later: bool = False,
@@ -188,7 +189,7 @@ class TrainLoop:
         self._skip_step = False
         self._stop_signal: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
-        self.adjustable, self.data_dir = adjustable, data_dir
+        self.adjustable, self.derived, self.data_dir = adjustable, derived, data_dir
         # the data's content fingerprint: read by the main process (once: its per-file digests
         # are cached), the same for all
         fingerprint = None
@@ -608,6 +609,7 @@ class TrainLoop:
             adjustable=self.adjustable,
             total_steps=self.total_steps,
             data_dir=self.data_dir,
+            derived=self.derived,
         )
         self._make_way_for(path, progress.step, resume, overwrite_later)
         noted = self.adjustable - LAUNCH_SETTINGS

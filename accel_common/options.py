@@ -297,6 +297,7 @@ class TrainArgs(Settings):
             recipe=recipe,
             config={**self.as_config(), **own, **(derived or {}), **(config or {})},
             adjustable=frozenset(adjustable),
+            derived=frozenset(derived or {}),
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,

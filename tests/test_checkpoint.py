@@ -18,6 +18,7 @@ from accel_common.batching import plan_batch
 from accel_common.checkpoint import (
     TrainProgress,
     convert_checkpoint,
+    describe_differences,
     list_checkpoints,
     load_checkpoint,
     load_exported,
@@ -513,4 +514,13 @@ def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batc
     assert str(error.value) == (
         f"{path} is a checkpoint of the pointcloud recipe, not of template; resume it with "
         "recipes/train_pointcloud.py, or give this template run its own --output-dir"
+    )
+
+
+def test_a_refused_resume_names_settings_as_flags_and_data_statistics_as_such():
+    saved = {"recipe": "crystal", "width": 64, "mean": -0.5}
+    now = {"recipe": "crystal", "width": 32, "mean": -0.4}
+    assert describe_differences(saved, now, frozenset({"mean"})) == (
+        "mean (computed from the data): -0.5 in the checkpoint, -0.4 now; "
+        "--width 64 in the checkpoint, 32 now"
     )
