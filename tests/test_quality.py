@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import recipes.train_quality as recipe
 from accel_common.data.images import list_images
-from accel_common.errors import ConfigError, DataError, one_line
+from accel_common.errors import CheckpointError, ConfigError, DataError, one_line
 from recipes.quality import data as quality_data
 from recipes.quality.example import ANNOTATORS
 from tests.conftest import (
@@ -238,17 +238,19 @@ def dry_run(args: list[str]) -> dict[str, str]:
 
 
 def parameters(backbone: str, annotators: int = len(ANNOTATORS)) -> str:
+    """The scorer's count, the reliabilities apart."""
     with torch.device("meta"):
         model = recipe.QualityScorer(backbone, annotators, 0.2)
-    return str(sum(p.numel() for p in model.parameters()))
+    return str(sum(p.numel() for p in model.parameters()) - annotators)
 
 
 def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = dry_run(["--config", str(ORIGINAL)])
-    # efficientnet_b4 and the 512-256-1 head: the original's 18,598,217 parameters but its head's
-    # last bias, plus one reliability per annotator of the example (no --data: 6)
-    assert plan["parameters"] == str(18_598_217 - 1 + 6)
+    # efficientnet_b4 and the 512-256-1 head with its biases: the original's 18,598,217; one
+    # reliability per annotator of the example (no --data: 6), counted apart
+    assert plan["parameters"] == str(18_598_217)
+    assert plan["annotator reliabilities"] == "6 (not counted above)"
     assert plan["batch"] == "global batch 32 = 32 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0001 (--lr 0.0001 at --ref-bs 32, linear")
     assert plan["learning rate"].endswith("0 warmup steps, then cosine")
@@ -271,6 +273,7 @@ def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
         ["--config", str(config), "--backbone", "test_efficientnet_gn", "--data", str(two)]
     )
     assert plan["parameters"] == parameters("test_efficientnet_gn", annotators=2)
+    assert plan["annotator reliabilities"] == "2 (not counted above)"
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 32")
     # the recipe's own checks hold for a file as for a flag
     config.write_text("reliability: sometimes\n")
@@ -479,3 +482,129 @@ def test_trains_on_the_original_layout_without_truth(tmp_path):
     metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
     assert {"pair_acc", "baseline_pair_acc", "eta_hitul", "eta_rakshitha rp"} <= metrics.keys()
     assert "spearman" not in metrics and "eta_corr" not in metrics
+
+
+# --------------------------------------------------------------------------- the original's code
+# Fixtures made by running hituldesai03/crowd-bt's own code (tests/fixtures/quality/README.md).
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quality"
+IMAGENET = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the original's dataset.py 29-33
+
+
+def original_facts() -> dict:
+    return json.loads((FIXTURES / "original_outputs.json").read_text())
+
+
+def original_checkpoint(path: Path) -> Path:
+    """The dict the original's train.save_checkpoint writes, rebuilt from the fixtures (its
+    optimizer and scheduler state left empty: the import does not read them)."""
+    from safetensors.torch import load_file
+
+    facts = original_facts()
+    checkpoint = {
+        "epoch": facts["epoch"],
+        "model": load_file(str(FIXTURES / "original_model.safetensors")),
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"last_epoch": 1},
+        "metrics": facts["metrics"],
+        "config": facts["config"],
+        "eta_logit": facts["eta_logit"],
+    }
+    assert sorted(checkpoint) == facts["checkpoint_keys"]
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.fixture
+def imported(tmp_path) -> Path:
+    """`accel-recipes convert --from crowd-bt` of the original's checkpoint."""
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    result = CliRunner().invoke(
+        app, ["convert", str(source), str(tmp_path / "model"), "--from", "crowd-bt"]
+    )
+    assert result.exit_code == 0, result.output
+    return tmp_path / "model"
+
+
+def imported_scorer(model_dir: Path) -> recipe.QualityScorer:
+    from accel_common.checkpoint import load_exported
+
+    config = json.loads((model_dir / "model.json").read_text())["config"]
+    model = recipe.QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
+    load_exported(model_dir, model)  # strict: no missing or unexpected key
+    return model.eval()
+
+
+def test_the_original_preprocessing_is_reproduced():
+    from safetensors.torch import load_file
+
+    expected = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    read = quality_data.ImageReader(FIXTURES / "images", 32, *IMAGENET)
+    ours = torch.stack([read(name) for name in original_facts()["images"]])
+    assert torch.equal(ours, expected)
+
+
+def test_an_original_checkpoint_imports_strictly_and_scores_as_the_original(imported):
+    from safetensors.torch import load_file
+
+    facts = original_facts()
+    model = imported_scorer(imported)
+    state = load_file(str(FIXTURES / "original_model.safetensors"))
+    assert set(model.scorer_state_dict()) == set(state)  # one to one, no renaming
+    assert json.loads((imported / "model.json").read_text())["config"]["backbone"] == (
+        "test_efficientnet"
+    )
+    images = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    with torch.no_grad():
+        scores = model(images)
+    expected = torch.tensor(facts["scores"])
+    assert torch.allclose(scores, expected, rtol=1e-5, atol=0), (scores, expected)
+    # its loss on a fixed batch, in the matching modes: its global eta (the imported logit,
+    # --reliability global) and its per-annotation fixed etas
+    batch = facts["loss_batch"]
+    diff = scores[batch["i"]] - scores[batch["j"]]
+    labels = torch.tensor(batch["labels"])
+    eta = recipe.reliabilities(model, "global", 0.8)[torch.zeros(4, dtype=torch.long)]
+    assert recipe.likelihood("global") is recipe.original_loss
+    loss = recipe.original_loss(diff, labels, eta, 0.5)
+    assert loss.item() == pytest.approx(facts["loss_global_eta"], rel=1e-5)
+    fixed = recipe.original_loss(diff, labels, torch.tensor(batch["annotator_reliability"]), 0.5)
+    assert fixed.item() == pytest.approx(facts["loss_fixed_eta"], rel=1e-5)
+
+
+def test_an_export_converts_back_to_the_original_format(imported, tmp_path):
+    from safetensors.torch import load_file
+
+    from accel_common.tools.cli import app
+
+    target = tmp_path / "crowd_bt.pt"
+    result = CliRunner().invoke(app, ["convert", str(imported), str(target), "--to", "crowd-bt"])
+    assert result.exit_code == 0, result.output
+    checkpoint = torch.load(target, weights_only=True)
+    facts = original_facts()
+    assert checkpoint["config"] == facts["config"]
+    assert checkpoint["eta_logit"] == pytest.approx(facts["eta_logit"])
+    original = load_file(str(FIXTURES / "original_model.safetensors"))
+    assert set(checkpoint["model"]) == set(original)
+    assert all(torch.equal(checkpoint["model"][k], original[k]) for k in original)
+
+
+def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
+    from recipes.quality.convert import import_checkpoint
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["model"]["head.3.weight"] = torch.zeros(128, 512)
+    torch.save(checkpoint, source)
+    with pytest.raises(
+        CheckpointError,
+        match=r"head\.3\.weight has shape \(128, 512\) in the "
+        r"checkpoint, \(256, 512\) in the network",
+    ):
+        import_checkpoint(source)
+    del checkpoint["model"]["head.6.bias"]
+    torch.save(checkpoint, source)
+    with pytest.raises(CheckpointError, match=r"1 missing keys \(first: \['head\.6\.bias'\]\)"):
+        import_checkpoint(source)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from accel_common.errors import DataError
@@ -199,18 +200,80 @@ def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, 
     return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
 
 
-class Pairs(Dataset):
-    """Comparisons as (image i, image j, choice, annotator index), images held in memory."""
+class ImageReader:
+    """One image as the original prepares it (dataset.py 17-48): decoded to RGB, resized to
+    size x size (torchvision's Resize: PIL bilinear), in training optionally augmented (flips
+    both ways, rotation up to 15 degrees, colour jitter 0.2 / 0.2 / 0.1), normalised with the
+    backbone's own mean and std (timm's data config). Read from disk when asked, in the data
+    loader's workers: no image set is ever held in memory."""
 
-    def __init__(self, records: list, images: torch.Tensor, index: dict, annotators: list[str]):
-        self.images = images
-        self.rows = [
-            (index[a], index[b], choice, annotators.index(who)) for a, b, choice, who in records
-        ]
+    def __init__(
+        self,
+        folder: Path,
+        size: int,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        augment: bool = False,
+    ) -> None:
+        from torchvision import transforms
+
+        steps: list = [transforms.Resize((size, size))]
+        if augment:
+            steps += [
+                transforms.RandomHorizontalFlip(p=0.5),
+                transforms.RandomVerticalFlip(p=0.5),
+                transforms.RandomRotation(degrees=15),
+                transforms.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.1),
+            ]
+        steps += [transforms.ToTensor(), transforms.Normalize(mean=mean, std=std)]
+        self.folder, self.size = Path(folder), size
+        self.transform = transforms.Compose(steps)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
+        path = self.folder / name
+        try:
+            with Image.open(path) as image:
+                rgb = image.convert("RGB")
+        except (UnidentifiedImageError, OSError) as err:
+            raise DataError(f"{path}: not a readable image ({err})") from None
+        return self.transform(rgb)
+
+
+def normalisation(backbone: nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The backbone's own (mean, std) from timm's data config: ImageNet's for efficientnet_b4 as
+    the original uses, (0.5, 0.5, 0.5) for timm's test models."""
+    from timm.data import resolve_data_config
+
+    config = resolve_data_config({}, model=backbone)
+    return tuple(config["mean"]), tuple(config["std"])
+
+
+class Images(Dataset):
+    """The named images, one per item, for scoring."""
+
+    def __init__(self, names: list[str], read: ImageReader) -> None:
+        self.names, self.read = names, read
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, item: int) -> torch.Tensor:
+        return self.read(self.names[item])
+
+
+class Pairs(Dataset):
+    """Comparisons as (image i, image j, choice, annotator index), the images read from disk."""
+
+    def __init__(self, records: list, read: ImageReader, annotators: list[str]):
+        self.read = read
+        who = {name: k for k, name in enumerate(annotators)}
+        self.rows = [(a, b, choice, who[annotator]) for a, b, choice, annotator in records]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int):
-        i, j, choice, annotator = self.rows[item]
-        return self.images[i], self.images[j], torch.tensor(float(choice)), torch.tensor(annotator)
+        a, b, choice, annotator = self.rows[item]
+        return self.read(a), self.read(b), torch.tensor(float(choice)), torch.tensor(annotator)
