@@ -608,3 +608,41 @@ def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
     torch.save(checkpoint, source)
     with pytest.raises(CheckpointError, match=r"1 missing keys \(first: \['head\.6\.bias'\]\)"):
         import_checkpoint(source)
+
+
+def run_command(command, args: list[str]):
+    app = typer.Typer()
+    app.command()(command)
+    return CliRunner().invoke(app, args)
+
+
+def test_one_image_is_scored_and_two_compared_as_the_original_does(imported):
+    facts = original_facts()
+    first, second = (str(FIXTURES / "images" / name) for name in facts["images"][:2])
+    result = run_command(recipe.compare, ["--model", str(imported), first])
+    assert result.exit_code == 0, result.output
+    score = float(result.output.split("score ")[1])
+    assert score == pytest.approx(facts["scores"][0], rel=1e-5)  # same preprocessing and weights
+    result = run_command(recipe.compare, ["--model", str(imported), first, second])
+    assert result.exit_code == 0, result.output
+    diff = facts["scores"][0] - facts["scores"][1]  # 0.154: above the 0.1 draw margin
+    probability = torch.sigmoid(torch.tensor(diff)).item()
+    assert result.output.splitlines()[-1] == f"{first} is better, probability {probability:.4f}"
+    result = run_command(recipe.compare, ["--model", str(imported), first, second, "--margin", "1"])
+    assert result.output.splitlines()[-1].startswith("draw (|difference| 0.1536 <= 1.0)")
+
+
+def test_the_onnx_export_scores_as_pytorch(imported, tmp_path):
+    """Needs onnx and onnxruntime: pip install 'accel-recipes[onnx]' (skipped without them)."""
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "scorer.onnx"
+    result = run_command(recipe.export_onnx, ["--model", str(imported), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    images = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (scores,) = session.run(None, {"image": images.numpy()})
+    expected = torch.tensor(original_facts()["scores"]).unsqueeze(1)
+    assert torch.allclose(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
