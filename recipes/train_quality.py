@@ -39,6 +39,7 @@ import contextlib
 import csv
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,11 +58,14 @@ from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.quality.data import (
+    GOLD_PAIR,
     ImageReader,
     Images,
     Pairs,
     annotation_files,
+    gold_reliabilities,
     normalisation,
+    quality_rank,
     read_comparisons,
     read_truth,
     split_comparisons,
@@ -70,7 +74,8 @@ from recipes.quality.example import ANNOTATORS, write_dataset
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer
 
 RECIPE = "quality"
-RELIABILITY = ("full", "global", "fixed")
+RELIABILITY = ("full", "global", "fixed", "gold")
+DRAW_MARGIN = 0.1  # the original's draw margin in its accuracy (loss.py 48, infer.py 115)
 HEAD_INITS = ("kaiming", "torch")
 
 
@@ -99,7 +104,8 @@ class QualitySettings(Settings):
         "full",
         "full: Crowd-BT, eta per annotator in [0, 1], learned; the original's likelihood "
         "eta s(d) + (1 - eta) / 2 with eta in [0.5, 1]: global (one learned eta, its reduced "
-        "form) or fixed (--fixed-eta).",
+        "form), fixed (--fixed-eta) or gold (each annotator's accuracy on gold_gold pairs, "
+        "fixed; annotators under 0.5 left out: its S3 runs).",
     )
     fixed_eta: float = setting(
         0.8,
@@ -140,7 +146,9 @@ class QualitySettings(Settings):
     def validate(self) -> None:
         super().validate()
         if self.reliability not in RELIABILITY:
-            raise ConfigError(f"--reliability {self.reliability}: choose full, global or fixed")
+            raise ConfigError(
+                f"--reliability {self.reliability}: choose full, global, fixed or gold"
+            )
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"--head-init {self.head_init}: choose kaiming or torch")
 
@@ -148,15 +156,20 @@ class QualitySettings(Settings):
 # --------------------------------------------------------------------------- WORKLOAD: loss
 
 
-def reliabilities(model: QualityScorer, mode: str, fixed_eta: float) -> torch.Tensor:
+def reliabilities(
+    model: QualityScorer, mode: str, fixed_eta: float, gold: torch.Tensor | None = None
+) -> torch.Tensor:
     """eta per annotator: `full` learns each in [0, 1] (crowd_bt_loss); the original's forms
     keep it in [0.5, 1] (original_loss): `global` learns one shared value as the original does,
-    0.5 + 0.5 sigmoid(logit) (loss.py 78), `fixed` uses --fixed-eta."""
+    0.5 + 0.5 sigmoid(logit) (loss.py 78), `fixed` uses --fixed-eta, `gold` each annotator's
+    accuracy on gold pairs (its S3 runs)."""
     logits = model.annotator_logits
     if mode == "full":
         return torch.sigmoid(logits)
     if mode == "global":
         return (0.5 + 0.5 * torch.sigmoid(logits[:1])).expand_as(logits)
+    if mode == "gold":
+        return gold.to(logits) + 0 * logits
     return fixed_eta + 0 * logits  # still in the graph: DDP expects a gradient for every parameter
 
 
@@ -205,7 +218,7 @@ def rank_correlations(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def win_rates(records: list, index: dict) -> torch.Tensor:
     """The baseline: each image's share of wins (draws count half) in the training votes."""
     wins, seen = torch.zeros(len(index)), torch.zeros(len(index))
-    for a, b, choice, _ in records:
+    for a, b, choice, *_ in records:
         wins[index[a]] += (1 + choice) / 2
         wins[index[b]] += (1 - choice) / 2
         seen[index[a]] += 1
@@ -214,10 +227,38 @@ def win_rates(records: list, index: dict) -> torch.Tensor:
 
 
 def pairwise_accuracy(scores: torch.Tensor, records: list, index: dict) -> float:
-    """Share of held-out non-draw votes whose winner has the higher score."""
-    decided = [(index[a], index[b], c) for a, b, c, _ in records if c != 0]
+    """Share of held-out non-draw votes whose winner has the higher score (the original's
+    evaluate.py, by pair type)."""
+    decided = [(index[a], index[b], c) for a, b, c, *_ in records if c != 0]
     hits = [(scores[i] - scores[j]).sign().item() == c for i, j, c in decided]
     return sum(hits) / max(1, len(hits))
+
+
+def margin_accuracy(scores: torch.Tensor, records: list, index: dict, margin: float) -> float:
+    """The original's accuracy (loss.py 161-169), draws included: a difference within the
+    margin (0.1) predicts a draw, beyond it the higher score's image."""
+    if not records:
+        return 0.0
+    i = torch.tensor([index[r[0]] for r in records])
+    j = torch.tensor([index[r[1]] for r in records])
+    diff = scores[i] - scores[j]
+    predicted = (diff > margin).long() - (diff < -margin).long()
+    return (predicted == torch.tensor([r[2] for r in records])).float().mean().item()
+
+
+def linear_ndcg(truth: torch.Tensor, scores: torch.Tensor) -> float:
+    """The original's global NDCG (compute_ndcg.py 27-47): relevance = the true value, images
+    ranked by score, gain rel / log2(rank + 1), divided by the ideal order's."""
+    discount = torch.log2(torch.arange(2, len(truth) + 2, dtype=torch.float64))
+    gain = truth.double()
+    ideal = (gain.sort(descending=True).values / discount).sum()
+    actual = (gain[scores.double().argsort(descending=True)] / discount).sum()
+    return (actual / ideal).item() if ideal > 0 else 0.0
+
+
+def against(metrics: dict, name: str, scores, baseline, measure) -> None:
+    """metrics[name] for the model and metrics[baseline_name] for the win-rate baseline."""
+    metrics[name], metrics[f"baseline_{name}"] = measure(scores), measure(baseline)
 
 
 @torch.no_grad()
@@ -237,24 +278,67 @@ def evaluate(
     index: dict,
     truth: dict | None,
     names: list[str],
+    categories: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Held-out pairwise accuracy and, with truth.json, rank correlation with true quality,
-    each next to the win-rate baseline."""
+    """Held-out pairwise accuracy (non-draw votes; with the original's 0.1 draw margin, draws
+    included; by pair type, gold_gold among them, where records name one), the rank correlation
+    and NDCG against gold images' category ranks (where records name categories) and against
+    true quality (truth.json), each next to the win-rate baseline."""
     baseline = win_rates(train_records, index)
-    metrics = {
-        "pair_acc": pairwise_accuracy(scores, held_out, index),
-        "baseline_pair_acc": pairwise_accuracy(baseline, held_out, index),
-    }
+    metrics: dict[str, float] = {}
+    against(metrics, "pair_acc", scores, baseline, lambda s: pairwise_accuracy(s, held_out, index))
+    margin = partial(margin_accuracy, records=held_out, index=index, margin=DRAW_MARGIN)
+    against(metrics, "pair_acc_margin", scores, baseline, margin)
+    for kind in sorted({r.pair_type for r in held_out} - {""}):
+        votes = [r for r in held_out if r.pair_type == kind]
+        measure = partial(pairwise_accuracy, records=votes, index=index)
+        against(metrics, f"pair_acc_{kind}", scores, baseline, measure)
+    ranked = [(index[n], quality_rank(c)) for n, c in (categories or {}).items() if n in index]
+    ranked = [(i, rank) for i, rank in ranked if rank >= 0]
+    if len(ranked) > 1:  # the gold ranking: the categories' ranks
+        at = torch.tensor([i for i, _ in ranked])
+        gold = torch.tensor([float(rank) for _, rank in ranked])
+        for key, measure in correlations_and_ndcg(gold).items():
+            against(metrics, f"{key}_gold", scores[at], baseline[at], measure)
     if truth is not None:
         true_quality = torch.tensor([truth["quality"][name] for name in names])
-        metrics["spearman"], metrics["kendall"] = rank_correlations(scores, true_quality)
-        metrics["baseline_spearman"], metrics["baseline_kendall"] = rank_correlations(
-            baseline, true_quality
-        )
+        for key, measure in correlations_and_ndcg(true_quality).items():
+            against(metrics, key, scores, baseline, measure)
     return metrics
 
 
+def correlations_and_ndcg(truth: torch.Tensor) -> dict:
+    """Spearman, Kendall and linear NDCG of scores against `truth`, by name."""
+    return {
+        "spearman": lambda s: rank_correlations(s, truth)[0],
+        "kendall": lambda s: rank_correlations(s, truth)[1],
+        "ndcg": lambda s: linear_ndcg(truth, s),
+    }
+
+
 # --------------------------------------------------------------------------- training
+
+
+def gold_votes(
+    accelerator: Accelerator, records: list, categories: dict, annotators: list[str]
+) -> tuple[list, torch.Tensor]:
+    """--reliability gold, as the original's S3 runs (train.py 288-305): each annotator's eta
+    fixed at their accuracy on gold_gold pairs; annotators below 0.5 left out."""
+    etas = gold_reliabilities(records, categories)
+    if not any(r.pair_type == GOLD_PAIR for r in records):
+        raise DataError(
+            f"--reliability gold: no {GOLD_PAIR} pairs (records with pair_type {GOLD_PAIR} and "
+            "img1_category / img2_category) to measure the annotators on"
+        )
+    shown = ", ".join(f"{who} {eta:.3f}" for who, eta in sorted(etas.items()))
+    say(accelerator, f"gold-pair reliabilities (fixed eta): {shown}")
+    low = {who for who, eta in etas.items() if eta < 0.5}
+    if low:
+        say(accelerator, f"left out, gold-pair accuracy under 0.5: {', '.join(sorted(low))}")
+        records = [r for r in records if r.annotator not in low]
+    if not records:
+        raise DataError("--reliability gold: every annotator is under 0.5 on the gold pairs")
+    return records, torch.tensor([etas[who] for who in annotators])
 
 
 def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
@@ -310,6 +394,9 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
     if truth is None:
         skipped = "the rank correlations with true quality and eta_corr are skipped"
         say(accelerator, f"no truth.json in {data_dir} (real data): {skipped}")
+    gold = None
+    if settings.reliability == "gold":
+        records, gold = gold_votes(accelerator, records, data.categories, annotators)
     index = {name: i for i, name in enumerate(names)}
     train_records, held_records = split_comparisons(records, settings.held_out, args.seed)
 
@@ -355,8 +442,10 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
 
     def score() -> dict[str, float]:
         scores = image_scores(accelerator, model, image_loader)
-        metrics = evaluate(scores, train_records, held_records, index, truth, names)
-        eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta).detach()
+        metrics = evaluate(
+            scores, train_records, held_records, index, truth, names, data.categories
+        )
+        eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta, gold).detach()
         metrics |= {f"eta_{who}": eta[k].item() for k, who in enumerate(annotators)}
         if truth is not None and mode == "full":
             true_eta = torch.tensor([truth["reliability"][who] for who in annotators])
@@ -367,7 +456,7 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         for image_i, image_j, choice, annotator in loop.batches():
             with accelerator.accumulate(model):
                 s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
-                eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta)
+                eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta, gold)
                 loss = loss_of(s_i - s_j, choice, eta[annotator], settings.draw_weight)
                 accelerator.backward(loss)
                 loop.clip_gradients(model)

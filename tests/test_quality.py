@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -279,7 +280,7 @@ def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
     config.write_text("reliability: sometimes\n")
     result = invoke(["--config", str(config), "--dry-run"])
     assert isinstance(result.exception, ConfigError)
-    assert str(result.exception) == "--reliability sometimes: choose full, global or fixed"
+    assert str(result.exception) == "--reliability sometimes: choose full, global, fixed or gold"
 
 
 @pytest.mark.slow
@@ -350,7 +351,8 @@ def test_the_original_layout_loads_with_its_choices_and_subfolder_names(tmp_path
     # per annotator and pair offset, each of the 8 votes once: 3 left, 2 right, 3 draws
     assert (choices.count(1), choices.count(-1), choices.count(0)) == (18, 12, 18)
     assert data.records[0] == ("iter_0/img_00000_patch_0.png", "iter_1/img_00001_patch_0.png",
-                               1, "hitul")  # fmt: skip
+                               1, "hitul", "regular_regular")  # fmt: skip
+    assert data.categories == {}  # the empty img1_category is no category
     assert list_images(root / "images") == data.images  # what `score` rates
 
 
@@ -608,6 +610,35 @@ def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
     torch.save(checkpoint, source)
     with pytest.raises(CheckpointError, match=r"1 missing keys \(first: \['head\.6\.bias'\]\)"):
         import_checkpoint(source)
+
+
+def test_gold_reliabilities_and_metrics_follow_the_original():
+    """compute_user_reliability (data_loader.py 95-133): accuracy on gold_gold pairs, half a
+    point for a draw between adjacent ranks, 0.5 without gold pairs; the metrics: the 0.1 draw
+    margin, by pair type, against the gold ranking, linear NDCG."""
+    categories = {"a": "POS_5", "b": "sanding_POS_4", "c": "POS_1", "d": "goldensample"}
+    vote = quality_data.Vote
+    records = [
+        vote("a", "b", 1, "good", "gold_gold"),  # right
+        vote("a", "b", 0, "good", "gold_gold"),  # a draw between ranks 5 and 4: half
+        vote("c", "a", 1, "bad", "gold_gold"),  # wrong
+        vote("b", "d", 0, "bad", "gold_gold"),  # a draw against a golden sample: wrong
+        vote("a", "c", 1, "none", "gold_real"),
+    ]
+    etas = quality_data.gold_reliabilities(records, categories)
+    assert etas == {"good": 0.75, "bad": 0.0, "none": 0.5}
+    index = {name: k for k, name in enumerate("abcd")}
+    scores = torch.tensor([5.0, 4.95, 1.0, 100.0])  # a and b within the 0.1 margin
+    assert recipe.margin_accuracy(scores, records, index, 0.1) == pytest.approx(2 / 5)
+    metrics = recipe.evaluate(scores, records, records, index, None, list("abcd"), categories)
+    assert metrics["pair_acc_gold_gold"] == pytest.approx(1 / 2)  # non-draw votes only
+    assert metrics["pair_acc_gold_real"] == 1.0
+    assert metrics["spearman_gold"] == pytest.approx(1.0)
+    assert metrics["ndcg_gold"] == pytest.approx(1.0)
+    # the reverse order: relevances 1, 2, 3 at ranks 1, 2, 3 against the ideal 3, 2, 1
+    log3 = math.log2(3)
+    reverse = recipe.linear_ndcg(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
+    assert reverse == pytest.approx((1 + 2 / log3 + 3 / 2) / (3 + 2 / log3 + 1 / 2))
 
 
 def run_command(command, args: list[str]):
