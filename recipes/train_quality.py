@@ -71,7 +71,7 @@ from recipes.quality.data import (
     split_comparisons,
 )
 from recipes.quality.example import ANNOTATORS, write_dataset
-from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer
+from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer, start_from
 
 RECIPE = "quality"
 RELIABILITY = ("full", "global", "fixed", "gold")
@@ -92,6 +92,11 @@ class QualitySettings(Settings):
     pretrained: bool = setting(False, "Start from timm's pretrained weights (network).")
     weights: Path | None = setting(
         None, "Local backbone weights (.safetensors/.pt) to start from.", adjustable=True
+    )
+    init_from: Path | None = setting(
+        None,
+        "Start from an export's scorer weights (this recipe's, or one converted from the "
+        "original with `accel-recipes convert --from crowd-bt`).",
     )
     image_size: int = setting(32, "Images are resized to this square size.", min=8)
     dropout: float = setting(0.2, "Dropout in the MLP head.", min=0.0, max=0.99)
@@ -408,6 +413,8 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         settings.weights,
         settings.head_init,
     )
+    if settings.init_from is not None:
+        start_from(model, settings.init_from)
     mode, fixed_eta = settings.reliability, settings.fixed_eta
     if mode == "global":  # the original's eta_init 0.8: logit(2 * 0.8 - 1) (loss.py 68-73)
         model.annotator_logits.data.fill_(math.log(0.6 / 0.4))
@@ -573,4 +580,4 @@ def score_folder(
 
 
 if __name__ == "__main__":
-    run_recipe(train, score=score_folder, compare=compare, export_onnx=export_onnx)
+    run_recipe(train, score=score_folder, compare=compare, **{"export-onnx": export_onnx})

@@ -677,3 +677,18 @@ def test_the_onnx_export_scores_as_pytorch(imported, tmp_path):
     (scores,) = session.run(None, {"image": images.numpy()})
     expected = torch.tensor(original_facts()["scores"]).unsqueeze(1)
     assert torch.allclose(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_starts_from_an_imported_checkpoint(imported):
+    from recipes.quality.model import start_from
+
+    model = recipe.QualityScorer("test_efficientnet", len(ANNOTATORS), 0.2)
+    fresh = model.annotator_logits.detach().clone()
+    start_from(model, imported)
+    reference = imported_scorer(imported)
+    state = reference.scorer_state_dict()
+    assert all(torch.equal(model.scorer_state_dict()[k], state[k]) for k in state)
+    assert torch.equal(model.annotator_logits, fresh)  # one logit there, six here: afresh
+    other = recipe.QualityScorer("test_efficientnet_gn", len(ANNOTATORS), 0.2)
+    with pytest.raises(ConfigError, match=r"--init-from .*: not this scorer"):
+        start_from(other, imported)

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from accel_common.checkpoint import read_state_dict
+from accel_common.checkpoint import MODEL_FILE, read_state_dict
 from accel_common.errors import ConfigError
 
 HIDDEN = 512  # model.py 28: hidden_dim; the second layer is hidden_dim // 2
@@ -106,3 +106,23 @@ def build_scorer(
         if unexpected:
             raise ConfigError(f"--weights {weights}: keys that {backbone} lacks: {unexpected[:5]}")
     return model
+
+
+def start_from(model: QualityScorer, export: Path) -> None:
+    """--init-from: the scorer's weights of an export (trained here, or converted from the
+    original with `convert --from crowd-bt`), strictly; its reliabilities too where it has one
+    per annotator of this run, else they start afresh."""
+    from safetensors.torch import load_file
+
+    path = export / MODEL_FILE if export.is_dir() else export
+    if not path.is_file():
+        raise ConfigError(f"--init-from {export}: no exported model at {path}")
+    state = load_file(str(path))
+    logits = state.get(RELIABILITY_KEY)
+    if logits is None or logits.shape != model.annotator_logits.shape:
+        state[RELIABILITY_KEY] = model.annotator_logits.detach().clone()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:2] or [str(err)]
+        raise ConfigError(f"--init-from {export}: not this scorer ({first[0].strip()})") from None
