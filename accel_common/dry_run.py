@@ -116,7 +116,15 @@ def print_dry_run(
         with torch.device("meta"):
             model = build_model(args, settings)
         total, embeddings = count_parameters(model)
+        # a model may name parameters that are not its original's network (e.g. quality's
+        # annotator reliabilities): {label: parameter name}, each shown on its own line
+        apart = {
+            label: model.get_parameter(name).numel()
+            for label, name in getattr(model, "COUNTED_APART", {}).items()
+        }
+        total -= sum(apart.values())
         lines.append(f"  parameters: {total}")
+        lines += [f"  {label}: {count} (not counted above)" for label, count in apart.items()]
         if embeddings:
             lines.append(f"  parameters excluding embeddings: {total - embeddings}")
         lines.append(

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,28 +47,36 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.console import say
-from accel_common.data.images import image_batches, list_images, read_images
+from accel_common.data.images import list_images
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.quality.data import (
+    GOLD_PAIR,
+    ImageReader,
+    Images,
     Pairs,
     annotation_files,
+    gold_reliabilities,
+    normalisation,
+    quality_rank,
     read_comparisons,
     read_truth,
     split_comparisons,
 )
 from recipes.quality.example import ANNOTATORS, write_dataset
-from recipes.quality.model import QualityScorer, build_scorer
+from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer, start_from
 
 RECIPE = "quality"
-RELIABILITY = ("full", "global", "fixed")
+RELIABILITY = ("full", "global", "fixed", "gold")
+DRAW_MARGIN = 0.1  # the original's draw margin in its accuracy (loss.py 48, infer.py 115)
+HEAD_INITS = ("kaiming", "torch")
 
 
 @dataclass
@@ -83,12 +93,37 @@ class QualitySettings(Settings):
     weights: Path | None = setting(
         None, "Local backbone weights (.safetensors/.pt) to start from.", adjustable=True
     )
+    init_from: Path | None = setting(
+        None,
+        "Start from an export's scorer weights (this recipe's, or one converted from the "
+        "original with `accel-recipes convert --from crowd-bt`).",
+    )
     image_size: int = setting(32, "Images are resized to this square size.", min=8)
     dropout: float = setting(0.2, "Dropout in the MLP head.", min=0.0, max=0.99)
-    reliability: str = setting(
-        "full", "full: eta per annotator in [0, 1]; global / fixed: the original's reduced form."
+    head_init: str = setting(
+        "torch",
+        "Head weights at the start: kaiming (the original's _init_head: Kaiming-normal, fan_out) "
+        "or torch (nn.Linear's own, which learns faster on the small CPU default).",
     )
-    fixed_eta: float = setting(0.9, "eta for --reliability fixed, in [0.5, 1].", min=0.5, max=1)
+    reliability: str = setting(
+        "full",
+        "full: Crowd-BT, eta per annotator in [0, 1], learned; the original's likelihood "
+        "eta s(d) + (1 - eta) / 2 with eta in [0.5, 1]: global (one learned eta, its reduced "
+        "form), fixed (--fixed-eta) or gold (each annotator's accuracy on gold_gold pairs, "
+        "fixed; annotators under 0.5 left out: its S3 runs).",
+    )
+    fixed_eta: float = setting(
+        0.8,
+        "eta for --reliability fixed, in [0.5, 1] (the original's fallback 0.8).",
+        min=0.5,
+        max=1,
+    )
+    augment: bool = setting(
+        False,
+        "The original's training augmentation: flips both ways, rotation up to 15 degrees, "
+        "colour jitter (dataset.py 35-43); on in its preset, off by default: at 32 px the "
+        "rotation's resampling and the jitter mask the blur and noise the example grades.",
+    )
     draw_weight: float = setting(0.1, "Penalty on |s_i - s_j| for a draw.", min=0.0)
     eta_lr: float = setting(
         2e-2, "Learning rate of the annotator reliabilities (no weight decay).", min=0.0
@@ -116,20 +151,30 @@ class QualitySettings(Settings):
     def validate(self) -> None:
         super().validate()
         if self.reliability not in RELIABILITY:
-            raise ConfigError(f"--reliability {self.reliability}: choose full, global or fixed")
+            raise ConfigError(
+                f"--reliability {self.reliability}: choose full, global, fixed or gold"
+            )
+        if self.head_init not in HEAD_INITS:
+            raise ConfigError(f"--head-init {self.head_init}: choose kaiming or torch")
 
 
 # --------------------------------------------------------------------------- WORKLOAD: loss
 
 
-def reliabilities(model: QualityScorer, mode: str, fixed_eta: float) -> torch.Tensor:
-    """eta per annotator: `full` learns each in [0, 1]; the original's reduced forms keep it in
-    [0.5, 1]: `global` learns one shared value, `fixed` uses --fixed-eta."""
+def reliabilities(
+    model: QualityScorer, mode: str, fixed_eta: float, gold: torch.Tensor | None = None
+) -> torch.Tensor:
+    """eta per annotator: `full` learns each in [0, 1] (crowd_bt_loss); the original's forms
+    keep it in [0.5, 1] (original_loss): `global` learns one shared value as the original does,
+    0.5 + 0.5 sigmoid(logit) (loss.py 78), `fixed` uses --fixed-eta, `gold` each annotator's
+    accuracy on gold pairs (its S3 runs)."""
     logits = model.annotator_logits
     if mode == "full":
         return torch.sigmoid(logits)
     if mode == "global":
         return (0.5 + 0.5 * torch.sigmoid(logits[:1])).expand_as(logits)
+    if mode == "gold":
+        return gold.to(logits) + 0 * logits
     return fixed_eta + 0 * logits  # still in the graph: DDP expects a gradient for every parameter
 
 
@@ -142,6 +187,24 @@ def crowd_bt_loss(
     log_right = torch.logaddexp(log_eta + F.logsigmoid(-diff), log_not + F.logsigmoid(diff))
     nll = torch.where(choice > 0, -log_left, -log_right)
     return torch.where(choice == 0, draw_weight * diff.abs(), nll).mean()
+
+
+def original_loss(
+    diff: torch.Tensor, choice: torch.Tensor, eta: torch.Tensor, draw_weight: float
+) -> torch.Tensor:
+    """The original's likelihood, as it computes it (loss.py 114-168, every weight 1): a vote
+    for the left image has P = eta sigmoid(d) + (1 - eta) / 2 with eta in [0.5, 1], cost
+    -log(P + 1e-8); a draw costs draw_weight * |d| (the original's 0.5); the sum over the batch
+    divided by its size + 1e-8."""
+    eta = eta.clamp(0.5, 1.0)
+    p = eta * torch.sigmoid(torch.where(choice < 0, -diff, diff)) + (1 - eta) * 0.5
+    cost = torch.where(choice == 0, draw_weight * diff.abs(), -torch.log(p + 1e-8))
+    return cost.sum() / (choice.numel() + 1e-8)
+
+
+def likelihood(mode: str):
+    """The loss of a --reliability mode: Crowd-BT for full, the original's for its own modes."""
+    return crowd_bt_loss if mode == "full" else original_loss
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -160,7 +223,7 @@ def rank_correlations(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def win_rates(records: list, index: dict) -> torch.Tensor:
     """The baseline: each image's share of wins (draws count half) in the training votes."""
     wins, seen = torch.zeros(len(index)), torch.zeros(len(index))
-    for a, b, choice, _ in records:
+    for a, b, choice, *_ in records:
         wins[index[a]] += (1 + choice) / 2
         wins[index[b]] += (1 - choice) / 2
         seen[index[a]] += 1
@@ -169,10 +232,38 @@ def win_rates(records: list, index: dict) -> torch.Tensor:
 
 
 def pairwise_accuracy(scores: torch.Tensor, records: list, index: dict) -> float:
-    """Share of held-out non-draw votes whose winner has the higher score."""
-    decided = [(index[a], index[b], c) for a, b, c, _ in records if c != 0]
+    """Share of held-out non-draw votes whose winner has the higher score (the original's
+    evaluate.py, by pair type)."""
+    decided = [(index[a], index[b], c) for a, b, c, *_ in records if c != 0]
     hits = [(scores[i] - scores[j]).sign().item() == c for i, j, c in decided]
     return sum(hits) / max(1, len(hits))
+
+
+def margin_accuracy(scores: torch.Tensor, records: list, index: dict, margin: float) -> float:
+    """The original's accuracy (loss.py 161-169), draws included: a difference within the
+    margin (0.1) predicts a draw, beyond it the higher score's image."""
+    if not records:
+        return 0.0
+    i = torch.tensor([index[r[0]] for r in records])
+    j = torch.tensor([index[r[1]] for r in records])
+    diff = scores[i] - scores[j]
+    predicted = (diff > margin).long() - (diff < -margin).long()
+    return (predicted == torch.tensor([r[2] for r in records])).float().mean().item()
+
+
+def linear_ndcg(truth: torch.Tensor, scores: torch.Tensor) -> float:
+    """The original's global NDCG (compute_ndcg.py 27-47): relevance = the true value, images
+    ranked by score, gain rel / log2(rank + 1), divided by the ideal order's."""
+    discount = torch.log2(torch.arange(2, len(truth) + 2, dtype=torch.float64))
+    gain = truth.double()
+    ideal = (gain.sort(descending=True).values / discount).sum()
+    actual = (gain[scores.double().argsort(descending=True)] / discount).sum()
+    return (actual / ideal).item() if ideal > 0 else 0.0
+
+
+def against(metrics: dict, name: str, scores, baseline, measure) -> None:
+    """metrics[name] for the model and metrics[baseline_name] for the win-rate baseline."""
+    metrics[name], metrics[f"baseline_{name}"] = measure(scores), measure(baseline)
 
 
 @torch.no_grad()
@@ -180,7 +271,7 @@ def image_scores(accelerator: Accelerator, model: nn.Module, loader: DataLoader)
     """Scores of all images in order (a prepared, unshuffled loader), computed in parallel and
     gathered exactly once each."""
     model.eval()
-    scores = torch.cat([accelerator.gather_for_metrics(model(x)) for (x,) in loader])
+    scores = torch.cat([accelerator.gather_for_metrics(model(x)) for x in loader])
     model.train()
     return scores.float().cpu()
 
@@ -192,24 +283,67 @@ def evaluate(
     index: dict,
     truth: dict | None,
     names: list[str],
+    categories: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Held-out pairwise accuracy and, with truth.json, rank correlation with true quality,
-    each next to the win-rate baseline."""
+    """Held-out pairwise accuracy (non-draw votes; with the original's 0.1 draw margin, draws
+    included; by pair type, gold_gold among them, where records name one), the rank correlation
+    and NDCG against gold images' category ranks (where records name categories) and against
+    true quality (truth.json), each next to the win-rate baseline."""
     baseline = win_rates(train_records, index)
-    metrics = {
-        "pair_acc": pairwise_accuracy(scores, held_out, index),
-        "baseline_pair_acc": pairwise_accuracy(baseline, held_out, index),
-    }
+    metrics: dict[str, float] = {}
+    against(metrics, "pair_acc", scores, baseline, lambda s: pairwise_accuracy(s, held_out, index))
+    margin = partial(margin_accuracy, records=held_out, index=index, margin=DRAW_MARGIN)
+    against(metrics, "pair_acc_margin", scores, baseline, margin)
+    for kind in sorted({r.pair_type for r in held_out} - {""}):
+        votes = [r for r in held_out if r.pair_type == kind]
+        measure = partial(pairwise_accuracy, records=votes, index=index)
+        against(metrics, f"pair_acc_{kind}", scores, baseline, measure)
+    ranked = [(index[n], quality_rank(c)) for n, c in (categories or {}).items() if n in index]
+    ranked = [(i, rank) for i, rank in ranked if rank >= 0]
+    if len(ranked) > 1:  # the gold ranking: the categories' ranks
+        at = torch.tensor([i for i, _ in ranked])
+        gold = torch.tensor([float(rank) for _, rank in ranked])
+        for key, measure in correlations_and_ndcg(gold).items():
+            against(metrics, f"{key}_gold", scores[at], baseline[at], measure)
     if truth is not None:
         true_quality = torch.tensor([truth["quality"][name] for name in names])
-        metrics["spearman"], metrics["kendall"] = rank_correlations(scores, true_quality)
-        metrics["baseline_spearman"], metrics["baseline_kendall"] = rank_correlations(
-            baseline, true_quality
-        )
+        for key, measure in correlations_and_ndcg(true_quality).items():
+            against(metrics, key, scores, baseline, measure)
     return metrics
 
 
+def correlations_and_ndcg(truth: torch.Tensor) -> dict:
+    """Spearman, Kendall and linear NDCG of scores against `truth`, by name."""
+    return {
+        "spearman": lambda s: rank_correlations(s, truth)[0],
+        "kendall": lambda s: rank_correlations(s, truth)[1],
+        "ndcg": lambda s: linear_ndcg(truth, s),
+    }
+
+
 # --------------------------------------------------------------------------- training
+
+
+def gold_votes(
+    accelerator: Accelerator, records: list, categories: dict, annotators: list[str]
+) -> tuple[list, torch.Tensor]:
+    """--reliability gold, as the original's S3 runs (train.py 288-305): each annotator's eta
+    fixed at their accuracy on gold_gold pairs; annotators below 0.5 left out."""
+    etas = gold_reliabilities(records, categories)
+    if not any(r.pair_type == GOLD_PAIR for r in records):
+        raise DataError(
+            f"--reliability gold: no {GOLD_PAIR} pairs (records with pair_type {GOLD_PAIR} and "
+            "img1_category / img2_category) to measure the annotators on"
+        )
+    shown = ", ".join(f"{who} {eta:.3f}" for who, eta in sorted(etas.items()))
+    say(accelerator, f"gold-pair reliabilities (fixed eta): {shown}")
+    low = {who for who, eta in etas.items() if eta < 0.5}
+    if low:
+        say(accelerator, f"left out, gold-pair accuracy under 0.5: {', '.join(sorted(low))}")
+        records = [r for r in records if r.annotator not in low]
+    if not records:
+        raise DataError("--reliability gold: every annotator is under 0.5 on the gold pairs")
+    return records, torch.tensor([etas[who] for who in annotators])
 
 
 def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
@@ -265,14 +399,31 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
     if truth is None:
         skipped = "the rank correlations with true quality and eta_corr are skipped"
         say(accelerator, f"no truth.json in {data_dir} (real data): {skipped}")
-    images = read_images(image_dir, names, settings.image_size)
+    gold = None
+    if settings.reliability == "gold":
+        records, gold = gold_votes(accelerator, records, data.categories, annotators)
     index = {name: i for i, name in enumerate(names)}
     train_records, held_records = split_comparisons(records, settings.held_out, args.seed)
 
     model = build_scorer(
-        settings.backbone, len(annotators), settings.dropout, settings.pretrained, settings.weights
+        settings.backbone,
+        len(annotators),
+        settings.dropout,
+        settings.pretrained,
+        settings.weights,
+        settings.head_init,
     )
-    network = [p for name, p in model.named_parameters() if name != "annotator_logits"]
+    if settings.init_from is not None:
+        start_from(model, settings.init_from)
+    mode, fixed_eta = settings.reliability, settings.fixed_eta
+    if mode == "global":  # the original's eta_init 0.8: logit(2 * 0.8 - 1) (loss.py 68-73)
+        model.annotator_logits.data.fill_(math.log(0.6 / 0.4))
+    mean, std = normalisation(model.backbone.backbone)
+    size = settings.image_size
+    train_images = ImageReader(image_dir, size, mean, std, augment=settings.augment)
+    network = [
+        p for name, p in model.named_parameters() if name != RELIABILITY_KEY and p.requires_grad
+    ]
     eta_scale = settings.eta_lr / args.lr  # --eta-lr, following --lr's scaling and schedule
     optimizer = torch.optim.AdamW(
         [
@@ -282,9 +433,10 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         ],
         lr=args.lr,
     )
-    pairs = Pairs(train_records, images, index, annotators)
+    pairs = Pairs(train_records, train_images, annotators)
     train_loader = args.make_train_loader(pairs, plan)
-    image_loader = DataLoader(TensorDataset(images), batch_size=64)  # scores every image
+    every_image = Images(names, ImageReader(image_dir, size, mean, std))  # scored each epoch
+    image_loader = DataLoader(every_image, batch_size=64, num_workers=args.workers)
     model, optimizer, train_loader, image_loader = accelerator.prepare(
         model, optimizer, train_loader, image_loader
     )
@@ -293,12 +445,14 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
     )
-    mode, fixed_eta = settings.reliability, settings.fixed_eta
+    loss_of = likelihood(mode)
 
     def score() -> dict[str, float]:
         scores = image_scores(accelerator, model, image_loader)
-        metrics = evaluate(scores, train_records, held_records, index, truth, names)
-        eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta).detach()
+        metrics = evaluate(
+            scores, train_records, held_records, index, truth, names, data.categories
+        )
+        eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta, gold).detach()
         metrics |= {f"eta_{who}": eta[k].item() for k, who in enumerate(annotators)}
         if truth is not None and mode == "full":
             true_eta = torch.tensor([truth["reliability"][who] for who in annotators])
@@ -309,8 +463,8 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         for image_i, image_j, choice, annotator in loop.batches():
             with accelerator.accumulate(model):
                 s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
-                eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta)
-                loss = crowd_bt_loss(s_i - s_j, choice, eta[annotator], settings.draw_weight)
+                eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta, gold)
+                loss = loss_of(s_i - s_j, choice, eta[annotator], settings.draw_weight)
                 accelerator.backward(loss)
                 loop.clip_gradients(model)
                 optimizer.step()
@@ -323,6 +477,84 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
 # --------------------------------------------------------------------------- single-device use
 
 
+def load_scorer(model_dir: Path) -> tuple[QualityScorer, ImageReader, torch.device]:
+    """An export (trained here or converted from the original) on one device, in eval mode,
+    with the evaluation preprocessing its backbone takes."""
+    config = read_recipe_export(model_dir, RECIPE)
+    settings = QualitySettings.from_config(config)
+    model = QualityScorer(settings.backbone, len(config["annotators"]), settings.dropout)
+    device = load_for_inference(model_dir, model)
+    mean, std = normalisation(model.backbone.backbone)
+    return model, ImageReader(Path("."), settings.image_size, mean, std), device
+
+
+def compare(
+    model_dir: Path = model_option(RECIPE),
+    images: list[Path] = typer.Argument(..., help="One image to score, or two to compare."),
+    margin: float = typer.Option(
+        0.1, min=0.0, help="Score difference under which two images are a draw (the original's)."
+    ),
+) -> None:
+    """Score one image, or compare two: which is better, and the probability that it is
+    (Bradley-Terry: sigmoid of the score difference), as the original's infer.py does."""
+    if len(images) not in (1, 2):
+        raise ConfigError(f"give one image to score or two to compare, not {len(images)}")
+    model, read, device = load_scorer(model_dir)
+    with torch.no_grad():
+        scores = model(torch.stack([read(str(path)) for path in images]).to(device)).tolist()
+    if len(images) == 1:
+        print(f"{images[0]}: score {scores[0]:.6f}")
+        return
+    diff = scores[0] - scores[1]
+    p_first = torch.sigmoid(torch.tensor(diff)).item()
+    if abs(diff) <= margin:
+        verdict = f"draw (|difference| {abs(diff):.4f} <= {margin})"
+    else:
+        better = images[0] if diff > 0 else images[1]
+        verdict = f"{better} is better, probability {max(p_first, 1 - p_first):.4f}"
+    print(f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}")
+
+
+def export_onnx(
+    model_dir: Path = model_option(RECIPE),
+    out: Path = typer.Option(..., help="ONNX file to write (scores images N x 3 x S x S)."),
+    opset: int = typer.Option(17, help="ONNX opset version."),
+) -> None:
+    """Export the scorer to ONNX, as the original's export.py offers: input `image` (N x 3 x S x
+    S, normalised as the backbone's data config says), output `score` (N x 1); dynamic batch."""
+    require_new_file(out)
+    try:
+        import onnx  # noqa: F401  torch.onnx.export writes through it
+    except ImportError:
+        raise ConfigError("export-onnx needs onnx: pip install 'accel-recipes[onnx]'") from None
+    model, read, _ = load_scorer(model_dir)
+    scorer = OnnxScorer(model).cpu().eval()
+    size = read.size
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.onnx.export(
+        scorer,
+        (torch.zeros(1, 3, size, size),),
+        str(out),
+        input_names=["image"],
+        output_names=["score"],
+        dynamic_axes={"image": {0: "batch"}, "score": {0: "batch"}},
+        opset_version=opset,
+        dynamo=False,
+    )
+    print(f"wrote {out}")
+
+
+class OnnxScorer(nn.Module):
+    """The original's QualityScorer alone (no reliabilities), its output N x 1 as the original's."""
+
+    def __init__(self, model: QualityScorer) -> None:
+        super().__init__()
+        self.backbone, self.head = model.backbone, model.head
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(image))
+
+
 def score_folder(
     model_dir: Path = model_option(RECIPE),
     images: Path = typer.Option(..., help="Folder of images to rate (subfolders too)."),
@@ -331,14 +563,13 @@ def score_folder(
 ) -> None:
     """Rate every image in a folder with an exported model, on one device, best first."""
     require_new_file(out)
-    config = read_recipe_export(model_dir, RECIPE)
-    settings = QualitySettings.from_config(config)
-    model = QualityScorer(settings.backbone, len(config["annotators"]), settings.dropout)
-    device = load_for_inference(model_dir, model)
-    scores: dict[str, float] = {}
+    model, read, device = load_scorer(model_dir)
+    read.folder = images
+    names = list_images(images)
+    loader = DataLoader(Images(names, read), batch_size=bs)
     with torch.no_grad():
-        for names, pixels in image_batches(images, list_images(images), settings.image_size, bs):
-            scores.update(zip(names, model(pixels.to(device)).tolist(), strict=True))
+        values = torch.cat([model(pixels.to(device)).cpu() for pixels in loader])
+    scores = dict(zip(names, values.tolist(), strict=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
@@ -349,4 +580,4 @@ def score_folder(
 
 
 if __name__ == "__main__":
-    run_recipe(train, score=score_folder)
+    run_recipe(train, score=score_folder, compare=compare, **{"export-onnx": export_onnx})

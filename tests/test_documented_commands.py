@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-SUBCOMMANDS = {"evaluate", "complete", "predict", "score", "caption", "prepare"}
+SUBCOMMANDS = {"evaluate", "complete", "predict", "score", "caption", "prepare", "compare"}
+SUBCOMMANDS |= {"export-onnx"}
 GPUS_PER_NODE = 8  # the Makefile's and the cluster scripts' default
 MAKE_PROCESSES = {"train": 1, "train-cpu": 2, "train-1gpu": 1, "train-2gpu": 2, "train-4gpu": 4}
 MAKE_PROCESSES["train-8gpu"] = 8

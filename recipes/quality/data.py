@@ -24,8 +24,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from accel_common.errors import DataError
@@ -34,6 +36,30 @@ ORIGINAL_FILE = "comparison_data.json"
 # the original's choice words (create_user_choice_training_data.py: lower-cased and stripped)
 CHOICES = {"left": 1, "right": -1, "draw": 0, "tie": 0, "equal": 0}
 SHOWN = 5  # missing images named in the error, before "..."
+# the original's quality hierarchy of gold images' categories, higher is better (config.py 68-78)
+QUALITY_RANKS = {
+    "goldensample": 100,
+    "POS_5": 5,
+    "POS_4": 4,
+    "POS_3": 3,
+    "POS_2": 2,
+    "POS_1": 1,
+    "POS_0": 0,
+    "spraying_POS_0": 0,
+    "sanding_POS_0": 0,
+}
+GOLD_PAIR = "gold_gold"  # the pair type of two gold images (data_loader.py 100)
+
+
+class Vote(NamedTuple):
+    """One comparison: choice 1 (img1 better), -1 (img2), 0 (draw); its pair type if the record
+    names one (pair_type, e.g. gold_gold), else ""."""
+
+    img1: str
+    img2: str
+    choice: int
+    annotator: str
+    pair_type: str = ""
 
 
 # --------------------------------------------------------------------------- reading
@@ -43,12 +69,13 @@ SHOWN = 5  # missing images named in the error, before "..."
 class Comparisons:
     """Every vote as (img1, img2, choice in {1, -1, 0}, annotator), and what they name."""
 
-    records: list[tuple[str, str, int, str]]
+    records: list[Vote]
     annotators: list[str]
     images: list[str]  # relative to the image folder, sorted
     layout: str  # how the folder was read, for the run's log
     dropped: int  # records dropped by skip_missing_images
     invalid: dict[str, int]  # records dropped by skip_invalid_records, per reason
+    categories: dict[str, str]  # gold images' categories (img1_category / img2_category)
 
 
 def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
@@ -119,6 +146,7 @@ def read_comparisons(
     records, missing_at = [], []
     invalid: Counter[str] = Counter()
     found: dict[str, bool] = {}
+    categories: dict[str, str] = {}
     for path, annotator in files:
         for index, entry in enumerate(read_entries(path)):
             where = f"{path}, record {index}"
@@ -142,7 +170,11 @@ def read_comparisons(
                 missing_at.append(where)
                 continue
             who = annotator if annotator is not None else str(entry.get("annotator", path.stem))
-            records.append((*pair, choice, who))
+            kind = entry.get("pair_type", entry.get("type")) or ""
+            records.append(Vote(*pair, choice, who, str(kind)))
+            for name, key in zip(pair, ("img1_category", "img2_category"), strict=True):
+                if isinstance(entry.get(key), str) and entry[key]:
+                    categories[name] = entry[key]
     if missing_at and not skip_missing_images:
         names = [n for n, ok in found.items() if not ok]  # in the order first met
         shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
@@ -162,7 +194,39 @@ def read_comparisons(
         layout=layout,
         dropped=len(missing_at),
         invalid=dict(invalid),
+        categories=categories,
     )
+
+
+def quality_rank(category: str) -> int:
+    """The original's get_quality_rank (config.py 148-168): an exact name, else the first one
+    the category contains (sanding_POS_5 -> 5); -1 when none."""
+    if not category:
+        return -1
+    if category in QUALITY_RANKS:
+        return QUALITY_RANKS[category]
+    return next((rank for key, rank in QUALITY_RANKS.items() if key in category), -1)
+
+
+def gold_reliabilities(records: list[Vote], categories: dict[str, str]) -> dict[str, float]:
+    """Each annotator's accuracy on gold-gold pairs, as the original's compute_user_reliability
+    (data_loader.py 95-133): the better category's image expected (equal ranks: a draw), half a
+    point for a draw between adjacent ranks; 0.5 for an annotator without gold pairs."""
+    correct: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    for vote in records:
+        total[vote.annotator] += 0  # every annotator is listed
+        if vote.pair_type != GOLD_PAIR:
+            continue
+        r1 = quality_rank(categories.get(vote.img1, ""))
+        r2 = quality_rank(categories.get(vote.img2, ""))
+        expected = (r1 > r2) - (r1 < r2)
+        total[vote.annotator] += 1
+        if vote.choice == expected:
+            correct[vote.annotator] += 1
+        elif vote.choice == 0 and abs(r1 - r2) <= 1 and 100 not in (r1, r2):
+            correct[vote.annotator] += 0.5
+    return {who: correct[who] / n if n else 0.5 for who, n in total.items()}
 
 
 def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | None:
@@ -199,18 +263,80 @@ def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, 
     return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
 
 
-class Pairs(Dataset):
-    """Comparisons as (image i, image j, choice, annotator index), images held in memory."""
+class ImageReader:
+    """One image as the original prepares it (dataset.py 17-48): decoded to RGB, resized to
+    size x size (torchvision's Resize: PIL bilinear), in training optionally augmented (flips
+    both ways, rotation up to 15 degrees, colour jitter 0.2 / 0.2 / 0.1), normalised with the
+    backbone's own mean and std (timm's data config). Read from disk when asked, in the data
+    loader's workers: no image set is ever held in memory."""
 
-    def __init__(self, records: list, images: torch.Tensor, index: dict, annotators: list[str]):
-        self.images = images
-        self.rows = [
-            (index[a], index[b], choice, annotators.index(who)) for a, b, choice, who in records
-        ]
+    def __init__(
+        self,
+        folder: Path,
+        size: int,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        augment: bool = False,
+    ) -> None:
+        from torchvision import transforms
+
+        steps: list = [transforms.Resize((size, size))]
+        if augment:
+            steps += [
+                transforms.RandomHorizontalFlip(p=0.5),
+                transforms.RandomVerticalFlip(p=0.5),
+                transforms.RandomRotation(degrees=15),
+                transforms.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.1),
+            ]
+        steps += [transforms.ToTensor(), transforms.Normalize(mean=mean, std=std)]
+        self.folder, self.size = Path(folder), size
+        self.transform = transforms.Compose(steps)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
+        path = self.folder / name
+        try:
+            with Image.open(path) as image:
+                rgb = image.convert("RGB")
+        except (UnidentifiedImageError, OSError) as err:
+            raise DataError(f"{path}: not a readable image ({err})") from None
+        return self.transform(rgb)
+
+
+def normalisation(backbone: nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The backbone's own (mean, std) from timm's data config: ImageNet's for efficientnet_b4 as
+    the original uses, (0.5, 0.5, 0.5) for timm's test models."""
+    from timm.data import resolve_data_config
+
+    config = resolve_data_config({}, model=backbone)
+    return tuple(config["mean"]), tuple(config["std"])
+
+
+class Images(Dataset):
+    """The named images, one per item, for scoring."""
+
+    def __init__(self, names: list[str], read: ImageReader) -> None:
+        self.names, self.read = names, read
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, item: int) -> torch.Tensor:
+        return self.read(self.names[item])
+
+
+class Pairs(Dataset):
+    """Comparisons as (image i, image j, choice, annotator index), the images read from disk."""
+
+    def __init__(self, records: list, read: ImageReader, annotators: list[str]):
+        self.read = read
+        who = {name: k for k, name in enumerate(annotators)}
+        self.rows = [(v.img1, v.img2, v.choice, who[v.annotator]) for v in records]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int):
-        i, j, choice, annotator = self.rows[item]
-        return self.images[i], self.images[j], torch.tensor(float(choice)), torch.tensor(annotator)
+        a, b, choice, annotator = self.rows[item]
+        return self.read(a), self.read(b), torch.tensor(float(choice)), torch.tensor(annotator)

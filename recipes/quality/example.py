@@ -29,6 +29,7 @@ ANNOTATORS = {
 }
 DRAW_GAP = 0.04  # pairs closer than this in quality are usually called a draw
 BATCH_SIZE = 50  # comparisons per annotation batch (the records' batch_number)
+GOLD = 40  # the first images are gold: category POS_0..POS_5 by quality (pair_type gold_gold)
 
 
 def scene(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -89,6 +90,8 @@ def write_dataset(
             else:
                 correct = rng.uniform() < eta
                 choice = "left" if left_better == correct else "right"
+            gold = [f"POS_{min(5, int(6 * quality[names[k]]))}" if k < GOLD else "" for k in (i, j)]
+            kind = {2: "gold_gold", 1: "gold_real", 0: "real_real"}[sum(map(bool, gold))]
             time_taken = round(float(clock_rng.gamma(2.0, 1.5)) + 0.5, 2)
             clock += timedelta(seconds=time_taken + 0.3)
             records.append(
@@ -99,6 +102,8 @@ def write_dataset(
                     "timestamp": clock.isoformat(),
                     "time_taken": time_taken,
                     "batch_number": number // BATCH_SIZE + 1,
+                    "pair_type": kind,
+                    **{f"img{n}_category": c for n, c in zip((1, 2), gold, strict=True) if c},
                 }
             )
         (out_dir / annotator).mkdir(exist_ok=True)

@@ -1,41 +1,75 @@
-"""The Crowd-BT scorer: a timm backbone and an MLP head giving one quality score per image, and
-one reliability logit per annotator, learned with the network."""
+"""The Crowd-BT scorer, the original's network layer for layer (hituldesai03/crowd-bt model.py,
+backbones.py): a timm backbone (num_classes=0) inside a wrapper, so the state-dict keys read
+`backbone.backbone.*` as in the original's checkpoints, and the head F -> 512 -> 256 -> 1 with
+ReLU, dropout and a bias on every layer (`head.0`, `head.3`, `head.6`). Beside the scorer, one
+reliability logit per annotator, learned with it; the dry run counts them apart."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from accel_common.checkpoint import read_state_dict
+from accel_common.checkpoint import MODEL_FILE, read_state_dict
 from accel_common.errors import ConfigError
 
+HIDDEN = 512  # model.py 28: hidden_dim; the second layer is hidden_dim // 2
+RELIABILITY_KEY = "annotator_logits"
 
-class QualityScorer(nn.Module):
-    """timm backbone -> MLP head (F -> 512 -> 256 -> 1) -> score; plus one logit per annotator."""
 
-    def __init__(
-        self, backbone: str, num_annotators: int, dropout: float, pretrained: bool = False
-    ) -> None:
+class Backbone(nn.Module):
+    """The original's BackboneWrapper: the timm model under `.backbone`."""
+
+    def __init__(self, name: str, pretrained: bool = False) -> None:
         super().__init__()
         # imported here, as scipy in the recipe's evaluation: timm (torchvision behind it) takes
         # ~6 s to import, and a run with bad data or flags is refused before any model is built
         import timm
 
-        self.backbone = timm.create_model(backbone, pretrained=pretrained, num_classes=0)
+        self.backbone = timm.create_model(name, pretrained=pretrained, num_classes=0)
+        self.output_dim = self.backbone.num_features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone(images)
+
+
+class QualityScorer(nn.Module):
+    """timm backbone -> MLP head (F -> 512 -> 256 -> 1, biases) -> score; plus one reliability
+    logit per annotator (`annotator_logits`, not part of the original's scorer)."""
+
+    # what --dry-run shows on its own line, apart from the scorer's parameter count
+    COUNTED_APART: ClassVar[dict[str, str]] = {"annotator reliabilities": RELIABILITY_KEY}
+
+    def __init__(
+        self,
+        backbone: str,
+        num_annotators: int,
+        dropout: float,
+        pretrained: bool = False,
+        head_init: str = "kaiming",
+    ) -> None:
+        super().__init__()
+        self.backbone = Backbone(backbone, pretrained)
         self.head = nn.Sequential(
-            nn.Linear(self.backbone.num_features, 512),
+            nn.Linear(self.backbone.output_dim, HIDDEN),
             nn.ReLU(),
             nn.Dropout(dropout),
-            nn.Linear(512, 256),
+            nn.Linear(HIDDEN, HIDDEN // 2),
             nn.ReLU(),
             nn.Dropout(dropout),
-            # no bias: the loss sees only score differences, so a bias would get no gradient but
-            # float noise, which Adam turns into a random walk
-            nn.Linear(256, 1, bias=False),
+            nn.Linear(HIDDEN // 2, 1),
         )
+        for layer in self.head:  # model.py _init_head; "torch" keeps nn.Linear's own
+            if head_init == "kaiming" and isinstance(layer, nn.Linear):
+                nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(layer.bias)
+        # The last bias is kept (the original has it, its checkpoints carry it) but not trained:
+        # the loss sees only score differences, so it gets no gradient but float noise, which
+        # Adam would turn into a random walk.
+        self.head[-1].bias.requires_grad_(False)
         # start every annotator at eta = 0.8: "mostly right" breaks the symmetry between a
         # reliable crowd and a reversed one with reversed scores
         self.annotator_logits = nn.Parameter(torch.full((num_annotators,), math.log(4.0)))
@@ -43,13 +77,22 @@ class QualityScorer(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(images)).squeeze(1)
 
+    def scorer_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original's QualityScorer keys only (backbone.backbone.*, head.*)."""
+        return {k: v for k, v in self.state_dict().items() if k != RELIABILITY_KEY}
+
 
 def build_scorer(
-    backbone: str, num_annotators: int, dropout: float, pretrained: bool, weights: Path | None
+    backbone: str,
+    num_annotators: int,
+    dropout: float,
+    pretrained: bool,
+    weights: Path | None,
+    head_init: str = "kaiming",
 ) -> QualityScorer:
     """The scorer, with a clear error when pretrained weights cannot be had."""
     try:
-        model = QualityScorer(backbone, num_annotators, dropout, pretrained=pretrained)
+        model = QualityScorer(backbone, num_annotators, dropout, pretrained, head_init)
     except RuntimeError as err:  # timm: unknown model
         raise ConfigError(f"--backbone {backbone}: {err}") from None
     except OSError as err:  # no network for the hub download
@@ -59,7 +102,27 @@ def build_scorer(
         ) from None
     if weights is not None:
         state = read_state_dict(weights)
-        _, unexpected = model.backbone.load_state_dict(state, strict=False)
+        _, unexpected = model.backbone.backbone.load_state_dict(state, strict=False)
         if unexpected:
             raise ConfigError(f"--weights {weights}: keys that {backbone} lacks: {unexpected[:5]}")
     return model
+
+
+def start_from(model: QualityScorer, export: Path) -> None:
+    """--init-from: the scorer's weights of an export (trained here, or converted from the
+    original with `convert --from crowd-bt`), strictly; its reliabilities too where it has one
+    per annotator of this run, else they start afresh."""
+    from safetensors.torch import load_file
+
+    path = export / MODEL_FILE if export.is_dir() else export
+    if not path.is_file():
+        raise ConfigError(f"--init-from {export}: no exported model at {path}")
+    state = load_file(str(path))
+    logits = state.get(RELIABILITY_KEY)
+    if logits is None or logits.shape != model.annotator_logits.shape:
+        state[RELIABILITY_KEY] = model.annotator_logits.detach().clone()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:2] or [str(err)]
+        raise ConfigError(f"--init-from {export}: not this scorer ({first[0].strip()})") from None

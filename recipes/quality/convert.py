@@ -1,0 +1,115 @@
+"""Checkpoints of the original, hituldesai03/crowd-bt (@b3412bd), and this recipe's exports.
+
+Its trainer saves (train.py `save_checkpoint`) a torch.save dict:
+
+    {'epoch', 'model': QualityScorer.state_dict(), 'optimizer', 'scheduler', 'metrics',
+     'config': {'backbone_name', 'input_size'}, 'eta_logit': float}
+
+`model` has this recipe's scorer keys exactly (backbone.backbone.*, head.*: one to one, no
+renaming); `eta_logit` is its one shared reliability, eta = 0.5 + 0.5 sigmoid(eta_logit), which
+becomes this recipe's single annotator logit under --reliability global (the same
+parametrisation). Read with torch.load(weights_only=True): nothing arbitrary is unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from accel_common.checkpoint import read_recipe_export
+from accel_common.errors import CheckpointError
+from recipes.quality.model import RELIABILITY_KEY, QualityScorer
+
+ORIGINAL = "crowd-bt"
+ANNOTATOR = "crowd-bt"  # the one reliability an imported checkpoint carries
+DEFAULT_ETA_LOGIT = math.log(0.6 / 0.4)  # the original's eta_init 0.8 (loss.py 68-73)
+
+
+def scorer_shapes(backbone: str) -> dict[str, tuple[int, ...]]:
+    """The original's QualityScorer(backbone) state-dict shapes, built on the meta device."""
+    with torch.device("meta"):
+        model = QualityScorer(backbone, 1, 0.2)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k != RELIABILITY_KEY}
+
+
+def check_state(state: dict[str, torch.Tensor], backbone: str, source: Path) -> None:
+    """Strict: every key the scorer has, no other, each of the same shape; else an error naming
+    the first mismatch."""
+    expected = scorer_shapes(backbone)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: not the original's QualityScorer({backbone}): "
+            f"{len(missing)} missing keys (first: {missing[:1]}), "
+            f"{len(unexpected)} unexpected keys (first: {unexpected[:1]})"
+        )
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(
+                f"{source}: not the original's QualityScorer({backbone}): {key} has shape "
+                f"{tuple(state[key].shape)} in the checkpoint, {shape} in the network"
+            )
+
+
+def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The original's checkpoint as this recipe's state dict and export config."""
+    source = Path(source)
+    try:
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:  # a pickle with objects, a truncated file, ...
+        raise CheckpointError(
+            f"{source}: not a checkpoint of the original's trainer readable without unpickling "
+            f"arbitrary objects ({type(err).__name__}: {str(err).splitlines()[0]:.200})"
+        ) from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{source}: expected the dict crowd-bt's train.py saves")
+    # model.py load_model: {'model': ...}, {'state_dict': ...} or the state dict itself
+    state = checkpoint.get("model", checkpoint.get("state_dict", checkpoint))
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{source}: its 'model' entry is not a state dict of tensors")
+    config = checkpoint.get("config") or {}
+    backbone = config.get("backbone_name", "efficientnet_b4")  # train.py's default
+    image_size = int(config.get("input_size", 448))
+    check_state(state, backbone, source)
+    eta_logit = float(checkpoint.get("eta_logit", DEFAULT_ETA_LOGIT))
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    state[RELIABILITY_KEY] = torch.tensor([eta_logit])
+    export_config = {
+        "backbone": backbone,
+        "image_size": image_size,
+        "dropout": 0.2,  # model.py 29: not configurable in the original's trainer
+        "reliability": "global",
+        "draw_weight": 0.5,
+        "annotators": [ANNOTATOR],
+    }
+    return state, export_config
+
+
+def export_checkpoint(model_dir: Path, target: Path) -> Path:
+    """This recipe's export as the dict the original's code loads (model.py load_model,
+    infer.py, evaluate.py, export.py): 'model' with its keys, 'config', 'eta_logit'. No
+    optimizer or scheduler state: its trainer cannot resume from it, only start from it."""
+    model_dir, target = Path(model_dir), Path(target)
+    config = read_recipe_export(model_dir, "quality")
+    path = model_dir / "model.safetensors" if model_dir.is_dir() else model_dir
+    state = load_file(str(path))
+    logits = state.pop(RELIABILITY_KEY, None)
+    check_state(state, config["backbone"], path)
+    # the original has one shared eta in [0.5, 1]: the global mode's logit is it; a per-annotator
+    # Crowd-BT model has no such value, and its trainer's default stands in
+    global_logit = logits is not None and config.get("reliability") == "global"
+    checkpoint = {
+        "epoch": 0,
+        "model": state,
+        "metrics": {},
+        "config": {"backbone_name": config["backbone"], "input_size": config["image_size"]},
+        "eta_logit": float(logits[0]) if global_logit else DEFAULT_ETA_LOGIT,
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, target)
+    return target
