@@ -261,7 +261,8 @@ HEAVIEST_FIRST = [
     "test_crystal", "test_captioning", "test_quality", "test_pointcloud", "test_multinode",
     "test_sharded", "test_cricket", "test_recovery", "test_resume", "test_loop",
     "test_plan_measure", "test_bench", "test_distributed", "test_nonfinite", "test_launchers",
-    "test_template", "test_launch", "test_cli", "test_doctor", "test_prepare", "test_processes",
+    "test_runtime_guards", "test_template", "test_launch", "test_cli_errors", "test_cli",
+    "test_doctor", "test_prepare", "test_processes", "test_documented_commands", "test_settings",
 ]  # fmt: skip
 SPREAD = {"test_resume"}
 
