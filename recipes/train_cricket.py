@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +56,8 @@ from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
     FEATURES,
     SKIPPED,
-    VOCAB_FILE,
     TARGETS,
+    VOCAB_FILE,
     CricketGraphs,
     Deliveries,
     NotAMatch,

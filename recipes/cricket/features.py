@@ -283,7 +283,9 @@ def cross_edges(bat, bowl, part, striker: int, bowler: int, partner: int, n: int
 
     out = {
         ("ball", "faced_by", "striker_identity"): to_node(bat == striker),
-        ("ball", "partnered_by", "nonstriker_identity"): to_node((part == partner) | (bat == partner)),
+        ("ball", "partnered_by", "nonstriker_identity"): to_node(
+            (part == partner) | (bat == partner)
+        ),
         ("ball", "bowled_by", "bowler_identity"): to_node(bowl == bowler),
     }  # fmt: skip
     recent = np.zeros(n, dtype=bool)

@@ -14,9 +14,14 @@ LAYER_NODES = {
     "global": ["venue", "batting_team", "bowling_team"],
     "state": ["score_state", "chase_state", "phase_state", "time_pressure", "wicket_buffer"],
     "actor": [
-        "striker_identity", "striker_state", "nonstriker_identity", "nonstriker_state",
-        "bowler_identity", "bowler_state", "partnership",
-    ],  # fmt: skip
+        "striker_identity",
+        "striker_state",
+        "nonstriker_identity",
+        "nonstriker_state",
+        "bowler_identity",
+        "bowler_state",
+        "partnership",
+    ],
     "dynamics": ["batting_momentum", "bowling_momentum", "pressure_index", "dot_pressure"],
 }
 ENTITY_NODES = ["venue", "batting_team", "bowling_team"]
