@@ -292,11 +292,10 @@ def innings_features(record: dict[str, Any], vocab: dict[str, dict[str, int]]) -
     }
     venue = vocab["venues"].get(record["venue"], UNKNOWN)
     teams = [vocab["teams"].get(record[k], UNKNOWN) for k in ("batting_team", "bowling_team")]
-    chase = record.get("file_target", -1) > 0 and record["innings"] == 2
+    number = int(record.get("innings", 0))  # a super-over record has none: no chase
+    chase = record.get("file_target", -1) > 0 and number == 2
     over_col = np.asarray(record["over"], dtype=np.int64)
-    context = innings_context(
-        record, int(record["innings"]), int(record["file_target"]) if chase else None
-    )
+    context = innings_context(record, number, int(record["file_target"]) if chase else None)
     return {
         "o_ctx": context.reshape(-1),
         "o_ball": ball_features(record).reshape(-1),
