@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import typer
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -252,7 +252,12 @@ def prepare_data(
 )
 def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     """Train the heterogeneous GNN on Cricsheet match JSON (or a simulated example)."""
-    accelerator, plan = args.make_accelerator()
+    # the original's network updates every node type in every block but reads out only the query
+    # (and, in the Full model, the actors): the last block's other convolutions get no gradient,
+    # which DDP must be told (the original sets the same)
+    accelerator, plan = args.make_accelerator(
+        [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    )
     rows, info = prepare_data(accelerator, args, settings)
     deliveries = Deliveries(rows, target=settings.target)
     used = deliveries.rank % settings.sample_every == 0
