@@ -1,12 +1,12 @@
-"""Cricket score prediction with a heterogeneous graph neural network (Cricsheet match JSON).
+"""Cricket score prediction with lyndonkl/cricketmodel's heterogeneous graph neural network
+(Cricsheet match JSON).
 
-Every legal delivery of a T20 innings becomes one graph of the state before it is bowled:
-context nodes (venue, batting team, bowling team), four match-state nodes (score, wickets, phase,
-chase), three actor nodes (striker, non-striker, bowler: who they are and their innings so far),
-the last `--history` deliveries as a chain of ball nodes, and a query node that is read out.
-A stack of PyG `HeteroConv` layers (GATv2 on attention edges, TransformerConv along the ball
-chain, mean SAGE from the context) updates them; the query node goes through an MLP to the runs
-the batting side scores in the next 5 overs (fewer when the innings ends first).
+Every delivery after the first of a T20 innings becomes the original's graph of the state before
+it is bowled (21 node types: entities, match state, actor state, dynamics, one node per earlier
+delivery, a query node; 166 edge types), and its `CricketHeteroGNN` (or, with --model,
+`CricketHeteroGNNFull`) predicts the runs from that delivery to an over boundary, trained with
+SmoothL1 on raw runs as the original (`--target next-balls`: the runs in the next 5 overs of
+legal balls instead).
 
     python recipes/train_cricket.py                                  # simulated example
     python recipes/train_cricket.py --data t20s_male_json/ --split-by-date
@@ -22,8 +22,9 @@ project's run, and `--dry-run [--processes N]` prints a run's plan without start
 
 Parsing and features are computed once and cached as Arrow with Hugging Face `datasets`, keyed
 by the files' bytes and the settings; graphs are assembled from the cached arrays per sample.
-The reader, features, cache and graphs are in recipes/cricket/data.py, the network in
-recipes/cricket/model.py, the match simulator behind the example data in
+The reader, cache and graphs are in recipes/cricket/data.py, the original's features and edges
+in features.py and schema.py, the network in recipes/cricket/model.py, its checkpoints in and
+out in convert.py, the match simulator behind the example data in
 recipes/cricket/example.py; this file is the training: loss, loop, evaluation and `predict`.
 """
 
@@ -314,10 +315,10 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
 
 def predict(
     match: Path = typer.Option(..., help="One Cricsheet match JSON file."),
-    out: Path = typer.Option(..., help="CSV to write, one row per legal delivery."),
+    out: Path = typer.Option(..., help="CSV to write, one row per sample (delivery)."),
     model_dir: Path = model_option(RECIPE),
 ) -> None:
-    """Predict the runs in the next 5 overs before every legal delivery of one match."""
+    """Predict the model's target (--target) before every sample delivery of one match."""
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
     require_new_file(out)

@@ -9,15 +9,16 @@ a no-result or abandoned match gives no records (its innings were ended by the w
 a retired-hurt or retired-not-out batter is not a wicket. A chase's target is the innings'
 `target` (1.1.0; revised by DLS) or, where a 1.0.0 file has none, the first innings' total + 1.
 
-Features (`innings_features`): for every delivery, the state before it is bowled (score, wickets,
-legal balls, phase, chase, the three actors' innings so far) and the label: runs scored from
-that delivery on, while fewer than 5 overs of legal balls have been bowled since, cut at the
-innings' end.
+Features (`innings_features`): for every delivery, cricketmodel's context and ball features and
+its target (recipes/cricket/features.py), and this recipe's earlier per-delivery arrays (legal
+balls, score, wickets; the `--target next-balls` label: runs scored from that delivery on, while
+fewer than 5 overs of legal balls have been bowled since, cut at the innings' end).
 
 `load_innings` parses a folder of match files and computes these features once, cached as Arrow
 with Hugging Face `datasets` (keyed by the files' bytes and the settings), with the split by
 match and the training vocabulary; `Deliveries` holds the cached arrays flat in memory and
-`CricketGraphs` assembles one heterogeneous graph per sample from them. The simulator that
+`CricketGraphs` assembles cricketmodel's heterogeneous graph per sample (and a batch of them
+at once) from them. The simulator that
 writes example files in this format is in recipes/cricket/example.py.
 """
 
