@@ -172,13 +172,17 @@ def build_model(args: TrainArgs, settings: CricketSettings) -> nn.Module:
 
 
 def regression_metrics(pred: torch.Tensor, y: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """MAE (runs) and R^2 of `pred` against `y`, R^2 as scikit-learn and torchmetrics define it
-    (constant targets: 1 if predicted exactly, else 0). Written out because both are one line and
-    torchmetrics would add ~2 CPU-s of import (and a torch.jit warning) to every process."""
+    """MAE and RMSE (runs) and R^2 of `pred` against `y`, R^2 as scikit-learn and torchmetrics
+    define it (constant targets: 1 if predicted exactly, else 0). Written out because each is one
+    line and torchmetrics would add ~2 CPU-s of import (and a torch.jit warning) to each process."""
     pred, y = pred.double(), y.double()
     residual, spread = ((pred - y) ** 2).sum(), ((y - y.mean()) ** 2).sum()
     r2 = 1 - residual / spread if spread > 0 else float(residual == 0)
-    return {f"{prefix}mae": (pred - y).abs().mean().item(), f"{prefix}r2": float(r2)}
+    return {
+        f"{prefix}mae": (pred - y).abs().mean().item(),
+        f"{prefix}rmse": ((pred - y) ** 2).mean().sqrt().item(),  # the original reports it too
+        f"{prefix}r2": float(r2),
+    }
 
 
 @torch.no_grad()
