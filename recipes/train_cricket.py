@@ -111,6 +111,11 @@ class CricketSettings(Settings):
         "boundary, every delivery after the first a sample) or 'next-balls' (the runs in the "
         "next 5 overs of legal balls, every legal delivery a sample).",
     )
+    retired_is_wicket: bool = setting(
+        True,
+        "Count a retired-hurt or retired-not-out batter as a wicket in the features, as the "
+        "original does (--no-retired-is-wicket: not, as the batter may come back).",
+    )
     model: str = setting(
         "CricketHeteroGNN",
         "cricketmodel's network: CricketHeteroGNN (its train.py default) or CricketHeteroGNNFull "
@@ -227,6 +232,7 @@ def prepare_data(
             min_matches=settings.min_matches,
             workers=args.workers,
             cache_dir=settings.graph_cache_dir,
+            retired_is_wicket=settings.retired_is_wicket,
         )
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
@@ -343,7 +349,7 @@ def predict(
         raise DataError(f"{match}: no innings to predict (other match type, or no result)")
     table = datasets.Dataset.from_list([
         {"file": match.name, "innings": r["innings"], "split": 0}
-        | innings_features(r, vocab) for r in records
+        | innings_features(r, vocab, settings.retired_is_wicket) for r in records
     ], features=FEATURES)  # fmt: skip
     deliveries = Deliveries(table, target=settings.target)
     baseline = PhaseBaseline(config["baseline"], config["mean"])

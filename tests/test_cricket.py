@@ -171,6 +171,13 @@ def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp
     assert features["wickets"].tolist() == [0] * 8 + [1]  # retired hurt is not a wicket
     # runs in the next 5 overs, truncated at the innings' end: all that follows here
     assert features["y"].tolist() == [12, 11, 6, 5, 4, 3, 2, 2, 2]
+    # the original's features count the retirement as a wicket (score state column 1: wickets /
+    # 10, before each delivery); --no-retired-is-wicket does not; its target: to the end of over 5
+    original = features["o_ctx"].reshape(9, -1)[:, 1]
+    assert (original * 10).round().tolist() == [0] * 7 + [1, 2]
+    corrected = cricket.innings_features(record, {"players": {}, "venues": {}, "teams": {}}, False)
+    assert (corrected["o_ctx"].reshape(9, -1)[:, 1] * 10).round().tolist() == [0] * 8 + [1]
+    assert features["o_y"].tolist() == [12, 11, 6, 5, 4, 3, 2, 2, 2]
 
 
 def test_window_runs_stop_after_five_overs_of_legal_balls():

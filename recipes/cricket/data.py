@@ -68,9 +68,9 @@ WIDE, NOBALL, BYE, LEGBYE, WICKET, RETIRED = 1, 2, 4, 8, 16, 32
 NOT_DISMISSED = {"retired hurt", "retired not out"}  # the batter may come back: no wicket
 DEFAULT_MATCH_TYPES = ("T20", "IT20")
 STATE_DIM, ACTOR_DIM, BALL_DIM = 9, 7, 10
-ORIGINAL_COLUMNS = ("n_wickets", "wicket_kind", "run_out")
+ORIGINAL_COLUMNS = ("n_wickets", "n_retired", "wicket_kind", "run_out")
 VOCAB_FILE = "vocab.json"
-FORMAT = 2  # bump when the cached columns change
+FORMAT = 3  # bump when the cached columns change
 UNKNOWN = 0  # vocabulary index of names not seen (often enough) in the training split
 
 
@@ -142,7 +142,7 @@ def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[st
         k: [] for k in ("batter", "non_striker", "bowler", "runs_batter", "runs_total", "flags")
     }
     # what cricketmodel's features read besides (recipes/cricket/features.py)
-    for key in ("over", "ball_in_over", "n_wickets", "wicket_kind", "run_out"):
+    for key in ("over", "ball_in_over", *ORIGINAL_COLUMNS):
         columns[key] = []
     for over in inning.get("overs", []):
         for ball, delivery in enumerate(over.get("deliveries", []), start=1):
@@ -171,6 +171,7 @@ def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[st
             columns["over"].append(int(over.get("over", 0)))
             columns["ball_in_over"].append(ball - 1)
             columns["n_wickets"].append(len(wickets))
+            columns["n_retired"].append(sum(w.get("kind") in NOT_DISMISSED for w in wickets))
             columns["wicket_kind"].append(kind)
             run_out = kind == KINDS["run out"]
             columns["run_out"].append(
@@ -222,7 +223,9 @@ def window_runs(runs_total: np.ndarray, legal_before: np.ndarray, window: int) -
     return (cum[end] - cum[: len(runs_total)]).astype(np.float32)
 
 
-def innings_features(record: dict[str, Any], vocab: dict[str, dict[str, int]]) -> dict[str, Any]:
+def innings_features(
+    record: dict[str, Any], vocab: dict[str, dict[str, int]], retired_is_wicket: bool = True
+) -> dict[str, Any]:
     """Features of every delivery of one innings record (the state before it is bowled), the
     label, and the vocabulary indices of its players and context."""
     runs_total = np.asarray(record["runs_total"], dtype=np.int64)
@@ -293,6 +296,10 @@ def innings_features(record: dict[str, Any], vocab: dict[str, dict[str, int]]) -
     }
     venue = vocab["venues"].get(record["venue"], UNKNOWN)
     teams = [vocab["teams"].get(record[k], UNKNOWN) for k in ("batting_team", "bowling_team")]
+    if not retired_is_wicket:  # the corrected count: a retired batter may come back
+        fell = np.asarray(record["n_wickets"]) - np.asarray(record["n_retired"])
+        kind = np.where(fell > 0, np.asarray(record["wicket_kind"]), 0)
+        record = record | {"n_wickets": fell.tolist(), "wicket_kind": kind.tolist()}
     number = int(record.get("innings", 0))  # a super-over record has none: no chase
     chase = record.get("file_target", -1) > 0 and number == 2
     over_col = np.asarray(record["over"], dtype=np.int64)
@@ -390,8 +397,10 @@ def parse_files(batch: dict[str, list], match_types: list[str]) -> dict[str, lis
     return out
 
 
-def add_features(row: dict[str, Any], vocab: dict[str, dict[str, int]]) -> dict[str, Any]:
-    return innings_features(row, vocab)
+def add_features(
+    row: dict[str, Any], vocab: dict[str, dict[str, int]], retired_is_wicket: bool
+) -> dict[str, Any]:
+    return innings_features(row, vocab, retired_is_wicket)
 
 
 def match_files(folder: Path) -> list[Path]:
@@ -459,6 +468,7 @@ def load_innings(
     min_matches: int,
     workers: int,
     cache_dir: Path | None = None,
+    retired_is_wicket: bool = True,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """The featurised innings of every usable match in `folder` (column `split`: 0 train, 1
     val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached)."""
@@ -466,7 +476,7 @@ def load_innings(
     files = match_files(folder)
     cache_dir = cache_root(cache_dir)
     parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
-    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches)
+    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches, retired_is_wicket)
     target = cache_dir / f"cricket-{key}"
     was_cached = (target / VOCAB_FILE).is_file()
     num_proc = workers if workers > 1 else None
@@ -491,7 +501,7 @@ def load_innings(
         raise DataError(f"{folder / file}: {note}; remove it, or leave out --strict to skip it")
     if not was_cached:
         info = build_features(parsed, status, target, ratios, split_seed, split_by_date,
-                              min_matches, num_proc)  # fmt: skip
+                              min_matches, num_proc, retired_is_wicket)  # fmt: skip
     else:
         info = json.loads((target / VOCAB_FILE).read_text())
     rows = datasets.load_from_disk(str(target))
@@ -509,6 +519,7 @@ def build_features(
     split_by_date: bool,
     min_matches: int,
     num_proc: int | None,
+    retired_is_wicket: bool = True,
 ) -> dict[str, Any]:
     """Split the usable matches, build the vocabulary from the training split, and compute
     every innings' features into the cache folder `target` (with the vocabulary and summary)."""
@@ -526,7 +537,7 @@ def build_features(
     names = [c for c in PARSED if c not in ("file", "innings")]
     rows = usable.map(
         add_features,
-        fn_kwargs={"vocab": vocab},
+        fn_kwargs={"vocab": vocab, "retired_is_wicket": retired_is_wicket},
         remove_columns=names,
         features=FEATURES,
         num_proc=num_proc,
