@@ -1,12 +1,12 @@
-"""Cricket score prediction with a heterogeneous graph neural network (Cricsheet match JSON).
+"""Cricket score prediction with lyndonkl/cricketmodel's heterogeneous graph neural network
+(Cricsheet match JSON).
 
-Every legal delivery of a T20 innings becomes one graph of the state before it is bowled:
-context nodes (venue, batting team, bowling team), four match-state nodes (score, wickets, phase,
-chase), three actor nodes (striker, non-striker, bowler: who they are and their innings so far),
-the last `--history` deliveries as a chain of ball nodes, and a query node that is read out.
-A stack of PyG `HeteroConv` layers (GATv2 on attention edges, TransformerConv along the ball
-chain, mean SAGE from the context) updates them; the query node goes through an MLP to the runs
-the batting side scores in the next 5 overs (fewer when the innings ends first).
+Every delivery after the first of a T20 innings becomes the original's graph of the state before
+it is bowled (21 node types: entities, match state, actor state, dynamics, one node per earlier
+delivery, a query node; 166 edge types), and its `CricketHeteroGNN` (or, with --model,
+`CricketHeteroGNNFull`) predicts the runs from that delivery to an over boundary, trained with
+SmoothL1 on raw runs as the original (`--target next-balls`: the runs in the next 5 overs of
+legal balls instead).
 
     python recipes/train_cricket.py                                  # simulated example
     python recipes/train_cricket.py --data t20s_male_json/ --split-by-date
@@ -22,8 +22,9 @@ project's run, and `--dry-run [--processes N]` prints a run's plan without start
 
 Parsing and features are computed once and cached as Arrow with Hugging Face `datasets`, keyed
 by the files' bytes and the settings; graphs are assembled from the cached arrays per sample.
-The reader, features, cache and graphs are in recipes/cricket/data.py, the network in
-recipes/cricket/model.py, the match simulator behind the example data in
+The reader, cache and graphs are in recipes/cricket/data.py, the original's features and edges
+in features.py and schema.py, the network in recipes/cricket/model.py, its checkpoints in and
+out in convert.py, the match simulator behind the example data in
 recipes/cricket/example.py; this file is the training: loss, loop, evaluation and `predict`.
 """
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import csv
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,18 +41,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import typer
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader
-
-with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
-    warnings.simplefilter("ignore", FutureWarning)
-    from torch_geometric.loader.dataloader import Collater
 
 from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.console import say
 from accel_common.data.cache import list_column
-from accel_common.errors import DataError
+from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
@@ -61,6 +57,7 @@ from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
     FEATURES,
     SKIPPED,
+    TARGETS,
     VOCAB_FILE,
     CricketGraphs,
     Deliveries,
@@ -71,7 +68,7 @@ from recipes.cricket.data import (
     parse_match,
 )
 from recipes.cricket.example import example_vocab_sizes, write_dataset
-from recipes.cricket.model import CricketGNN
+from recipes.cricket.model import MODELS, CricketHeteroGNN, CricketHeteroGNNFull
 
 RECIPE = "cricket"
 # the vocabulary --dry-run sizes the embeddings by when --data is given: the one this recipe builds
@@ -99,18 +96,46 @@ class CricketSettings(Settings):
     min_matches: int = setting(
         2, "Training matches a player, venue or team needs for its own embedding.", min=1
     )
-    history: int = setting(24, "Recent deliveries in the ball chain.", min=1)
+    history: int = setting(
+        24, "Earlier deliveries of the innings as ball nodes (the original: all, 150).", min=1
+    )
     sample_every: int = setting(
         1,
         "Use every Nth legal delivery of an innings as a sample (neighbours share most of their "
         "5-over window; 1 = all, as the original).",
         min=1,
     )
+    target: str = setting(
+        "original",
+        "What is predicted: 'original' (cricketmodel's: the runs from this delivery to an over "
+        "boundary, every delivery after the first a sample) or 'next-balls' (the runs in the "
+        "next 5 overs of legal balls, every legal delivery a sample).",
+    )
+    retired_is_wicket: bool = setting(
+        True,
+        "Count a retired-hurt or retired-not-out batter as a wicket in the features, as the "
+        "original does (--no-retired-is-wicket: not, as the batter may come back).",
+    )
+    model: str = setting(
+        "CricketHeteroGNN",
+        "cricketmodel's network: CricketHeteroGNN (its train.py default) or CricketHeteroGNNFull "
+        "(FiLM, hybrid readout, innings-conditional head; its tuned model).",
+    )
     hidden: int = setting(128, "Hidden width (128).", min=8)
     layers: int = setting(3, "HeteroConv layers (3).", min=1)
     heads: int = setting(4, "Attention heads (4).", min=1)
     dropout: float = setting(0.1, "Dropout (0.1).", min=0.0, max=0.9)
-    huber_delta: float = setting(10.0, "Huber loss delta, in runs (10).", min=0.01)
+    huber_delta: float = setting(
+        10.0,
+        "Beta of the SmoothL1 loss, in runs (10), as the original's --huber-delta: the Huber "
+        "loss with this delta, divided by it.",
+        min=0.01,
+    )
+    head_bias_init: bool = setting(
+        True,
+        "Start the head's output bias at the training target's mean (the original starts it "
+        "near 0 and needs many epochs to reach ~40 runs).",
+    )
     patience: int = setting(
         0,
         "Stop after this many epochs without a better val MAE (0 = never).",
@@ -125,31 +150,44 @@ class CricketSettings(Settings):
 
 
 def network(
-    settings: CricketSettings, vocab_sizes: dict[str, int], mean: float, std: float
-) -> CricketGNN:
-    """The GNN these settings describe, for a vocabulary and the training target's statistics."""
-    return CricketGNN(
-        vocab_sizes, settings.hidden, settings.layers, settings.heads, settings.dropout, mean, std
+    settings: CricketSettings, vocab_sizes: dict[str, int], mean: float | None = None
+) -> CricketHeteroGNN | CricketHeteroGNNFull:
+    """The GNN these settings describe, for a vocabulary; with `mean` and --head-bias-init, its
+    output starts at that mean."""
+    if settings.model not in MODELS:
+        raise ConfigError(f"--model {settings.model}: one of {', '.join(MODELS)}")
+    if settings.target not in TARGETS:
+        raise ConfigError(f"--target {settings.target}: one of {', '.join(TARGETS)}")
+    model = MODELS[settings.model](
+        vocab_sizes, settings.hidden, settings.layers, settings.heads, settings.dropout
     )
+    if mean is not None and settings.head_bias_init:
+        with torch.no_grad():
+            model.score_head[-1].bias.fill_(mean)
+    return model
 
 
-def build_model(args: TrainArgs, settings: CricketSettings) -> CricketGNN:
+def build_model(args: TrainArgs, settings: CricketSettings) -> nn.Module:
     """The network for `--dry-run`, before any data is read: embeddings sized by the example's
     vocabulary, or with --data by the full T20 download's."""
-    return network(settings, T20_DOWNLOAD_VOCAB if args.data else example_vocab_sizes(), 0.0, 1.0)
+    return network(settings, T20_DOWNLOAD_VOCAB if args.data else example_vocab_sizes())
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
 
 
 def regression_metrics(pred: torch.Tensor, y: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """MAE (runs) and R^2 of `pred` against `y`, R^2 as scikit-learn and torchmetrics define it
-    (constant targets: 1 if predicted exactly, else 0). Written out because both are one line and
-    torchmetrics would add ~2 CPU-s of import (and a torch.jit warning) to every process."""
+    """MAE and RMSE (runs) and R^2 of `pred` against `y`, R^2 as scikit-learn and torchmetrics
+    define it (constant targets: 1 if predicted exactly, else 0). Written out because each is one
+    line and torchmetrics would add ~2 CPU-s of import (and a torch.jit warning) to each process."""
     pred, y = pred.double(), y.double()
     residual, spread = ((pred - y) ** 2).sum(), ((y - y.mean()) ** 2).sum()
     r2 = 1 - residual / spread if spread > 0 else float(residual == 0)
-    return {f"{prefix}mae": (pred - y).abs().mean().item(), f"{prefix}r2": float(r2)}
+    return {
+        f"{prefix}mae": (pred - y).abs().mean().item(),
+        f"{prefix}rmse": ((pred - y) ** 2).mean().sqrt().item(),  # the original reports it too
+        f"{prefix}r2": float(r2),
+    }
 
 
 @torch.no_grad()
@@ -194,6 +232,7 @@ def prepare_data(
             min_matches=settings.min_matches,
             workers=args.workers,
             cache_dir=settings.graph_cache_dir,
+            retired_is_wicket=settings.retired_is_wicket,
         )
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
@@ -224,9 +263,14 @@ def prepare_data(
 )
 def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     """Train the heterogeneous GNN on Cricsheet match JSON (or a simulated example)."""
-    accelerator, plan = args.make_accelerator()
+    # the original's network updates every node type in every block but reads out only the query
+    # (and, in the Full model, the actors): the last block's other convolutions get no gradient,
+    # which DDP must be told (the original sets the same)
+    accelerator, plan = args.make_accelerator(
+        [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    )
     rows, info = prepare_data(accelerator, args, settings)
-    deliveries = Deliveries(rows)
+    deliveries = Deliveries(rows, target=settings.target)
     used = deliveries.rank % settings.sample_every == 0
     train = used & (deliveries.split == 0)
     y_train = deliveries.y[train]
@@ -237,12 +281,11 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     )
     vocab_sizes = {k: len(v) for k, v in info["vocab"].items()}
     std = float(y_train.std() or 1.0)
-    model = network(settings, vocab_sizes, baseline.mean, std)
+    model = network(settings, vocab_sizes, baseline.mean)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    collate = Collater(train_set)  # PyG's batching of HeteroData
-    loaders = [args.make_train_loader(train_set, plan, collate_fn=collate)]
+    loaders = [args.make_train_loader(train_set, plan, collate_fn=train_set.collate)]
     loaders += [
-        DataLoader(s, plan.per_device_batch_size, collate_fn=collate) for s in (val_set, test_set)
+        DataLoader(s, plan.per_device_batch_size, collate_fn=s.collate) for s in (val_set, test_set)
     ]
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, *loaders
@@ -259,7 +302,7 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     for _epoch in loop.epochs():
         for graph in loop.batches():
             with accelerator.accumulate(model):
-                loss = F.huber_loss(model(graph), graph.y, delta=settings.huber_delta)
+                loss = F.smooth_l1_loss(model(graph), graph.y, beta=settings.huber_delta)
                 accelerator.backward(loss)
                 loop.clip_gradients(model)
                 optimizer.step()
@@ -282,10 +325,10 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
 
 def predict(
     match: Path = typer.Option(..., help="One Cricsheet match JSON file."),
-    out: Path = typer.Option(..., help="CSV to write, one row per legal delivery."),
+    out: Path = typer.Option(..., help="CSV to write, one row per sample (delivery)."),
     model_dir: Path = model_option(RECIPE),
 ) -> None:
-    """Predict the runs in the next 5 overs before every legal delivery of one match."""
+    """Predict the model's target (--target) before every sample delivery of one match."""
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
     require_new_file(out)
@@ -293,7 +336,7 @@ def predict(
     if not vocab_path.is_file():
         raise DataError(f"{vocab_path}: missing; export the model again with train")
     vocab = json.loads(vocab_path.read_text())
-    model = network(settings, config["vocab_sizes"], config["mean"], config["std"])
+    model = network(settings, config["vocab_sizes"])
     device = load_for_inference(model_dir, model)
     if not match.is_file():
         raise DataError(f"--match {match}: file not found")
@@ -306,13 +349,13 @@ def predict(
         raise DataError(f"{match}: no innings to predict (other match type, or no result)")
     table = datasets.Dataset.from_list([
         {"file": match.name, "innings": r["innings"], "split": 0}
-        | innings_features(r, vocab) for r in records
+        | innings_features(r, vocab, settings.retired_is_wicket) for r in records
     ], features=FEATURES)  # fmt: skip
-    deliveries = Deliveries(table)
+    deliveries = Deliveries(table, target=settings.target)
     baseline = PhaseBaseline(config["baseline"], config["mean"])
     everything = np.ones(len(deliveries.row), dtype=bool)
     graphs = CricketGraphs(deliveries, everything, settings.history, baseline)
-    loader = DataLoader(graphs, batch_size=256, collate_fn=Collater(graphs))
+    loader = DataLoader(graphs, batch_size=256, collate_fn=graphs.collate)
     predictions = []
     with torch.no_grad():
         for graph in loader:
@@ -322,7 +365,7 @@ def predict(
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["innings", "over_ball", "score", "predicted_next5", "actual_next5"])
+        writer.writerow(["innings", "over_ball", "score", "predicted", "actual"])
         for k, pred in enumerate(predictions):
             innings, balls = records[deliveries.row[k]]["innings"], int(legal[k])
             over_ball = f"{balls // 6}.{balls % 6 + 1}"
