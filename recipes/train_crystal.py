@@ -70,7 +70,7 @@ from recipes.crystal.data import (
     target_value,
 )
 from recipes.crystal.example import write_dataset
-from recipes.crystal.model import Comformer
+from recipes.crystal.model import VARIANTS, Comformer
 
 RECIPE = "crystal"
 
@@ -92,10 +92,19 @@ class CrystalSettings(Settings):
     val_ratio: float = setting(0.1, "Share for validation.", min=0.01, max=0.98)
     test_ratio: float = setting(0.1, "Share for testing.", min=0.01, max=0.98)
     split_seed: int = setting(123, "Seed of the train/val/test split.")
-    width: int = setting(32, "Node and edge feature width (original: 256).", min=8)
-    layers: int = setting(4, "Graph-transformer convolutions (4).", min=1)
-    heads: int = setting(1, "Attention heads per convolution (1).", min=1)
-    rbf_bins: int = setting(256, "RBF centres for the edge distance (256).", min=2)
+    model: str = setting(
+        "iComformer", "The original's network: iComformer (eComformer: not yet built here)."
+    )
+    width: int = setting(32, "Node and edge feature width: node_features (256).", min=8)
+    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
+    heads: int = setting(1, "Attention heads per convolution: node_layer_head (1).", min=1)
+    rbf_bins: int = setting(
+        256, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
+    )
+    angle_bins: int = setting(
+        256, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
+    )
+    fc_features: int = setting(32, "Width of the MLP after pooling: fc_features (256).", min=1)
     cache_graphs: bool = setting(
         True,
         "Keep the built graphs on disk for later runs.",
@@ -111,6 +120,8 @@ class CrystalSettings(Settings):
         super().validate()
         if not math.isclose(self.train_ratio + self.val_ratio + self.test_ratio, 1, abs_tol=1e-6):
             raise ConfigError("--train-ratio, --val-ratio and --test-ratio must sum to 1")
+        if self.model not in VARIANTS:
+            raise ConfigError(f"--model {self.model}: this recipe builds {', '.join(VARIANTS)}")
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -141,7 +152,14 @@ def evaluate(
 
 def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer:
     """The network the settings describe; it needs no data, so --dry-run builds the same one."""
-    return Comformer(settings.width, settings.layers, settings.heads, settings.rbf_bins)
+    return Comformer(
+        settings.width,
+        settings.layers,
+        settings.heads,
+        settings.rbf_bins,
+        settings.angle_bins,
+        settings.fc_features,
+    )
 
 
 @train_command(
@@ -180,9 +198,11 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     mean, std = float(y_train.mean()), float(y_train.std() or 1.0)
 
     model = build_model(args, settings)
-    decayed = [p for name, p in model.named_parameters() if p.ndim > 1 and "norm" not in name]
-    plain = [p for name, p in model.named_parameters() if p.ndim <= 1 or "norm" in name]
-    groups = [{"params": decayed}, {"params": plain, "weight_decay": 0.0}]  # as the original
+    # as the original (train.py 105-118): no weight decay on biases and batch norms
+    plain = {n for n, _ in model.named_parameters() if any(k in n for k in ("bias", "bn", "norm"))}
+    decayed = [p for name, p in model.named_parameters() if name not in plain]
+    kept = [p for name, p in model.named_parameters() if name in plain]
+    groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     collate = Collater(train_set)
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
