@@ -85,8 +85,14 @@ class CrystalSettings(Settings):
     index: str = setting(
         ":", "Frames to read, as ASE takes it: ':', ':1000', '::10', or one frame: '5'."
     )
-    cutoff: float = setting(5.0, "Neighbour cutoff in angstrom (4-6).", min=0.5)
-    max_neighbors: int = setting(12, "Nearest neighbours per atom (25).", min=1)
+    cutoff: float = setting(
+        5.0,
+        "Neighbour search radius in angstrom; widened until every atom has enough (6).",
+        min=0.5,
+    )
+    max_neighbors: int = setting(
+        8, "Nearest neighbours per atom, ties at the last distance kept (25).", min=1
+    )
     non_periodic: bool = setting(False, "Accept non-periodic structures (molecules).")
     train_ratio: float = setting(0.8, "Share for training.", min=0.01, max=0.98)
     val_ratio: float = setting(0.1, "Share for validation.", min=0.01, max=0.98)
@@ -95,16 +101,16 @@ class CrystalSettings(Settings):
     model: str = setting(
         "iComformer", "The original's network: iComformer (eComformer: not yet built here)."
     )
-    width: int = setting(32, "Node and edge feature width: node_features (256).", min=8)
+    width: int = setting(16, "Node and edge feature width: node_features (256).", min=8)
     layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
     heads: int = setting(1, "Attention heads per convolution: node_layer_head (1).", min=1)
     rbf_bins: int = setting(
-        256, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
+        64, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
     )
     angle_bins: int = setting(
-        256, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
+        64, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
     )
-    fc_features: int = setting(32, "Width of the MLP after pooling: fc_features (256).", min=1)
+    fc_features: int = setting(16, "Width of the MLP after pooling: fc_features (256).", min=1)
     cache_graphs: bool = setting(
         True,
         "Keep the built graphs on disk for later runs.",

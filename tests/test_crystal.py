@@ -485,7 +485,7 @@ def dry_run(args: list[str]) -> dict[str, str]:
     return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
 
 
-def parameters(width: int, layers: int, heads: int = 1, bins: int = 256, fc: int = 32) -> str:
+def parameters(width: int, layers: int, heads: int = 1, bins: int = 256, fc: int = 16) -> str:
     model = Comformer(width, layers, heads, bins, bins, fc)
     return str(sum(p.numel() for p in model.parameters()))
 

@@ -184,11 +184,6 @@ def _search(atoms: object, lattice: Lattice, radius: float) -> tuple[np.ndarray,
     return i[keep], j[keep], d[keep], vec[keep], shift[keep]
 
 
-def _same_line(a: np.ndarray, b: np.ndarray) -> bool:
-    cosine = np.sum(a / np.sum(a**2) ** 0.5 * (b / np.sum(b**2) ** 0.5))
-    return abs(cosine - 1.0) < 1e-5 or abs(cosine + 1.0) < 1e-5
-
-
 def _angle(a: np.ndarray, b: np.ndarray) -> float:
     cosine = np.sum(a * b) / (np.sum(a**2) ** 0.5 * np.sum(b**2) ** 0.5)
     return float(np.arccos(cosine) / np.pi * 180.0)
@@ -209,16 +204,16 @@ def lattice_vectors(atoms: object, lattice: Lattice | None = None) -> np.ndarray
     d = lattice.distance(zero, zero, images)
     keep = (d <= radius) & (d > 1e-8) & (d > BOND_TOL)
     images = images[keep][np.argsort(d[keep], kind="stable")]
-    first, start = images[0], 1
-    for k in range(1, len(images)):
-        second = images[k]
-        if not _same_line(first, second):
-            start = k
-            break
-    for k in range(start, len(images)):
-        third = images[k]
-        if abs(np.dot(np.cross(first, second), third)) >= 1e-5:
-            break
+    first = images[0]
+    # the original's loops (graphs.py 230-241), vectorised: the next image not on first's line
+    # (|cos| not within 1e-5 of 1), then from there the next one off their plane
+    unit = images / np.sum(images**2, axis=1, keepdims=True) ** 0.5
+    cosine = np.sum(unit[0] * unit, axis=1)
+    off_line = np.nonzero((np.abs(cosine - 1.0) >= 1e-5) & (np.abs(cosine + 1.0) >= 1e-5))[0]
+    start = off_line[0] if len(off_line) else 1
+    second = images[start] if len(off_line) else images[-1]
+    off_plane = np.nonzero(np.abs(images[start:] @ np.cross(first, second)) >= 1e-5)[0]
+    third = images[start + off_plane[0]] if len(off_plane) else images[-1]
     matrix = lattice.rounded
     if _angle(first @ matrix, second @ matrix) > 90.0:
         second = -second
