@@ -48,6 +48,8 @@ from tests.conftest import (
     exported_params,
     max_relative_difference,
     metrics_log,
+    recipe_env,
+    run_processes,
     run_recipe,
 )
 
@@ -700,3 +702,66 @@ def test_convert_from_comformer_refuses_another_network_naming_the_tensor(tmp_pa
     (source.parent / "config.json").write_text(json.dumps({"model": {"name": "eComformer"}}))
     with pytest.raises(CheckpointError, match=r"model 'eComformer'; this recipe builds iComformer"):
         convert.import_checkpoint(source)
+
+
+BATCH_NORM_RANK = """
+import json, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {repo!r})
+from recipes.crystal.model import BatchNorm
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+x = torch.randn(10, 4) * 3 + 1
+weight = torch.randn(10, 4)
+norm = BatchNorm(4)
+with torch.no_grad():
+    norm.weight.copy_(torch.tensor([0.5, 1.0, 2.0, -1.0]))
+    norm.bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.3]))
+rows = slice(0, 6) if rank == 0 else slice(6, 10)  # uneven shares: 6 and 4 rows
+mine = x[rows].clone().requires_grad_(True)
+out = norm(mine)
+(out * weight[rows]).sum().backward()
+grads = [norm.weight.grad, norm.bias.grad]
+for grad in grads:
+    dist.all_reduce(grad)  # what DDP does (then divides by the world size: a sum loss here)
+parts = [None, None]
+dist.all_gather_object(parts, (out.tolist(), mine.grad.tolist()))
+if rank == 0:
+    state = {{k: v.tolist() for k, v in norm.state_dict().items()}}
+    result = {{"out": parts[0][0] + parts[1][0], "x_grad": parts[0][1] + parts[1][1],
+               "grads": [g.tolist() for g in grads], "state": state}}
+    with open({out!r}, "w") as handle:
+        json.dump(result, handle)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_batch_norm_uses_the_global_batchs_statistics_on_two_processes(tmp_path):
+    """Rows split 6 + 4 over two gloo processes: the outputs, the gradients (of the inputs and
+    of the affine parameters) and the running statistics are those of one process with all 10
+    rows (torch's BatchNorm1d), to float rounding."""
+    script, out = tmp_path / "rank.py", tmp_path / "out.json"
+    script.write_text(BATCH_NORM_RANK.format(repo=str(REPO), out=str(out)))
+    result = run_processes(script, [], 2, cwd=tmp_path, env=recipe_env(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(out.read_text())
+
+    torch.manual_seed(0)
+    x = (torch.randn(10, 4) * 3 + 1).requires_grad_(True)
+    weight = torch.randn(10, 4)
+    norm = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([0.5, 1.0, 2.0, -1.0]))
+        norm.bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.3]))
+    expected = norm(x)
+    (expected * weight).sum().backward()
+    assert torch.tensor(got["out"]) == pytest.approx(expected.detach(), abs=1e-5)
+    assert torch.tensor(got["x_grad"]) == pytest.approx(x.grad, abs=1e-5)
+    assert torch.tensor(got["grads"][0]) == pytest.approx(norm.weight.grad, abs=1e-5)
+    assert torch.tensor(got["grads"][1]) == pytest.approx(norm.bias.grad, abs=1e-5)
+    for key, value in norm.state_dict().items():
+        assert torch.tensor(got["state"][key]) == pytest.approx(value, abs=1e-6), key
