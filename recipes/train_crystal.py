@@ -1,10 +1,13 @@
 """Crystal property prediction with a graph transformer (iComformer on periodic k-NN graphs).
 
-Each structure of an extended XYZ file becomes a graph: atoms are nodes, and every atom receives
-messages from its `--max-neighbors` nearest neighbours within `--cutoff` angstrom, periodic
-images included. Graph-transformer convolutions (query/key/value/edge projections, gated
-messages) update the atoms, one lattice-aware layer updates the edges after the first
-convolution, and the mean over atoms goes through an MLP to one number per structure.
+Each structure of an extended XYZ file becomes the original ComFormer's graph: atoms are nodes,
+each linked both ways to its `--max-neighbors` nearest neighbours (ties kept; periodic images
+included) and to its own images along three lattice vectors. The network is the original's
+iComformer layer for layer (recipes/crystal/model.py): CGCNN atom features, graph-transformer
+convolutions (query/key/value/edge projections, BatchNorm-gated messages), one edge update
+attending over the lattice vectors after the first, mean pooling and an MLP to one number per
+structure. `accel-recipes convert --from comformer best_model.pt OUT` imports the original's
+checkpoints (recipes/crystal/convert.py).
 
     python recipes/train_crystal.py                                   # EMT-labelled example
     python recipes/train_crystal.py --data structures.extxyz --target formation_energy_per_atom
@@ -23,8 +26,9 @@ From Python, as the original's API (here or with num_processes=N through Acceler
     from recipes.crystal.api import train_from_extxyz
     metrics, model_dir = train_from_extxyz("structures.extxyz", "energy_per_atom", n_epochs=50)
 
-Graphs are built once (matscipy neighbour search, vectorised k-nearest selection) and cached as
-Arrow with Hugging Face `datasets`, keyed by the file's bytes and the graph settings.
+Graphs are built once (matscipy neighbour search, vectorised k-nearest selection, the original's
+rules) and cached as Arrow with Hugging Face `datasets`, keyed by the file's bytes and the graph
+settings.
 The reader, graphs, their cache and the dataset are in recipes/crystal/data.py, the network in
 recipes/crystal/model.py, the example-data generator in recipes/crystal/example.py and the
 original's Python API in recipes/crystal/api.py; this file is the training: its settings

@@ -81,7 +81,14 @@ class BatchNorm(nn.BatchNorm1d):
             return super().forward(x)
         if dist.get_world_size() == 1:
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
+        with warnings.catch_warnings():  # its deprecation names a private replacement
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.distributed.nn.functional import all_reduce as reduce
+
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return reduce(tensor)
 
         count = all_reduce(x.new_tensor([float(x.shape[0])]))
         mean = all_reduce(x.sum(0)) / count
@@ -156,6 +163,10 @@ class ComformerConvEdge(nn.Module):
             setattr(self, f"lin_value_e{k}", nn.Linear(width, heads * width))
         self.lin_edge = nn.Linear(width, heads * width, bias=False)
         self.lin_edge_len = nn.Linear(width + 32, width)  # unused there too
+        for unused in (*self.lemb.parameters(), *self.lin_edge_len.parameters()):
+            # no gradient ever reaches them (there neither: AdamW skips them, no decay), and
+            # DDP would wait for one
+            unused.requires_grad_(False)
         self.lin_concate = nn.Linear(heads * width, width)
         self.lin_msg_update = mlp(width)
         self.key_update = mlp(width)
