@@ -56,7 +56,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
-from accel_common.checkpoint import load_for_inference, read_recipe_export
+from accel_common.checkpoint import load_exported, load_for_inference, read_recipe_export
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
@@ -115,6 +115,11 @@ class CrystalSettings(Settings):
         64, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
     )
     fc_features: int = setting(16, "Width of the MLP after pooling: fc_features (256).", min=1)
+    init_from: Path | None = setting(
+        None,
+        "Start from the weights of an export (a ComFormer best_model.pt converted with "
+        "`accel-recipes convert --from comformer`); its network settings must be these.",
+    )
     cache_graphs: bool = setting(
         True,
         "Keep the built graphs on disk for later runs.",
@@ -208,6 +213,8 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     mean, std = float(y_train.mean()), float(y_train.std() or 1.0)
 
     model = build_model(args, settings)
+    if settings.init_from is not None:  # fine-tuning: strictly, or a CheckpointError naming why
+        load_exported(settings.init_from, model)
     # as the original (train.py 105-118): no weight decay on biases and batch norms
     plain = {n for n, _ in model.named_parameters() if any(k in n for k in ("bias", "bn", "norm"))}
     decayed = [p for name, p in model.named_parameters() if name not in plain]

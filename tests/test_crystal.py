@@ -261,7 +261,7 @@ def test_graphs_are_built_once_and_rebuilt_when_the_file_or_a_setting_changes(
 @pytest.fixture(scope="module")
 def trained(crystal_data, tmp_path_factory) -> Path:
     """The example's defaults (the original's network at width 16, 8 neighbours, 64 RBF
-    centres) but 2 convolutions instead of 4: 56.7 CPU-s for the whole run (graphs built,
+    centres) but 2 convolutions instead of 4: 56.7 CPU-s for the whole run (graphs cached,
     20 epochs; 94 s wall on the 2-core VM at load average 6), ending at test MAE 0.064
     eV/atom against the baseline's 0.325 (0.20 x)."""
     tmp = tmp_path_factory.mktemp("crystal-run")
@@ -788,3 +788,35 @@ def test_the_python_apis_defaults_are_the_originals():
     assert (settings.cutoff, settings.max_neighbors, settings.width) == (6.0, 25, 256)
     assert (settings.rbf_bins, settings.angle_bins, settings.fc_features) == (256, 256, 256)
     assert recipe.train.resolve()[1].width == 16  # the command line's own default
+
+
+def test_init_from_starts_training_from_a_converted_comformer_checkpoint(tmp_path):
+    source = write_original_checkpoint(tmp_path / "orig", mean_train=0.0, std_train=1.0)
+    state, config = convert.import_checkpoint(source)
+    write_export(state, tmp_path / "converted", {"recipe": "crystal", "config": config})
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 20)
+    sizes = ["--width", "16", "--rbf-bins", "12", "--angle-bins", "10", "--fc-features", "8"]
+    argv = ["--data", str(path), "--target", "volume", "--no-cache-graphs", *sizes]
+    argv += ["--bs", "8", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]
+    try:
+        train_in_python(
+            recipe.train,
+            [*argv, "--init-from", str(tmp_path / "converted")],
+            tmp_path / "run",
+            script=CRYSTAL,
+        )
+        with pytest.raises(CheckpointError, match=r"does not fit this model"):
+            wrong = [*argv, "--width", "24", "--output-dir", str(tmp_path / "wrong")]
+            train_in_python(
+                recipe.train,
+                [*wrong, "--init-from", str(tmp_path / "converted")],
+                tmp_path / "wrong",
+                script=CRYSTAL,
+            )
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    trained = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    # one step from the original's weights: close to them, not to a fresh initialisation
+    start = load_file(FIXTURES / "icomformer.safetensors")
+    assert (trained["fc_out.weight"] - start["fc_out.weight"]).abs().max() < 0.05
