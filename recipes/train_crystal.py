@@ -1,10 +1,13 @@
 """Crystal property prediction with a graph transformer (iComformer on periodic k-NN graphs).
 
-Each structure of an extended XYZ file becomes a graph: atoms are nodes, and every atom receives
-messages from its `--max-neighbors` nearest neighbours within `--cutoff` angstrom, periodic
-images included. Graph-transformer convolutions (query/key/value/edge projections, gated
-messages) update the atoms, one lattice-aware layer updates the edges after the first
-convolution, and the mean over atoms goes through an MLP to one number per structure.
+Each structure of an extended XYZ file becomes the original ComFormer's graph: atoms are nodes,
+each linked both ways to its `--max-neighbors` nearest neighbours (ties kept; periodic images
+included) and to its own images along three lattice vectors. The network is the original's
+iComformer layer for layer (recipes/crystal/model.py): CGCNN atom features, graph-transformer
+convolutions (query/key/value/edge projections, BatchNorm-gated messages), one edge update
+attending over the lattice vectors after the first, mean pooling and an MLP to one number per
+structure. `accel-recipes convert --from comformer best_model.pt OUT` imports the original's
+checkpoints (recipes/crystal/convert.py).
 
     python recipes/train_crystal.py                                   # EMT-labelled example
     python recipes/train_crystal.py --data structures.extxyz --target formation_energy_per_atom
@@ -23,8 +26,9 @@ From Python, as the original's API (here or with num_processes=N through Acceler
     from recipes.crystal.api import train_from_extxyz
     metrics, model_dir = train_from_extxyz("structures.extxyz", "energy_per_atom", n_epochs=50)
 
-Graphs are built once (matscipy neighbour search, vectorised k-nearest selection) and cached as
-Arrow with Hugging Face `datasets`, keyed by the file's bytes and the graph settings.
+Graphs are built once (matscipy neighbour search, vectorised k-nearest selection, the original's
+rules) and cached as Arrow with Hugging Face `datasets`, keyed by the file's bytes and the graph
+settings.
 The reader, graphs, their cache and the dataset are in recipes/crystal/data.py, the network in
 recipes/crystal/model.py, the example-data generator in recipes/crystal/example.py and the
 original's Python API in recipes/crystal/api.py; this file is the training: its settings
@@ -52,7 +56,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
-from accel_common.checkpoint import load_for_inference, read_recipe_export
+from accel_common.checkpoint import load_exported, load_for_inference, read_recipe_export
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
@@ -71,7 +75,7 @@ from recipes.crystal.data import (
     target_value,
 )
 from recipes.crystal.example import write_dataset
-from recipes.crystal.model import Comformer
+from recipes.crystal.model import VARIANTS, Comformer
 
 RECIPE = "crystal"
 
@@ -86,17 +90,37 @@ class CrystalSettings(Settings):
     index: str = setting(
         ":", "Frames to read, as ASE takes it: ':', ':1000', '::10', or one frame: '5'."
     )
-    cutoff: float = setting(5.0, "Neighbour cutoff in angstrom (4-6).", min=0.5)
-    max_neighbors: int = setting(12, "Nearest neighbours per atom (25).", min=1)
+    cutoff: float = setting(
+        5.0,
+        "Neighbour search radius in angstrom; widened until every atom has enough (6).",
+        min=0.5,
+    )
+    max_neighbors: int = setting(
+        8, "Nearest neighbours per atom, ties at the last distance kept (25).", min=1
+    )
     non_periodic: bool = setting(False, "Accept non-periodic structures (molecules).")
     train_ratio: float = setting(0.8, "Share for training.", min=0.01, max=0.98)
     val_ratio: float = setting(0.1, "Share for validation.", min=0.01, max=0.98)
     test_ratio: float = setting(0.1, "Share for testing.", min=0.01, max=0.98)
     split_seed: int = setting(123, "Seed of the train/val/test split.")
-    width: int = setting(32, "Node and edge feature width (original: 256).", min=8)
-    layers: int = setting(4, "Graph-transformer convolutions (4).", min=1)
-    heads: int = setting(1, "Attention heads per convolution (1).", min=1)
-    rbf_bins: int = setting(256, "RBF centres for the edge distance (256).", min=2)
+    model: str = setting(
+        "iComformer", "The original's network: iComformer (eComformer: not yet built here)."
+    )
+    width: int = setting(16, "Node and edge feature width: node_features (256).", min=8)
+    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
+    heads: int = setting(1, "Attention heads per convolution: node_layer_head (1).", min=1)
+    rbf_bins: int = setting(
+        64, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
+    )
+    angle_bins: int = setting(
+        64, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
+    )
+    fc_features: int = setting(16, "Width of the MLP after pooling: fc_features (256).", min=1)
+    init_from: Path | None = setting(
+        None,
+        "Start from the weights of an export (a ComFormer best_model.pt converted with "
+        "`accel-recipes convert --from comformer`); its network settings must be these.",
+    )
     cache_graphs: bool = setting(
         True,
         "Keep the built graphs on disk for later runs.",
@@ -112,6 +136,8 @@ class CrystalSettings(Settings):
         super().validate()
         if not math.isclose(self.train_ratio + self.val_ratio + self.test_ratio, 1, abs_tol=1e-6):
             raise ConfigError("--train-ratio, --val-ratio and --test-ratio must sum to 1")
+        if self.model not in VARIANTS:
+            raise ConfigError(f"--model {self.model}: this recipe builds {', '.join(VARIANTS)}")
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -142,7 +168,14 @@ def evaluate(
 
 def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer:
     """The network the settings describe; it needs no data, so --dry-run builds the same one."""
-    return Comformer(settings.width, settings.layers, settings.heads, settings.rbf_bins)
+    return Comformer(
+        settings.width,
+        settings.layers,
+        settings.heads,
+        settings.rbf_bins,
+        settings.angle_bins,
+        settings.fc_features,
+    )
 
 
 @train_command(
@@ -180,9 +213,13 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     mean, std = float(y_train.mean()), float(y_train.std() or 1.0)
 
     model = build_model(args, settings)
-    decayed = [p for name, p in model.named_parameters() if p.ndim > 1 and "norm" not in name]
-    plain = [p for name, p in model.named_parameters() if p.ndim <= 1 or "norm" in name]
-    groups = [{"params": decayed}, {"params": plain, "weight_decay": 0.0}]  # as the original
+    if settings.init_from is not None:  # fine-tuning: strictly, or a CheckpointError naming why
+        load_exported(settings.init_from, model)
+    # as the original (train.py 105-118): no weight decay on biases and batch norms
+    plain = {n for n, _ in model.named_parameters() if any(k in n for k in ("bias", "bn", "norm"))}
+    decayed = [p for name, p in model.named_parameters() if name not in plain]
+    kept = [p for name, p in model.named_parameters() if name in plain]
+    groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     collate = Collater(train_set)
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)

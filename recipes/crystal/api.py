@@ -9,6 +9,7 @@ launcher.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,22 @@ import torch
 
 import recipes.train_crystal as recipe
 from accel_common.errors import ConfigError
+from accel_common.options import TrainArgs
 from accel_common.runtime import train_in_python
-from accel_common.settings import flag
+from accel_common.settings import flag, read_config_file
+
+# what an argument left out takes: the original's preset (its API's defaults: lr 1e-3, batch 64,
+# 500 epochs, cutoff 6, 25 neighbours, width 256, ...), not the CPU-sized command-line defaults
+ORIGINAL_PRESET = Path(recipe.__file__).parent / "crystal" / "configs" / "original.yaml"
+
+
+def original_defaults() -> dict[str, Any]:
+    names = [f.name for f in fields(recipe.CrystalSettings)] + [f.name for f in fields(TrainArgs)]
+    return read_config_file(ORIGINAL_PRESET, names)
+
 
 # The original's arguments that have no counterpart here, with the one value each may take:
-# this recipe is iComformer regression on the lattice-aware graph. `atom_features="cgcnn"`, the
-# original's default, stands for the element features; the model learns an embedding instead.
+# this recipe is iComformer regression on the lattice-aware graph with the CGCNN atom features.
 FIXED_IN_THIS_RECIPE: dict[str, Any] = {
     "model_name": "iComformer",
     "atom_features": "cgcnn",
@@ -110,9 +121,10 @@ def train_from_extxyz(
     loading), `random_seed` -> --seed, the others (and `weight_decay`) by their own names;
     `index` may be an int, a slice or ASE's string. Its model choices (`model_name`,
     `atom_features`, `use_lattice`, `use_angle`, `classification`) are accepted at the values
-    this recipe is and refused otherwise. An argument left out (None) takes the recipe's default
-    (`python recipes/train_crystal.py --help`), not the original's; every value is checked here,
-    before anything is launched.
+    this recipe is and refused otherwise. An argument left out (None) takes the original's default,
+    from recipes/crystal/configs/original.yaml (the original's network at full size, lr 1e-3,
+    batch 64, 500 epochs, 25 neighbours from 6 angstrom); every value is checked here, before
+    anything is launched.
 
     With `num_processes=1` the recipe runs in this process; with N (or `distributed=True`: every
     GPU) it runs on N processes through `accelerate launch` (GPUs when there are, else CPU
@@ -142,9 +154,11 @@ def train_from_extxyz(
         **original_only_settings(original_options),
     }
     values = {name: value for name, value in values.items() if value is not None}
-    args, _ = recipe.train.resolve(**values)  # the recipe's defaults and checks
+    # the original's defaults under what is given; `extra_args` win over both
+    args, _ = recipe.train.resolve(**(original_defaults() | values))  # every check, now
     num_processes = processes_for(num_processes, distributed)
-    argv, script = [*as_flags(values), *extra_args], Path(recipe.__file__)
+    argv = ["--config", str(ORIGINAL_PRESET), *as_flags(values), *extra_args]
+    script = Path(recipe.__file__)
     return train_in_python(recipe.train, argv, args.output_dir, num_processes, script=script)
 
 

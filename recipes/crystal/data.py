@@ -163,35 +163,164 @@ def check_periodic(atoms: object, where: str, allow_molecules: bool) -> None:
         )
 
 
-def knn_graph(atoms: object, cutoff: float, max_neighbors: int) -> dict[str, np.ndarray]:
-    """Edges from every atom to its `max_neighbors` nearest neighbours (periodic images
-    included) within `cutoff`: source, target, distance and displacement vector."""
+BOND_TOL = 0.15  # jarvis-tools' get_all_neighbors drops neighbours this close (angstrom)
+
+
+class Lattice:
+    """A cell as the original sees it: ASE -> pymatgen -> jarvis-tools Atoms (custom_train.py
+    25-54, 173-190), so that every distance below is the same float the original compares:
+    fractional coordinates as pymatgen computes them (pos @ inv(cell)); jarvis' Lattice rounds
+    the cell to 5 decimals (`rounded`), from which it makes Cartesian coordinates, the vectors
+    of the edges and their lengths (`abc`, rounded to 6 decimals), while its neighbour search
+    steps through images with the cell as given, in the box of images jarvis'
+    `get_all_neighbors` searches (atoms.py 791-819); that box can miss a neighbour near its
+    edge, and then the original's graph misses it too."""
+
+    def __init__(self, atoms: object) -> None:
+        self.cell = np.asarray(atoms.cell.array, dtype=np.float64)
+        self.rounded = np.around(self.cell, decimals=5)
+        self.frac = np.asarray(atoms.positions, dtype=np.float64) @ np.linalg.inv(self.cell)
+        self.cart = self.frac @ self.rounded
+        self.abc = [round(x, 6) for x in np.sqrt(np.sum(self.rounded**2, axis=1)).tolist()]
+        self.reciprocal = np.linalg.norm(2 * np.pi * np.linalg.inv(self.rounded).T, axis=1)
+
+    def box(self, radius: float) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last image jarvis-tools searches along each axis within `radius`."""
+        reach = np.ceil((radius + BOND_TOL) * self.reciprocal / (2 * np.pi))
+        low = np.floor(np.min(self.frac, axis=0)) - reach
+        high = np.ceil(np.max(self.frac, axis=0)) + reach
+        return low, high - 1
+
+    def distance(self, i: np.ndarray, j: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """|image cell + r_j - r_i| in jarvis-tools' operation order, bit for bit."""
+        coords = image.astype(np.float64) @ self.cell + self.cart[j]
+        return np.sum((coords - self.cart[i]) ** 2, axis=-1) ** 0.5
+
+
+def _search(atoms: object, lattice: Lattice, radius: float) -> tuple[np.ndarray, ...]:
+    """Every neighbour pair the original finds within `radius`: i, j, distance, vector from i to
+    j's image, image. matscipy (C) finds the candidates; the original's box and float distance
+    decide."""
     from matscipy.neighbours import neighbour_list
 
-    if not atoms.pbc.any():  # a molecule: matscipy bins atoms in a cell, so give it a box
-        atoms = atoms.copy()
-        atoms.center(vacuum=cutoff)
-    i, j, d, vec = neighbour_list("ijdD", atoms, cutoff)
+    i, j, vec, shift = neighbour_list("ijDS", atoms, radius + 1e-6)
+    low, high = lattice.box(radius)
+    d = lattice.distance(i, j, shift)
+    keep = (d <= radius) & (d > 1e-8) & (d > BOND_TOL)
+    keep &= np.all((shift >= low) & (shift <= high), axis=1)
+    return i[keep], j[keep], d[keep], vec[keep], shift[keep]
+
+
+def _angle(a: np.ndarray, b: np.ndarray) -> float:
+    cosine = np.sum(a * b) / (np.sum(a**2) ** 0.5 * np.sum(b**2) ** 0.5)
+    return float(np.arccos(cosine) / np.pi * 180.0)
+
+
+def lattice_vectors(atoms: object, lattice: Lattice | None = None) -> np.ndarray:
+    """The three lattice translations the original gives every edge (graphs.py 220-253), as
+    integer images: among atom 0's own periodic images within the longest cell vector + 0.01,
+    sorted by length (equal floats in jarvis-tools' enumeration order), the first, the next one
+    not collinear with it and the next one not coplanar with both; the second and third flipped
+    to make acute angles with the first, all three flipped to a right-handed set."""
+    lattice = lattice or Lattice(atoms)
+    radius = max(lattice.abc) + 1e-2
+    low, high = lattice.box(radius)
+    axes = [np.arange(a, b + 1) for a, b in zip(low, high, strict=True)]
+    images = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)  # product order
+    zero = np.zeros(len(images), dtype=np.int64)
+    d = lattice.distance(zero, zero, images)
+    keep = (d <= radius) & (d > 1e-8) & (d > BOND_TOL)
+    images = images[keep][np.argsort(d[keep], kind="stable")]
+    first = images[0]
+    # the original's loops (graphs.py 230-241), vectorised: the next image not on first's line
+    # (|cos| not within 1e-5 of 1), then from there the next one off their plane
+    unit = images / np.sum(images**2, axis=1, keepdims=True) ** 0.5
+    cosine = np.sum(unit[0] * unit, axis=1)
+    off_line = np.nonzero((np.abs(cosine - 1.0) >= 1e-5) & (np.abs(cosine + 1.0) >= 1e-5))[0]
+    start = off_line[0] if len(off_line) else 1
+    second = images[start] if len(off_line) else images[-1]
+    off_plane = np.nonzero(np.abs(images[start:] @ np.cross(first, second)) >= 1e-5)[0]
+    third = images[start + off_plane[0]] if len(off_plane) else images[-1]
+    matrix = lattice.rounded
+    if _angle(first @ matrix, second @ matrix) > 90.0:
+        second = -second
+    if _angle(first @ matrix, third @ matrix) > 90.0:
+        third = -third
+    normal = np.cross(first @ matrix, second @ matrix)
+    if not _angle(normal, third @ matrix) <= 90.0:
+        first, second, third = -first, -second, -third
+    return np.stack([first, second, third]).astype(np.int64)
+
+
+def comformer_graph(atoms: object, cutoff: float, max_neighbors: int) -> dict[str, np.ndarray]:
+    """The original's graph (comformer/graphs.py 205-300, with use_lattice=True and
+    use_canonize=False as its API builds it), edge for edge: for every atom, all neighbours
+    (periodic images included) up to the distance of its `max_neighbors`-th, every neighbour at
+    exactly that distance kept; the search radius starts at `cutoff` and widens as the
+    original's does until every atom has that many; each such pair is an edge both ways (a pair
+    found from both of its atoms is there twice, as in the original), and every atom gets
+    self-loops along the three lattice vectors (both ways) unless that image is already its
+    neighbour. Returns source and target (messages flow source -> target), the vector from the
+    source to the target's image, and the three lattice vectors (Cartesian)."""
+    lattice = Lattice(atoms)
+    n = len(atoms)
+    radius = cutoff
+    while True:
+        i, j, d, vec, shift = _search(atoms, lattice, radius)
+        if np.bincount(i, minlength=n).min() >= max_neighbors:
+            break
+        longest = max(lattice.abc)
+        radius = longest if radius < longest else 2 * radius
     order = np.lexsort((d, i))  # by centre atom, nearest first
-    i, j, d, vec = i[order], j[order], d[order], vec[order]
-    first = np.searchsorted(i, i)  # index of each centre's first edge
-    keep = (np.arange(len(i)) - first) < max_neighbors
+    i, j, d, vec, shift = i[order], j[order], d[order], vec[order], shift[order]
+    kth = d[np.searchsorted(i, np.arange(n)) + max_neighbors - 1]
+    keep = d <= kth[i]  # ties kept, as the original keeps them: equal floats
+    i, j, shift = i[keep], j[keep], shift[keep]
+    # the vector as the original computes it: frac_j + image - frac_i, in Cartesian
+    vec = (lattice.frac[j] + shift - lattice.frac[i]) @ lattice.rounded
+    images = lattice_vectors(atoms, lattice)
+    own = i == j  # self-loops along the lattice vectors, unless that image is a neighbour
+    present = np.zeros((n, 3), dtype=bool)
+    same = np.all(shift[own][:, None, :] == images[None, :, :], axis=-1)
+    np.logical_or.at(present, i[own], same)
+    loop_atom, loop_vec = np.nonzero(~present)
+    cart = images @ lattice.rounded
+    src = np.concatenate([i, loop_atom])
+    dst = np.concatenate([j, loop_atom])
+    vec = np.concatenate([vec, cart[loop_vec]])
     return {
-        "edge_index": np.stack([j[keep], i[keep]]).astype(np.int64),  # message j -> i
-        "distance": d[keep].astype(np.float32),
-        "vector": vec[keep].astype(np.float32),
+        "edge_index": np.stack([np.concatenate([src, dst]), np.concatenate([dst, src])]),
+        "vector": np.concatenate([vec, -vec]).astype(np.float32),
+        "lattice": cart.astype(np.float32),
     }
 
 
-def reduced_lattice(atoms: object) -> np.ndarray:
-    """The shortest independent lattice translations (Minkowski-reduced cell), as the original
-    uses for its edge update instead of the cell as written; zeros for a non-periodic frame."""
-    from ase.geometry import minkowski_reduce
+def knn_graph(atoms: object, cutoff: float, max_neighbors: int) -> dict[str, np.ndarray]:
+    """The graph of one structure: the original's (`comformer_graph`) for a crystal; for a
+    molecule (no lattice, --non-periodic), the same k-nearest rule without periodic images,
+    self-loops or lattice vectors (zeros)."""
+    if atoms.pbc.all():
+        return comformer_graph(atoms, cutoff, max_neighbors)
+    atoms = atoms.copy()
+    atoms.center(vacuum=cutoff)  # matscipy bins atoms in a cell, so give it a box
+    atoms.pbc = False
+    from matscipy.neighbours import neighbour_list
 
-    if not atoms.pbc.all():
-        return np.zeros((3, 3), dtype=np.float32)
-    reduced, _ = minkowski_reduce(atoms.cell.array)
-    return reduced.astype(np.float32)
+    i, j, d, vec = neighbour_list("ijdD", atoms, cutoff)
+    order = np.lexsort((d, i))
+    i, j, d, vec = i[order], j[order], d[order], vec[order]
+    first = np.searchsorted(i, i)
+    rank = np.arange(len(i)) - first
+    kth = np.full(len(atoms), np.inf)
+    last = rank == np.minimum(np.bincount(i, minlength=len(atoms))[i], max_neighbors) - 1
+    kth[i[last]] = d[last]
+    keep = d <= kth[i]
+    i, j, vec = i[keep], j[keep], vec[keep]
+    return {
+        "edge_index": np.stack([np.concatenate([i, j]), np.concatenate([j, i])]),
+        "vector": np.concatenate([vec, -vec]).astype(np.float32),
+        "lattice": np.zeros((3, 3), dtype=np.float32),
+    }
 
 
 # --------------------------------------------------------------------------- graph cache, dataset
@@ -220,7 +349,7 @@ def build_graph(row: dict[str, Any], cutoff: float, max_neighbors: int) -> dict[
         pbc=row["pbc"],
     )
     graph = knn_graph(atoms, cutoff, max_neighbors)
-    if graph["distance"].size == 0:
+    if graph["vector"].size == 0:
         raise DataError(
             f"structure {row['index']}: no neighbours within --cutoff {cutoff} angstrom"
         )
@@ -228,9 +357,8 @@ def build_graph(row: dict[str, Any], cutoff: float, max_neighbors: int) -> dict[
     return {
         "source": graph["edge_index"][0].astype(np.int32),
         "target": graph["edge_index"][1].astype(np.int32),
-        "distance": graph["distance"],
         "vector": graph["vector"].reshape(-1),
-        "lattice": reduced_lattice(atoms).reshape(-1),
+        "lattice": graph["lattice"].reshape(-1),
     }
 
 
@@ -251,7 +379,7 @@ def load_graphs(
     cache) when the file's bytes and the settings are unchanged. Returns (graphs, seconds,
     whether they came from the cache)."""
     start = time.perf_counter()
-    settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 3]  # 3: format
+    settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 4]  # 4: format
     key = cache_key(files_digest([path]) if path.is_file() else "", settings)
     folder = cache_root(cache_dir) / f"crystal-{key}"
     if cache and folder.is_dir():
@@ -293,7 +421,6 @@ class CrystalGraphs(Dataset):
         return Data(
             z=torch.as_tensor(row["numbers"], dtype=torch.long),
             edge_index=torch.as_tensor(np.stack([row["source"], row["target"]]), dtype=torch.long),
-            distance=torch.as_tensor(row["distance"], dtype=torch.float32),
             vector=torch.as_tensor(row["vector"], dtype=torch.float32).view(-1, 3),
             lattice=torch.as_tensor(row["lattice"], dtype=torch.float32).view(1, 3, 3),
             y=torch.tensor([float(row["y"]) if "y" in row else math.nan]),

@@ -1,17 +1,39 @@
-"""The crystal recipe's network: an iComformer-style graph transformer (Yan et al., ICLR 2024).
+"""The crystal recipe's network: ComFormer's iComformer (Yan et al., ICLR 2024), layer for layer.
 
-Atoms embedded by atomic number, edges by an RBF expansion of -0.75 / |r|; `layers`
-graph-transformer convolutions (`ComformerConv`: query/key/value/edge projections, gated
-messages); after the first, `LatticeEdgeUpdate` makes the edges aware of the lattice; the mean
-over atoms goes through an MLP to one number per structure.
+As jwchen25/comformer @7241ae8 builds it (comformer/models/comformer.py 148-229, transformer.py
+15-185, utils.py 9-45), with its module names, so that its `best_model.pt` state dict loads here
+key for key (166 tensors at its default config, 4,966,497 parameters):
+
+- atoms: the 92 CGCNN features of each element (a fixed table, recipes/crystal/cgcnn_features.json,
+  not a parameter) -> `atom_embedding` (Linear 92 -> width);
+- edges: `rbf` (RBF of -0.75 / |r| on `rbf_bins` centres in [-4, 0] -> Linear -> Softplus); the
+  three lattice vectors of the structure enter each edge as their lengths (through the same
+  `rbf`) and their cosines with the edge vector (`rbf_angle`: `angle_bins` centres in [-1, 1]);
+- `att_layers`: `ComformerConv` node updates (query/key/value/edge projections, key update and
+  message MLPs on [x_i, x_j, e_ij], a BatchNorm-ed sigmoid gate, summed messages, heads
+  concatenated then projected, BatchNorm, residual, softplus);
+- after the first, `edge_update_layer` (`ComformerConv_edge`): each edge attends over the three
+  lattice vectors with per-vector key/value projections (`lin_key_e1..3`, `lin_value_e1..3`),
+  BatchNorm-ed gate, residual, softplus. It also carries the original's unused `lemb` and
+  `lin_edge_len`, so that the parameter count and the keys are the original's;
+- mean over atoms -> `fc` (Linear, SiLU) -> `fc_out` (Linear -> 1).
+
+Every BatchNorm is `BatchNorm`: torch's BatchNorm1d, whose training statistics are those of the
+whole global batch when several processes train (see its docstring), so that 1 and N processes
+take the same steps. The original runs `att_layers` 0..3 by index (its forward needs exactly 4);
+here `layers` convolutions run in order, the edge update after the first: the same at 4.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,97 +42,204 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.data import Data
     from torch_geometric.nn import MessagePassing, global_mean_pool
 
+CGCNN_TABLE = Path(__file__).with_name("cgcnn_features.json")
+VARIANTS = ("iComformer",)  # the original's model names this recipe builds
 
-class RBF(nn.Module):
-    """Gaussian radial basis expansion of a scalar on `bins` centres in [low, high], with the
-    original's width: gamma = 1 / spacing (not 1 / spacing^2), so neighbouring centres overlap
-    and a distance moves many features smoothly."""
 
-    def __init__(self, low: float, high: float, bins: int) -> None:
+def cgcnn_features() -> torch.Tensor:
+    """The original's atom features: one row of 92 CGCNN features per atomic number 0..103 (row 0
+    and any element the table lacks: zeros; 101-103 repeat 100, as jarvis-tools falls back)."""
+    table = json.loads(CGCNN_TABLE.read_text())
+    return torch.tensor(table["features"], dtype=torch.float32, device="cpu")
+
+
+class RBFExpansion(nn.Module):
+    """Gaussians exp(-gamma (v - c)^2) on `bins` centres in [vmin, vmax]; gamma = 1 / spacing,
+    the spacing as the original computes it (mean of the float32 centre differences)."""
+
+    def __init__(self, vmin: float, vmax: float, bins: int) -> None:
         super().__init__()
-        self.register_buffer("centres", torch.linspace(low, high, bins))
-        first = torch.linspace(low, high, bins, device="cpu")[:2]  # a number, even on `meta`
-        self.gamma = 1.0 / (first[1] - first[0]).item()
+        self.register_buffer("centers", torch.linspace(vmin, vmax, bins))
+        spacing = np.diff(torch.linspace(vmin, vmax, bins, device="cpu").numpy()).mean()
+        self.gamma = float(np.float32(1) / spacing)  # a number, even on `meta`
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
-        return torch.exp(-self.gamma * (value[:, None] - self.centres) ** 2)
+        return torch.exp(-self.gamma * (value.unsqueeze(1) - self.centers) ** 2)
+
+
+class BatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over the global batch. In training with several processes, each channel's
+    count, sum and sum of squared deviations are summed over the processes with autograd-aware
+    all-reduces (torch.distributed.nn), so every process normalises with the statistics of the
+    whole global batch, the gradient flows through them as in one process, and the running
+    statistics (hence evaluation) are the same on every process and equal one process's.
+    torch's SyncBatchNorm does this on GPUs only; this one works on gloo (CPU) too. One
+    process, or evaluation: plain BatchNorm1d, the original's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(x)
+        if dist.get_world_size() == 1:
+            return super().forward(x)
+        with warnings.catch_warnings():  # its deprecation names a private replacement
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.distributed.nn.functional import all_reduce as reduce
+
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return reduce(tensor)
+
+        count = all_reduce(x.new_tensor([float(x.shape[0])]))
+        mean = all_reduce(x.sum(0)) / count
+        var = all_reduce(((x - mean) ** 2).sum(0)) / count  # biased, as batch norm uses it
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.mul_(1 - m).add_(m * mean)
+                self.running_var.mul_(1 - m).add_(m * unbiased)
+        out = (x - mean) * torch.rsqrt(var + self.eps)
+        return out * self.weight + self.bias if self.affine else out
+
+
+def mlp(width: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3 * width, width), nn.SiLU(), nn.Linear(width, width))
 
 
 class ComformerConv(MessagePassing):
-    """Node update: for edge j -> i, key and value from (x_i, x_j, e_ij); attention weights per
-    channel, squashed by a layer-normalised sigmoid gate; summed messages; residual; softplus."""
+    """Node update (the original's ComformerConv, transformer.py 15-93): for edge j -> i, key
+    update and message from [., ., e_ij] with the original's projections; the gate is the
+    sigmoid of the BatchNorm-ed query-key product; messages summed at i."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__(aggr="add", node_dim=0)
         self.heads, self.width = heads, width
-        self.query = nn.Linear(width, heads * width)
-        self.key = nn.Linear(width, heads * width)
-        self.value = nn.Linear(width, heads * width)
-        self.edge = nn.Linear(width, heads * width)
-        self.key_update = nn.Sequential(
-            nn.Linear(3 * width, width), nn.SiLU(), nn.Linear(width, width)
-        )
-        self.message_update = nn.Sequential(
-            nn.Linear(3 * width, width), nn.SiLU(), nn.Linear(width, width)
-        )
-        self.gate_norm = nn.LayerNorm(width)
-        self.heads_out = nn.Linear(heads * width, width)
-        # the original normalises with BatchNorm, whose statistics depend on each process's
-        # share of the batch; LayerNorm keeps 1 and N processes exactly equal
-        self.norm = nn.LayerNorm(width)
+        self.lin_key = nn.Linear(width, heads * width)
+        self.lin_query = nn.Linear(width, heads * width)
+        self.lin_value = nn.Linear(width, heads * width)
+        self.lin_edge = nn.Linear(width, heads * width)
+        self.lin_concate = nn.Linear(heads * width, width)
+        self.lin_msg_update = mlp(width)
+        self.key_update = mlp(width)
+        self.bn = BatchNorm(width)
+        self.bn_att = BatchNorm(width)
 
     def forward(
         self, x: torch.Tensor, edge_index: torch.Tensor, edge: torch.Tensor
     ) -> torch.Tensor:
-        h, w = self.heads, self.width
-        q, k, v = (f(x).view(-1, h, w) for f in (self.query, self.key, self.value))
-        out = self.propagate(edge_index, q=q, k=k, v=v, e=self.edge(edge).view(-1, h, w))
-        return F.softplus(x + self.norm(self.heads_out(out.reshape(-1, h * w))))
+        h, c = self.heads, self.width
+        query = self.lin_query(x).view(-1, h, c)
+        key = self.lin_key(x).view(-1, h, c)
+        value = self.lin_value(x).view(-1, h, c)
+        out = self.propagate(edge_index, query=query, key=key, value=value, edge_attr=edge)
+        out = self.lin_concate(out.view(-1, h * c))
+        return F.softplus(x + self.bn(out))
 
-    def message(self, q_i, k_i, k_j, v_i, v_j, e) -> torch.Tensor:
-        key = self.key_update(torch.cat([k_i, k_j, e], dim=-1))
-        alpha = q_i * key / math.sqrt(self.width)
-        value = self.message_update(torch.cat([v_i, v_j, e], dim=-1))
-        return value * torch.sigmoid(self.gate_norm(alpha))
+    def message(self, query_i, key_i, key_j, value_i, value_j, edge_attr) -> torch.Tensor:
+        h, c = self.heads, self.width
+        edge = self.lin_edge(edge_attr).view(-1, h, c)
+        key = self.key_update(torch.cat((key_i, key_j, edge), dim=-1))
+        alpha = (query_i * key) / math.sqrt(c)
+        out = self.lin_msg_update(torch.cat((value_i, value_j, edge), dim=-1))
+        return out * torch.sigmoid(self.bn_att(alpha.view(-1, c)).view(-1, h, c))
 
 
-class LatticeEdgeUpdate(nn.Module):
-    """Edge update from the lattice: the cosines between each edge vector and the three lattice
-    vectors of its structure, RBF-expanded, gate a residual update of the edge features (what
-    makes iComformer's graphs complete for periodic structures)."""
+class ComformerConvEdge(nn.Module):
+    """Edge update (the original's ComformerConv_edge, transformer.py 96-185): each edge
+    attends over its structure's three lattice vectors, from their RBF-expanded lengths
+    (per-vector key/value projections) and their angles with the edge (`lin_edge`)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.angles = RBF(-1.0, 1.0, 16)
-        self.update = nn.Sequential(
-            nn.Linear(width + 3 * 16, width), nn.SiLU(), nn.Linear(width, 2 * width)
-        )
+        self.heads, self.width = heads, width
+        self.lemb = nn.Embedding(3, 32)  # unused in the original's forward; kept for its keys
+        self.lin_key = nn.Linear(width, heads * width)
+        self.lin_query = nn.Linear(width, heads * width)
+        self.lin_value = nn.Linear(width, heads * width)
+        for k in (1, 2, 3):
+            setattr(self, f"lin_key_e{k}", nn.Linear(width, heads * width))
+            setattr(self, f"lin_value_e{k}", nn.Linear(width, heads * width))
+        self.lin_edge = nn.Linear(width, heads * width, bias=False)
+        self.lin_edge_len = nn.Linear(width + 32, width)  # unused there too
+        for unused in (*self.lemb.parameters(), *self.lin_edge_len.parameters()):
+            # no gradient ever reaches them (there neither: AdamW skips them, no decay), and
+            # DDP would wait for one
+            unused.requires_grad_(False)
+        self.lin_concate = nn.Linear(heads * width, width)
+        self.lin_msg_update = mlp(width)
+        self.key_update = mlp(width)
+        self.bn_att = BatchNorm(width)
+        self.bn = BatchNorm(width)
 
     def forward(
-        self, edge: torch.Tensor, vector: torch.Tensor, lattice: torch.Tensor
+        self, edge: torch.Tensor, nei_len: torch.Tensor, nei_angle: torch.Tensor
     ) -> torch.Tensor:
-        cosines = F.cosine_similarity(vector[:, None, :], lattice, dim=-1)  # (E, 3)
-        angles = self.angles(cosines.reshape(-1)).view(len(edge), -1)
-        update, gate = self.update(torch.cat([edge, angles], dim=-1)).chunk(2, dim=-1)
-        return edge + torch.sigmoid(gate) * update
+        h, c = self.heads, self.width
+        query_x = self.lin_query(edge).view(-1, 1, h, c).expand(-1, 3, h, c)
+        key_x = self.lin_key(edge).view(-1, 1, h, c).expand(-1, 3, h, c)
+        value_x = self.lin_value(edge).view(-1, 1, h, c).expand(-1, 3, h, c)
+        keys = (self.lin_key_e1, self.lin_key_e2, self.lin_key_e3)
+        values = (self.lin_value_e1, self.lin_value_e2, self.lin_value_e3)
+        key_y = torch.stack([f(nei_len[:, k]).view(-1, h, c) for k, f in enumerate(keys)], 1)
+        value_y = torch.stack([f(nei_len[:, k]).view(-1, h, c) for k, f in enumerate(values)], 1)
+        edge_xy = self.lin_edge(nei_angle).view(-1, 3, h, c)
+        key = self.key_update(torch.cat((key_x, key_y, edge_xy), dim=-1))
+        alpha = (query_x * key) / math.sqrt(c)
+        out = self.lin_msg_update(torch.cat((value_x, value_y, edge_xy), dim=-1))
+        out = out * torch.sigmoid(self.bn_att(alpha.reshape(-1, c)).view(-1, 3, h, c))
+        out = self.lin_concate(out.reshape(-1, 3, h * c)).sum(dim=1)
+        return F.softplus(edge + self.bn(out))
+
+
+def bond_cosine(r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    cosine = torch.sum(r1 * r2, dim=-1) / (torch.norm(r1, dim=-1) * torch.norm(r2, dim=-1))
+    return torch.clamp(cosine, -1, 1)
 
 
 class Comformer(nn.Module):
-    def __init__(self, width: int, layers: int, heads: int, rbf_bins: int) -> None:
+    """iComformer. `width` is the original's node_features (= its fc input and every
+    convolution's width), `rbf_bins` its edge_features, `angle_bins` its
+    triplet_input_features, `fc_features` its fc_features, `heads` its node_layer_head."""
+
+    def __init__(
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        rbf_bins: int,
+        angle_bins: int | None = None,
+        fc_features: int | None = None,
+    ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(119, width)  # by atomic number
-        self.rbf = RBF(-4.0, 0.0, rbf_bins)  # of -0.75 / |r|, as the original
-        self.edge_embed = nn.Sequential(nn.Linear(rbf_bins, width), nn.Softplus())
-        self.convs = nn.ModuleList(ComformerConv(width, heads) for _ in range(layers))
-        self.edge_update = LatticeEdgeUpdate(width)
-        self.head = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, 1))
+        angle_bins = angle_bins or rbf_bins
+        fc_features = fc_features or width
+        self.register_buffer("cgcnn", cgcnn_features(), persistent=False)
+        self.atom_embedding = nn.Linear(self.cgcnn.shape[1], width)
+        self.rbf = nn.Sequential(
+            RBFExpansion(-4.0, 0.0, rbf_bins), nn.Linear(rbf_bins, width), nn.Softplus()
+        )
+        self.rbf_angle = nn.Sequential(
+            RBFExpansion(-1.0, 1.0, angle_bins), nn.Linear(angle_bins, width), nn.Softplus()
+        )
+        self.att_layers = nn.ModuleList(ComformerConv(width, heads) for _ in range(layers))
+        self.edge_update_layer = ComformerConvEdge(width, heads)
+        self.fc = nn.Sequential(nn.Linear(width, fc_features), nn.SiLU())
+        self.fc_out = nn.Linear(fc_features, 1)
 
     def forward(self, graph: Data) -> torch.Tensor:
-        x = self.embed(graph.z)
-        edge = self.edge_embed(self.rbf(-0.75 / graph.distance.clamp(min=1e-3)))
-        lattice = graph.lattice[graph.batch[graph.edge_index[1]]]  # (E, 3, 3)
-        for layer, conv in enumerate(self.convs):
+        x = self.atom_embedding(self.cgcnn[graph.z])
+        vector = graph.vector  # (E, 3): from the source atom to the target atom's image
+        lattice = graph.lattice[graph.batch[graph.edge_index[0]]]  # (E, 3, 3)
+        n = len(vector)
+        edge = self.rbf(-0.75 / torch.norm(vector, dim=1))
+        nei_len = self.rbf((-0.75 / torch.norm(lattice, dim=-1)).reshape(-1)).view(n, 3, -1)
+        angles = bond_cosine(lattice, vector.unsqueeze(1).expand(-1, 3, -1))
+        nei_angle = self.rbf_angle(angles.reshape(-1)).view(n, 3, -1)
+        for layer, conv in enumerate(self.att_layers):
             x = conv(x, graph.edge_index, edge)
             if layer == 0:
-                edge = self.edge_update(edge, graph.vector, lattice)
-        return self.head(global_mean_pool(x, graph.batch)).squeeze(-1)
+                edge = self.edge_update_layer(edge, nei_len, nei_angle)
+        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
+        return out.squeeze(-1)

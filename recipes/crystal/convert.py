@@ -1,0 +1,166 @@
+"""ComFormer checkpoints <-> this recipe's export (`accel-recipes convert --from/--to comformer`).
+
+The original (jwchen25/comformer @7241ae8, train.py 355-367) saves `best_model.pt` as
+`{"model": net.state_dict()}` and its training config as `config.json` in the same folder
+(train.py 217-230: the model section, the graph settings and the target's `mean_train` /
+`std_train`). The state dict's keys are this recipe's own (recipes/crystal/model.py keeps the
+original's module names), so the import is a strict load with no renaming. It is read with
+`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from accel_common.checkpoint import read_recipe_export, strip_wrapper_prefixes
+from accel_common.errors import CheckpointError
+
+ORIGINAL = "comformer"
+CONFIG = "config.json"  # the original's training config, beside best_model.pt
+
+
+def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, int]:
+    """The iComformer sizes a state dict was made with, read from its tensors' shapes."""
+    try:
+        width = state["atom_embedding.weight"].shape[0]
+        layers = len({k.split(".")[1] for k in state if k.startswith("att_layers.")})
+        return {
+            "width": width,
+            "layers": layers,
+            "heads": state["att_layers.0.lin_key.weight"].shape[0] // width,
+            "rbf_bins": state["rbf.1.weight"].shape[1],
+            "angle_bins": state["rbf_angle.1.weight"].shape[1],
+            "fc_features": state["fc.0.weight"].shape[0],
+        }
+    except (KeyError, IndexError) as err:
+        raise CheckpointError(
+            f"{source}: not an iComformer state dict (no {err}); eComformer and other "
+            "architectures are not built by this recipe"
+        ) from None
+
+
+def _original_config(source: Path) -> dict[str, Any]:
+    path = source.parent / CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path}: not readable JSON ({err})") from None
+
+
+def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Path) -> None:
+    """The original's config must describe the network the tensors are."""
+    if model.get("name", "iComformer") != "iComformer":
+        raise CheckpointError(f"{path}: model {model['name']!r}; this recipe builds iComformer")
+    fixed = {"atom_input_features": 92, "output_features": 1, "classification": False}
+    fixed |= {"link": "identity", "zero_inflated": False}
+    for key, value in fixed.items():
+        if key in model and model[key] != value:
+            raise CheckpointError(f"{path}: model {key} {model[key]!r}; this recipe has {value!r}")
+    names = {"node_features": "width", "conv_layers": "layers", "node_layer_head": "heads"}
+    names |= {"edge_features": "rbf_bins", "triplet_input_features": "angle_bins"}
+    names |= {"fc_features": "fc_features"}
+    for key, ours in names.items():
+        if key in model and model[key] != sizes[ours]:
+            raise CheckpointError(
+                f"{path}: model {key} {model[key]} but the checkpoint's tensors have {sizes[ours]}"
+            )
+
+
+def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A ComFormer `best_model.pt` as this recipe's state dict and export config; the graph
+    settings, target and its mean/std come from the `config.json` beside it when there is one."""
+    from recipes.crystal.model import Comformer
+    from recipes.train_crystal import CrystalSettings
+
+    source = Path(source)
+    try:
+        loaded = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unreadable file: say which and why
+        raise CheckpointError(f"{source}: not a checkpoint torch can read safely ({err})") from None
+    state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{source}: expected {{'model': state_dict}} as best_model.pt holds")
+    state = strip_wrapper_prefixes(state)
+    sizes = architecture(state, source)
+    original = _original_config(source)
+    if "model" in original:
+        _check_model_section(original["model"], sizes, source.parent / CONFIG)
+    model = Comformer(**sizes)
+    expected = model.state_dict()
+    for key, tensor in expected.items():
+        if key not in state:
+            raise CheckpointError(f"{source}: missing tensor {key} {tuple(tensor.shape)}")
+        if state[key].shape != tensor.shape:
+            raise CheckpointError(
+                f"{source}: {key} is {tuple(state[key].shape)} there, {tuple(tensor.shape)} "
+                "in this recipe's iComformer"
+            )
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} (another network?)")
+    model.load_state_dict(state, strict=True)
+    settings = {"model": "iComformer", **sizes}
+    for ours, theirs in (("cutoff", "cutoff"), ("max_neighbors", "max_neighbors")):
+        if theirs in original:
+            settings[ours] = original[theirs]
+    if isinstance(original.get("target"), str) and original["target"] not in ("", "target"):
+        settings["target"] = original["target"]
+    config = CrystalSettings.from_config(settings).as_config()
+    config["mean"] = float(original.get("mean_train") or 0.0)  # the original's default: 0, 1
+    config["std"] = float(original.get("std_train") or 1.0)
+    return model.state_dict(), config
+
+
+def export_checkpoint(model_dir: Path, target: Path) -> Path:
+    """This recipe's export as `best_model.pt` (`{"model": state_dict}`) and the `config.json`
+    beside it that the original's `ComformerPredictor.from_checkpoint` reads."""
+    config = read_recipe_export(Path(model_dir), "crystal")
+    if config.get("model", "iComformer") != "iComformer":
+        raise CheckpointError(f"{model_dir}: model {config['model']}; only iComformer converts")
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    state = {re.sub(r"^_orig_mod\.", "", k): v for k, v in state.items()}
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": state}, target)
+    model = {
+        "name": "iComformer",
+        "conv_layers": config["layers"],
+        "edge_layers": 1,
+        "atom_input_features": 92,
+        "edge_features": config["rbf_bins"],
+        "triplet_input_features": config["angle_bins"],
+        "node_features": config["width"],
+        "fc_layers": 1,
+        "fc_features": config["fc_features"],
+        "output_features": 1,
+        "node_layer_head": config["heads"],
+        "edge_layer_head": 1,
+        "nn_based": False,
+        "link": "identity",
+        "zero_inflated": False,
+        "use_angle": False,
+        "angle_lattice": False,
+        "classification": False,
+    }
+    original = {
+        "model": model,
+        "target": config.get("target", "target"),
+        "atom_features": "cgcnn",
+        "neighbor_strategy": "k-nearest",
+        "cutoff": config["cutoff"],
+        "max_neighbors": config["max_neighbors"],
+        "use_lattice": True,
+        "use_angle": False,
+        "mean_train": config.get("mean", 0.0),
+        "std_train": config.get("std", 1.0),
+    }
+    (target.parent / CONFIG).write_text(json.dumps(original, indent=4))
+    return target
