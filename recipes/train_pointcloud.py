@@ -51,7 +51,7 @@ from accel_common.settings import Settings, setting
 from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset
-from recipes.pointcloud.model import PointVoxelDenoiser
+from recipes.pointcloud.model import PVCNN2, predict_noise
 from recipes.pointcloud.prepare import prepare_skullbreak
 from recipes.pointcloud.viz import render_point_clouds
 
@@ -70,11 +70,33 @@ class PointCloudSettings(Settings):
     dataset: str = setting("SkullBreak", "Data set layout; SkullBreak is supported.")
     num_points: int = setting(512, "Points per sample, skull + implant (original: 30720).", min=2)
     num_nn: int = setting(64, "Implant points among them (original: 3072).", min=1)
-    width: int = setting(
-        16, "Channels of the point-voxel blocks, a multiple of 8 (original: 256).", min=8
+    width_mult: float = setting(
+        0.25,
+        "Width multiplier of PVCNN2's channels; each scaled count must be a multiple of 8 "
+        "(GroupNorm in 8 groups): 0.25, 0.5, 0.75, 1 ... (original: 1).",
+        above=0.0,
+        aliases=("--width_mult",),
     )
-    depth: int = setting(2, "Point-voxel blocks.", min=1)
-    resolution: int = setting(16, "Voxel grid resolution (original: 32).", min=2)
+    vox_res_mult: float = setting(
+        0.25,
+        "Voxel resolution multiplier: grids of 32/16/8 x this (original: 1).",
+        above=0.0,
+        aliases=("--vox_res_mult",),
+    )
+    embed_dim: int = setting(
+        64, "Timestep embedding size (original: 64).", min=2, aliases=("--embed_dim",)
+    )
+    attention: bool = setting(True, "Self-attention layers of PVCNN2 (original: on).")
+    dropout: float = setting(0.1, "Dropout in the PVConv blocks (original: 0.1).", min=0.0, max=1.0)
+    head_dropout: float = setting(
+        0.5, "Dropout before the output layer (the original's fixed 0.5).", min=0.0, max=1.0
+    )
+    radius_mult: float = setting(
+        4.0,
+        "Ball-query radii 0.1/0.2/0.4/0.8 x this: wider for sparse CPU-sized clouds (original: 1).",
+        above=0.0,
+    )
+    num_neighbors: int = setting(32, "Ball-query neighbours per centre (original: 128).", min=1)
     timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
     sample_steps: int = setting(
         20, "DDIM steps when sampling for evaluation.", min=1, adjustable=True
@@ -90,9 +112,18 @@ class PointCloudSettings(Settings):
         super().validate()
         if self.dataset != "SkullBreak":
             raise ConfigError(f"--dataset {self.dataset}: only the SkullBreak layout is supported")
-        if self.width % 8:
+        scaled = [int(self.width_mult * c) for c in (32, 64, 128, 256, 512)]
+        if any(c < 8 or c % 8 for c in scaled):
             raise ConfigError(
-                f"--width must be a multiple of 8 (GroupNorm in 8 groups), got {self.width}"
+                f"--width-mult {self.width_mult} gives channel counts {scaled}: each must be a "
+                "multiple of 8 (GroupNorm in 8 groups), e.g. 0.25, 0.5, 0.75 or 1"
+            )
+        if int(self.vox_res_mult * 8) < 1:
+            raise ConfigError(f"--vox-res-mult {self.vox_res_mult}: the 8^3 grid would vanish")
+        if self.num_points < 192:
+            raise ConfigError(
+                f"--num-points must be at least 192 (PVCNN2's last stage samples 1/192 of the "
+                f"points as centres), got {self.num_points}"
             )
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
@@ -101,9 +132,25 @@ class PointCloudSettings(Settings):
 # --------------------------------------------------------------------------- training
 
 
-def build_model(args: TrainArgs, settings: PointCloudSettings) -> PointVoxelDenoiser:
+def build_model(args: TrainArgs | None, settings: PointCloudSettings) -> PVCNN2:
     """The network these settings describe (for training, `--dry-run` and the export)."""
-    return PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
+    return network(settings)
+
+
+def network(settings: PointCloudSettings) -> PVCNN2:
+    """pcdiff's PVCNN2 at these settings' sizes."""
+    return PVCNN2(
+        num_classes=3,
+        num_points=settings.num_points,
+        embed_dim=settings.embed_dim,
+        use_att=settings.attention,
+        dropout=settings.dropout,
+        head_dropout=settings.head_dropout,
+        width_multiplier=settings.width_mult,
+        voxel_resolution_multiplier=settings.vox_res_mult,
+        radius_multiplier=settings.radius_mult,
+        num_neighbors=settings.num_neighbors,
+    )
 
 
 def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) -> SkullBreak:
@@ -176,7 +223,8 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         for batch in loop.batches():
             with accelerator.accumulate(model):
                 noisy = diffusion.q_sample(batch["implant"], batch["t"], batch["noise"])
-                loss = F.mse_loss(model(batch["skull"], noisy, batch["t"]), batch["noise"])
+                eps = predict_noise(model, batch["skull"], noisy, batch["t"])
+                loss = F.mse_loss(eps, batch["noise"])
                 accelerator.backward(loss)
                 loop.clip_gradients(model)
                 optimizer.step()
@@ -250,12 +298,10 @@ def evaluate(
 # --------------------------------------------------------------------------- single-device use
 
 
-def load_model(
-    model_dir: Path, device: torch.device
-) -> tuple[PointVoxelDenoiser, PointCloudSettings]:
+def load_model(model_dir: Path, device: torch.device) -> tuple[PVCNN2, PointCloudSettings]:
     """An exported model on `device`, and the settings it was trained with."""
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, RECIPE))
-    model = PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
+    model = network(settings)
     load_exported(model_dir, model, device="cpu")
     return model.to(device).eval(), settings
 

@@ -50,7 +50,7 @@ def recipe_app(path: Path) -> typer.Typer:
     [
         (TEMPLATE, "--hidden", "0"),
         (TEMPLATE, "--depth", "-1"),
-        (POINTCLOUD, "--width", "0"),
+        (POINTCLOUD, "--width-mult", "0"),
         (POINTCLOUD, "--resolution", "0"),
         (POINTCLOUD, "--timesteps", "0"),
         (QUALITY, "--image-size", "0"),

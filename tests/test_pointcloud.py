@@ -19,7 +19,7 @@ from accel_common.errors import ConfigError
 from recipes.pointcloud.data import DEFECTS, SPACING_FILE, SkullBreak
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset
-from recipes.pointcloud.model import PointVoxelDenoiser
+from recipes.pointcloud.model import PVCNN2
 from recipes.pointcloud.prepare import merge_spacing
 from tests.conftest import (
     POINTCLOUD,
@@ -267,9 +267,9 @@ def test_distances_in_mm_follow_the_recorded_voxel_spacing(tmp_path):
     `evaluate` reports (the model's and the baselines') doubles, with the same sampling noise."""
     root = write_dataset(tmp_path, train_skulls=2, test_skulls=1, points_per_skull=400)
     torch.manual_seed(0)
-    model = PointVoxelDenoiser(width=8, depth=1, resolution=4)
+    model = PVCNN2(num_points=192, width_multiplier=0.25, voxel_resolution_multiplier=0.125)
     single_process = SimpleNamespace(process_index=0, gather_for_metrics=lambda x: x)
-    sizes = {"num_points": 64, "num_nn": 16, "timesteps": 10}
+    sizes = {"num_points": 192, "num_nn": 16, "timesteps": 10}
 
     def metrics() -> dict[str, float]:
         train, test = (SkullBreak(root, name, **sizes, seed=0) for name in ("train", "test"))
@@ -302,14 +302,14 @@ def dry_run(args: list[str]) -> dict[str, str]:
     return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
 
 
-def parameters(width: int, depth: int, resolution: int) -> str:
-    return str(sum(p.numel() for p in PointVoxelDenoiser(width, depth, resolution).parameters()))
+def parameters(**sizes) -> str:
+    return str(sum(p.numel() for p in PVCNN2(**sizes).parameters()))
 
 
 def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = dry_run(["--config", str(ORIGINAL)])
-    assert plan["parameters"] == parameters(256, 3, 32) == "11365187"
+    assert plan["parameters"] == parameters() == "27648963"  # the original's PVCNN2
     assert plan["batch"] == "global batch 8 = 8 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 8, linear")
     assert plan["epochs"] == "15000"
@@ -318,9 +318,12 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
 
 def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
     config = tmp_path / "small.yaml"
-    config.write_text("width: 24\ndepth: 1\nresolution: 4\n")
-    assert dry_run(["--config", str(config)])["parameters"] == parameters(24, 1, 4)
-    assert dry_run(["--config", str(config), "--width", "32"])["parameters"] == parameters(32, 1, 4)
+    config.write_text("width-mult: 0.5\nembed-dim: 16\n")
+    assert dry_run(["--config", str(config)])["parameters"] == parameters(
+        width_multiplier=0.5, embed_dim=16
+    )
+    overridden = dry_run(["--config", str(config), "--width-mult", "0.75"])["parameters"]
+    assert overridden == parameters(width_multiplier=0.75, embed_dim=16)
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recipes.pointcloud.model import predict_noise
+
 
 class Diffusion:
     """Linear beta schedule 1e-4 -> 0.02 over T = 1000 steps (scaled by 1000/T for fewer steps,
@@ -38,7 +40,7 @@ class Diffusion:
         if sampler == "ddpm":
             for t in reversed(range(self.timesteps)):
                 tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-                eps = model(skull, x, tt)
+                eps = predict_noise(model, skull, x, tt)
                 a_bar, beta = self.alphas_cumprod[t], self.betas[t]
                 mean = (x - beta / (1 - a_bar).sqrt() * eps) / (1 - beta).sqrt()
                 noise = torch.randn(shape, generator=generator).to(skull.device) if t else 0
@@ -47,7 +49,7 @@ class Diffusion:
         ts = torch.linspace(self.timesteps - 1, 0, steps).round().long().tolist()
         for t, t_next in zip(ts, [*ts[1:], -1], strict=True):
             tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-            eps = model(skull, x, tt)
+            eps = predict_noise(model, skull, x, tt)
             a_bar = self.alphas_cumprod[t]
             x0 = ((x - (1 - a_bar).sqrt() * eps) / a_bar.sqrt()).clamp(-4, 4)
             a_next = self.alphas_cumprod[t_next] if t_next >= 0 else torch.ones_like(a_bar)
