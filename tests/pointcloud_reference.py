@@ -125,35 +125,61 @@ def voxel_coords(coords: np.ndarray, r: int, eps: float = 0.0) -> np.ndarray:
 
 
 def avg_voxelize(features: np.ndarray, grid: np.ndarray, r: int) -> np.ndarray:
-    """vox.cu: voxel x * r^2 + y * r + z of round(grid) (half to even), mean per voxel."""
+    """vox.cu: voxel x * r^2 + y * r + z of round(grid) (half to even); each point adds its
+    features times float(1 / count) of its voxel, in float32 (here in point order)."""
     b, c, n = features.shape
-    out = np.zeros((b, c, r**3), dtype=np.float64)
-    count = np.zeros((b, r**3))
+    out = np.zeros((b, c, r**3), dtype=f32)
     for s in range(b):
-        for i in range(n):
-            x, y, z = (int(np.round(v)) for v in grid[s, :, i])
-            out[s, :, (x * r + y) * r + z] += features[s, :, i]
-            count[s, (x * r + y) * r + z] += 1
-    return (out / np.maximum(count, 1)[:, None]).reshape(b, c, r, r, r)
+        index = [
+            (int(np.round(x)) * r + int(np.round(y))) * r + int(np.round(z))
+            for x, y, z in grid[s].T
+        ]
+        count = np.bincount(index, minlength=r**3)
+        for i, v in enumerate(index):
+            out[s, :, v] += features[s, :, i].astype(f32) * f32(1.0 / count[v])
+    return out.reshape(b, c, r, r, r)
 
 
 def trilinear_devoxelize(grid_features: np.ndarray, coords: np.ndarray, r: int) -> np.ndarray:
-    """trilinear_devox.cu: corners lo and lo + 1 (lo alone where the fraction is 0), weights the
-    products of (1 - f) and f."""
+    """trilinear_devox.cu, in float32: lower corner floor(x), upper x + 1 only where the fraction
+    is > 0; weight of corner (i, j, k) = wx_i * wy_j * wz_k; the 8 terms summed 000, 001, ...111."""
     b, c = grid_features.shape[:2]
     n = coords.shape[2]
-    out = np.zeros((b, c, n))
+    out = np.zeros((b, c, n), dtype=f32)
     for s in range(b):
         for i in range(n):
-            lo = np.floor(coords[s, :, i]).astype(int)
-            f = coords[s, :, i] - lo
-            for dx in (0, 1):
-                for dy in (0, 1):
-                    for dz in (0, 1):
-                        w = 1.0
-                        idx = []
-                        for a, d in enumerate((dx, dy, dz)):
-                            w *= f[a] if d else 1 - f[a]
-                            idx.append(lo[a] + (d if f[a] > 0 else 0))
-                        out[s, :, i] += w * grid_features[s, :, idx[0], idx[1], idx[2]]
+            x = coords[s, :, i].astype(f32)
+            lo = np.floor(x)
+            d1 = x - lo
+            d0 = f32(1.0) - d1
+            total = np.zeros(c, dtype=f32)
+            for corner in range(8):
+                bits = ((corner >> 2) & 1, (corner >> 1) & 1, corner & 1)
+                w = f32(1.0)
+                idx = []
+                for a in range(3):
+                    w = f32(w * (d1[a] if bits[a] else d0[a]))
+                    idx.append(int(lo[a]) + (1 if bits[a] and d1[a] > 0 else 0))
+                total = total + f32(w) * grid_features[s, :, idx[0], idx[1], idx[2]].astype(f32)
+            out[s, :, i] = total
+    return out
+
+
+def fill_weights(state: dict) -> dict:
+    """Deterministic weights for a state dict, as the fixtures of the original's network were
+    made (tests/fixtures/pointcloud/README.md): each tensor from a generator seeded by crc32 of
+    its key; matrices uniform in +-1/sqrt(fan_in), 1-d weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1)."""
+    import zlib
+
+    import torch
+
+    out = {}
+    for key, value in state.items():
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        if value.dim() == 1:
+            base = 1.0 if key.endswith("weight") else 0.0
+            out[key] = base + 0.1 * torch.randn(value.shape, generator=g)
+        else:
+            bound = 1 / np.sqrt(value[0].numel())
+            out[key] = (torch.rand(value.shape, generator=g) * 2 - 1) * bound
     return out
