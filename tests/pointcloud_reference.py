@@ -127,7 +127,7 @@ def voxel_coords(coords: np.ndarray, r: int, eps: float = 0.0) -> np.ndarray:
 def avg_voxelize(features: np.ndarray, grid: np.ndarray, r: int) -> np.ndarray:
     """vox.cu: voxel x * r^2 + y * r + z of round(grid) (half to even); each point adds its
     features times float(1 / count) of its voxel, in float32 (here in point order)."""
-    b, c, n = features.shape
+    b, c, _ = features.shape
     out = np.zeros((b, c, r**3), dtype=f32)
     for s in range(b):
         index = [
@@ -168,7 +168,8 @@ def trilinear_devoxelize(grid_features: np.ndarray, coords: np.ndarray, r: int) 
 def fill_weights(state: dict) -> dict:
     """Deterministic weights for a state dict, as the fixtures of the original's network were
     made (tests/fixtures/pointcloud/README.md): each tensor from a generator seeded by crc32 of
-    its key; matrices uniform in +-1/sqrt(fan_in), 1-d weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1)."""
+    its key; matrices uniform in +-1/sqrt(fan_in), 1-d weights 1 + 0.1 N(0, 1), biases
+    0.1 N(0, 1)."""
     import zlib
 
     import torch

@@ -1,4 +1,4 @@
-"""pcdiff checkpoints <-> this recipe's exports (`accel-recipes convert --from pcdiff / --to pcdiff`).
+"""pcdiff checkpoints <-> this recipe's exports (`accel-recipes convert --from / --to pcdiff`).
 
 The original's trainer saves `{'epoch', 'model_state', 'optimizer_state', 'loss'}`
 (CheckpointManager.save, pcdiff/train_completion.py lines 557-579) where `model_state` is its
