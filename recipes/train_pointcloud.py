@@ -97,6 +97,11 @@ class PointCloudSettings(Settings):
         above=0.0,
     )
     num_neighbors: int = setting(32, "Ball-query neighbours per centre (original: 128).", min=1)
+    init_from: str = setting(
+        "",
+        "Start from the weights of an export (fine-tuning), e.g. one `accel-recipes convert "
+        "--from pcdiff` made from the original's checkpoint; loaded strictly.",
+    )
     timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
     sample_steps: int = setting(
         20, "DDIM steps when sampling for evaluation.", min=1, adjustable=True
@@ -188,6 +193,9 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         )
 
     model = build_model(args, settings)
+    if settings.init_from:  # before the optimizer and the EMA copy see the weights
+        load_exported(Path(settings.init_from), model, device="cpu")
+        accelerator.print(f"initialised from {settings.init_from}")
     ema = (
         torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)

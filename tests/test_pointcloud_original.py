@@ -17,7 +17,7 @@ from accel_common.tools.cli import app
 from recipes.pointcloud import convert
 from recipes.pointcloud.model import PVCNN2
 from recipes.train_pointcloud import PointCloudSettings, network
-from tests.conftest import REPO
+from tests.conftest import POINTCLOUD, REPO, run_recipe
 from tests.pointcloud_reference import fill_weights
 
 FIXTURES = REPO / "tests" / "fixtures" / "pointcloud"
@@ -112,3 +112,26 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_tensor(tmp_p
     torch.save({"model_state": {"encoder.weight": torch.zeros(2)}}, tmp_path / "x.pth")
     with pytest.raises(CheckpointError, match="not a PVCNN2"):
         convert.import_checkpoint(tmp_path / "x.pth")
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_converted_original_checkpoint(tmp_path, pointcloud_data):
+    """`--init-from` an export converted from the original's checkpoint: the run starts from
+    those weights (loaded strictly) and trains on."""
+    weights = original_checkpoint(tmp_path / "model_latest.pth")
+    export = tmp_path / "converted"
+    result = CliRunner().invoke(
+        app, ["convert", str(tmp_path / "model_latest.pth"), str(export), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 0, result.output
+    config = RECORD["small"]["config"]
+    out = tmp_path / "run"
+    args = ["--data", str(pointcloud_data), "--output-dir", str(out), "--init-from", str(export)]
+    args += ["--num-points", str(config["num_points"]), "--num-nn", str(config["num_nn"])]
+    args += ["--vox-res-mult", "0.25", "--radius-mult", "4", "--num-neighbors", "16"]
+    args += ["--embed-dim", "16", "--max-steps", "1", "--eval-every", "100", "--lr", "1e-9"]
+    run_recipe(args, cwd=tmp_path, script=POINTCLOUD)
+    trained = load_file(str(out / "model" / "model.safetensors"))
+    # one step at lr 1e-9 (after the warm-up's first, smaller, step) leaves them all but equal
+    for key, value in weights.items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
