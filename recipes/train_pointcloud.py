@@ -84,7 +84,7 @@ class PointCloudSettings(Settings):
         aliases=("--vox_res_mult",),
     )
     embed_dim: int = setting(
-        64, "Timestep embedding size (original: 64).", min=2, aliases=("--embed_dim",)
+        32, "Timestep embedding size (original: 64).", min=4, aliases=("--embed_dim",)
     )
     attention: bool = setting(True, "Self-attention layers of PVCNN2 (original: on).")
     dropout: float = setting(0.1, "Dropout in the PVConv blocks (original: 0.1).", min=0.0, max=1.0)
