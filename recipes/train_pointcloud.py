@@ -97,6 +97,11 @@ class PointCloudSettings(Settings):
         above=0.0,
     )
     num_neighbors: int = setting(32, "Ball-query neighbours per centre (original: 128).", min=1)
+    augment: bool = setting(
+        False,
+        "Rotate each training sample (skull + implant) by up to 10 degrees about each axis, as "
+        "the original's --augment (off by default there too).",
+    )
     init_from: str = setting(
         "",
         "Start from the weights of an export (fine-tuning), e.g. one `accel-recipes convert "
@@ -161,7 +166,14 @@ def network(settings: PointCloudSettings) -> PVCNN2:
 def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) -> SkullBreak:
     """One split of the SkullBreak layout, sampled at these settings' sizes."""
     return SkullBreak(
-        root, split, settings.num_points, settings.num_nn, settings.timesteps, seed=seed
+        root,
+        split,
+        settings.num_points,
+        settings.num_nn,
+        settings.timesteps,
+        seed=seed,
+        train=split == "train",
+        augment=settings.augment,
     )
 
 

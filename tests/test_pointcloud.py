@@ -357,3 +357,27 @@ def test_resume_with_another_diffusion_setting_is_refused_naming_it(pointcloud_d
     )
     noted = [line for line in go.stdout.splitlines() if line.startswith("resuming with changed")]
     assert len(noted) == 1 and "--sample-steps 2 in the checkpoint, 3 now" in noted[0], go.stdout
+
+
+def test_training_samples_are_normalised_as_the_original_trains_and_may_be_rotated(tmp_path):
+    """Training: by the bounding box of the sampled skull + implant points (the largest extent
+    becomes 6, centred); evaluation: by the sampled skull alone. --augment rotates both about
+    their centre by up to 10 degrees: distances between the points are kept."""
+    root = write_dataset(tmp_path, train_skulls=1, test_skulls=1, points_per_skull=400)
+    sizes = {"num_points": 192, "num_nn": 32, "timesteps": 10, "seed": 0}
+    train = SkullBreak(root, "train", **sizes, train=True)[0]
+    both = torch.cat([train["skull"], train["implant"]])
+    extent = both.max(dim=0).values - both.min(dim=0).values
+    assert extent.max().item() == pytest.approx(6.0, rel=1e-5)
+    middle = (both.max(dim=0).values + both.min(dim=0).values) / 2
+    assert middle.abs().max().item() < 1e-5
+    test = SkullBreak(root, "test", **sizes)[0]
+    skull_extent = test["skull"].max(dim=0).values - test["skull"].min(dim=0).values
+    assert skull_extent.max().item() == pytest.approx(6.0, rel=1e-5)
+    rotated = SkullBreak(root, "train", **sizes, train=True, augment=True)[0]
+    together = torch.cat([rotated["skull"], rotated["implant"]]) * rotated["scale"]
+    plain = both * train["scale"]
+    assert not torch.allclose(together, plain)
+    exact = "donot_use_mm_for_euclid_dist"
+    distances = [torch.cdist(p.double(), p.double(), compute_mode=exact) for p in (together, plain)]
+    torch.testing.assert_close(distances[0], distances[1], atol=1e-3, rtol=1e-5)
