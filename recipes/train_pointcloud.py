@@ -108,8 +108,22 @@ class PointCloudSettings(Settings):
         "--from pcdiff` made from the original's checkpoint; loaded strictly.",
     )
     timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
+    sampler: str = setting(
+        "ddpm",
+        "Sampler for evaluation: ddpm (all --timesteps steps, the original's default) or ddim "
+        "(--sample-steps steps).",
+        adjustable=True,
+    )
     sample_steps: int = setting(
         20, "DDIM steps when sampling for evaluation.", min=1, adjustable=True
+    )
+    num_ens: int = setting(
+        1,
+        "Implants sampled per skull for evaluation (the original's --num_ens): each member is "
+        "scored (chamfer_ens<k>) and `chamfer` is their mean.",
+        min=1,
+        adjustable=True,
+        aliases=("--num_ens",),
     )
     eval_every: int = setting(
         15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
@@ -135,6 +149,8 @@ class PointCloudSettings(Settings):
                 f"--num-points must be at least 192 (PVCNN2's last stage samples 1/192 of the "
                 f"points as centres), got {self.num_points}"
             )
+        if self.sampler not in ("ddpm", "ddim"):
+            raise ConfigError(f"--sampler must be ddpm or ddim, got {self.sampler}")
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
 
@@ -237,7 +253,10 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
         steps, unit = settings.sample_steps, test_set.unit
-        return evaluate(accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit)
+        return evaluate(
+            accelerator, scored, test_loader, diffusion, steps, args.seed, pool, unit,
+            sampler=settings.sampler, num_ens=settings.num_ens,
+        )  # fmt: skip
 
     for epoch in loop.epochs():
         for batch in loop.batches():
@@ -281,8 +300,15 @@ def evaluate(
     seed: int,
     pool: torch.Tensor,
     unit: str,
+    sampler: str = "ddim",
+    num_ens: int = 1,
 ) -> dict[str, float]:
     """Chamfer distance of sampled implants to the true ones, against baselines, in `unit`.
+
+    With `num_ens` > 1, each skull gets that many implants (the original's ensemble): each
+    member's Chamfer is reported (`chamfer_ens<k>`) and `chamfer` is their mean. (The original
+    combines the members by a majority vote of their voxelisations in its second-stage network,
+    which this recipe does not build.)
 
     Distances are in mm when the data records its voxel spacing (`unit` "mm"), else in the
     point files' own units. The trivial baseline ignores the skull: points drawn from all
@@ -294,9 +320,13 @@ def evaluate(
     scores = []
     for batch in loader:
         skull, implant = batch["skull"], batch["implant"]
-        generated = diffusion.sample(model, skull, implant.shape[1], sample_steps, generator)
+        members = [
+            diffusion.sample(model, skull, implant.shape[1], sample_steps, generator, sampler)
+            for _ in range(num_ens)
+        ]
         to_unit = batch["scale"][:, None, None] * batch["mm_per_unit"][:, None, :]
-        true, generated = implant * to_unit, generated * to_unit
+        true = implant * to_unit
+        member_scores = torch.stack([chamfer(m * to_unit, true) for m in members], 1)
         low, high = true.min(dim=1, keepdim=True).values, true.max(dim=1, keepdim=True).values
         box = low + (high - low) * torch.rand(true.shape, generator=generator).to(low.device)
         centroid = true.mean(dim=1, keepdim=True).expand_as(true)
@@ -304,12 +334,15 @@ def evaluate(
         skull_agnostic = pool[drawn].to(true.device) * to_unit
         baselines = (skull_agnostic, centroid, box)
         per_sample = torch.stack(
-            [chamfer(generated, true), *(chamfer(b, true) for b in baselines)], 1
+            [member_scores.mean(dim=1), *(chamfer(b, true) for b in baselines)], 1
         )
+        if num_ens > 1:
+            per_sample = torch.cat([per_sample, member_scores], 1)
         scores.append(accelerator.gather_for_metrics(per_sample))
     model.train()
     scores = torch.cat(scores)
-    names = ("chamfer", "baseline_skull_agnostic", "oracle_centroid", "oracle_bbox")
+    names = ["chamfer", "baseline_skull_agnostic", "oracle_centroid", "oracle_bbox"]
+    names += [f"chamfer_ens{k}" for k in range(num_ens)] if num_ens > 1 else []
     mean = scores.mean(dim=0).tolist()
     metrics = {f"{name}_{unit}": value for name, value in zip(names, mean, strict=True)}
     return metrics | {"n": len(scores)}
@@ -336,6 +369,8 @@ def evaluate_export(
     ),
     split: str = typer.Option("test", help="Which split to score: <data>/<split>.csv."),
     sample_steps: int = typer.Option(None, help="DDIM steps (default: as in training)."),
+    sampler: str = typer.Option(None, help="ddpm or ddim (default: as in training)."),
+    num_ens: int = typer.Option(None, help="Implants per skull (default: as in training)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
@@ -346,7 +381,10 @@ def evaluate_export(
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     steps = sample_steps or settings.sample_steps
-    metrics = evaluate(accelerator, model, loader, diffusion, steps, seed, pool, dataset.unit)
+    metrics = evaluate(
+        accelerator, model, loader, diffusion, steps, seed, pool, dataset.unit,
+        sampler=sampler or settings.sampler, num_ens=num_ens or settings.num_ens,
+    )  # fmt: skip
     print(format_metrics(metrics))
 
 

@@ -381,3 +381,21 @@ def test_training_samples_are_normalised_as_the_original_trains_and_may_be_rotat
     exact = "donot_use_mm_for_euclid_dist"
     distances = [torch.cdist(p.double(), p.double(), compute_mode=exact) for p in (together, plain)]
     torch.testing.assert_close(distances[0], distances[1], atol=1e-3, rtol=1e-5)
+
+
+def test_an_ensemble_reports_each_member_and_their_mean(tmp_path):
+    root = write_dataset(tmp_path, train_skulls=1, test_skulls=1, points_per_skull=400)
+    torch.manual_seed(0)
+    model = PVCNN2(num_points=192, width_multiplier=0.25, voxel_resolution_multiplier=0.125)
+    single_process = SimpleNamespace(process_index=0, gather_for_metrics=lambda x: x)
+    sizes = {"num_points": 192, "num_nn": 16, "timesteps": 10, "seed": 0}
+    train = SkullBreak(root, "train", **sizes, train=True)
+    test = SkullBreak(root, "test", **sizes)
+    loader = DataLoader(test, batch_size=5)
+    pool = recipe.implant_pool(train)
+    metrics = recipe.evaluate(
+        single_process, model, loader, Diffusion(10), 2, 0, pool, test.unit, "ddpm", num_ens=3
+    )
+    members = [metrics[f"chamfer_ens{k}_mm"] for k in range(3)]
+    assert len(set(members)) == 3  # different noise per member
+    assert metrics["chamfer_mm"] == pytest.approx(sum(members) / 3, rel=1e-5)
