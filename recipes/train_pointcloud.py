@@ -1,7 +1,7 @@
 """Point-cloud completion by diffusion (pcdiff on SkullBreak): generate a skull defect's implant.
 
 A conditional DDPM over point clouds. Each sample is a defective skull (conditioning, kept clean)
-and the points of its implant (noised); a point-voxel network predicts the noise on the implant
+and the points of its implant (noised); the original's PVCNN2 predicts the noise on the implant
 points only. Sampling (DDPM or DDIM) turns random points into an implant that fills the defect.
 
     python recipes/train_pointcloud.py                                 # built-in example skulls
@@ -24,7 +24,8 @@ keys, the export's config, the resume check); `--dry-run [--processes N]` prints
 
 This file is the recipe: set-up, loss, training loop, evaluation (Chamfer distance against
 baselines) and the single-device commands. What only it needs is in recipes/pointcloud/: the
-layout's reader (data.py), the point-voxel network (model.py), the noise schedule and samplers
+layout's reader (data.py), pcdiff's PVCNN2 (model.py) on its point ops (ops.py), pcdiff
+checkpoint conversion (convert.py), the noise schedule and samplers
 (diffusion.py), the example skulls (example.py), `prepare` (prepare.py), the PNG view (viz.py).
 """
 
