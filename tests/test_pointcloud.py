@@ -226,10 +226,21 @@ def test_bad_data_gives_one_clear_error(breaker, broken_data, tmp_path):
 
 @pytest.mark.slow
 def test_bad_sizes_are_refused(tmp_path, pointcloud_data):
-    args = ["--data", str(pointcloud_data), "--num-points", "64", "--num-nn", "64"]
+    args = ["--data", str(pointcloud_data), "--num-points", "256", "--num-nn", "256"]
     result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
     assert result.returncode == 2
     assert "--num-nn must be between 1 and --num-points - 1" in result.stderr
+    args = ["--data", str(pointcloud_data), "--num-points", "64", "--num-nn", "8"]
+    result = run_recipe(args, cwd=tmp_path, script=POINTCLOUD, check=False)
+    assert result.returncode == 2
+    assert "--num-points must be at least 192" in result.stderr
+    result = run_recipe(
+        ["--data", str(pointcloud_data), "--width-mult", "0.3"],
+        cwd=tmp_path,
+        script=POINTCLOUD,
+        check=False,
+    )
+    assert result.returncode == 2 and "each must be a multiple of 8" in result.stderr
 
 
 @pytest.mark.parametrize("module", ["nrrd", "mcubes", "trimesh"])
