@@ -110,9 +110,9 @@ class PointCloudSettings(Settings):
     )
     timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
     sampler: str = setting(
-        "ddpm",
-        "Sampler for evaluation: ddpm (all --timesteps steps, the original's default) or ddim "
-        "(--sample-steps steps).",
+        "ddim",
+        "Sampler for evaluation: ddim (--sample-steps steps, as the original's in-training "
+        "evaluation) or ddpm (all --timesteps steps, the original's test_completion.py default).",
         adjustable=True,
     )
     sample_steps: int = setting(
