@@ -1,7 +1,7 @@
 """Point-cloud completion by diffusion (pcdiff on SkullBreak): generate a skull defect's implant.
 
 A conditional DDPM over point clouds. Each sample is a defective skull (conditioning, kept clean)
-and the points of its implant (noised); a point-voxel network predicts the noise on the implant
+and the points of its implant (noised); the original's PVCNN2 predicts the noise on the implant
 points only. Sampling (DDPM or DDIM) turns random points into an implant that fills the defect.
 
     python recipes/train_pointcloud.py                                 # built-in example skulls
@@ -24,7 +24,8 @@ keys, the export's config, the resume check); `--dry-run [--processes N]` prints
 
 This file is the recipe: set-up, loss, training loop, evaluation (Chamfer distance against
 baselines) and the single-device commands. What only it needs is in recipes/pointcloud/: the
-layout's reader (data.py), the point-voxel network (model.py), the noise schedule and samplers
+layout's reader (data.py), pcdiff's PVCNN2 (model.py) on its point ops (ops.py), pcdiff
+checkpoint conversion (convert.py), the noise schedule and samplers
 (diffusion.py), the example skulls (example.py), `prepare` (prepare.py), the PNG view (viz.py).
 """
 
@@ -51,7 +52,7 @@ from accel_common.settings import Settings, setting
 from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset
-from recipes.pointcloud.model import PointVoxelDenoiser
+from recipes.pointcloud.model import PVCNN2, predict_noise
 from recipes.pointcloud.prepare import prepare_skullbreak
 from recipes.pointcloud.viz import render_point_clouds
 
@@ -70,14 +71,60 @@ class PointCloudSettings(Settings):
     dataset: str = setting("SkullBreak", "Data set layout; SkullBreak is supported.")
     num_points: int = setting(512, "Points per sample, skull + implant (original: 30720).", min=2)
     num_nn: int = setting(64, "Implant points among them (original: 3072).", min=1)
-    width: int = setting(
-        16, "Channels of the point-voxel blocks, a multiple of 8 (original: 256).", min=8
+    width_mult: float = setting(
+        0.25,
+        "Width multiplier of PVCNN2's channels; each scaled count must be a multiple of 8 "
+        "(GroupNorm in 8 groups): 0.25, 0.5, 0.75, 1 ... (original: 1).",
+        above=0.0,
+        aliases=("--width_mult",),
     )
-    depth: int = setting(2, "Point-voxel blocks.", min=1)
-    resolution: int = setting(16, "Voxel grid resolution (original: 32).", min=2)
+    vox_res_mult: float = setting(
+        0.25,
+        "Voxel resolution multiplier: grids of 32/16/8 x this (original: 1).",
+        above=0.0,
+        aliases=("--vox_res_mult",),
+    )
+    embed_dim: int = setting(
+        32, "Timestep embedding size (original: 64).", min=4, aliases=("--embed_dim",)
+    )
+    attention: bool = setting(True, "Self-attention layers of PVCNN2 (original: on).")
+    dropout: float = setting(0.1, "Dropout in the PVConv blocks (original: 0.1).", min=0.0, max=1.0)
+    head_dropout: float = setting(
+        0.5, "Dropout before the output layer (the original's fixed 0.5).", min=0.0, max=1.0
+    )
+    radius_mult: float = setting(
+        4.0,
+        "Ball-query radii 0.1/0.2/0.4/0.8 x this: wider for sparse CPU-sized clouds (original: 1).",
+        above=0.0,
+    )
+    num_neighbors: int = setting(32, "Ball-query neighbours per centre (original: 128).", min=1)
+    augment: bool = setting(
+        False,
+        "Rotate each training sample (skull + implant) by up to 10 degrees about each axis, as "
+        "the original's --augment (off by default there too).",
+    )
+    init_from: str = setting(
+        "",
+        "Start from the weights of an export (fine-tuning), e.g. one `accel-recipes convert "
+        "--from pcdiff` made from the original's checkpoint; loaded strictly.",
+    )
     timesteps: int = setting(100, "Diffusion steps T (original: 1000).", min=2)
+    sampler: str = setting(
+        "ddim",
+        "Sampler for evaluation: ddim (--sample-steps steps, as the original's in-training "
+        "evaluation) or ddpm (all --timesteps steps, the original's test_completion.py default).",
+        adjustable=True,
+    )
     sample_steps: int = setting(
         20, "DDIM steps when sampling for evaluation.", min=1, adjustable=True
+    )
+    num_ens: int = setting(
+        1,
+        "Implants sampled per skull for evaluation (the original's --num_ens): each member is "
+        "scored (chamfer_ens<k>) and `chamfer` is their mean.",
+        min=1,
+        adjustable=True,
+        aliases=("--num_ens",),
     )
     eval_every: int = setting(
         15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
@@ -90,10 +137,21 @@ class PointCloudSettings(Settings):
         super().validate()
         if self.dataset != "SkullBreak":
             raise ConfigError(f"--dataset {self.dataset}: only the SkullBreak layout is supported")
-        if self.width % 8:
+        scaled = [int(self.width_mult * c) for c in (32, 64, 128, 256, 512)]
+        if any(c < 8 or c % 8 for c in scaled):
             raise ConfigError(
-                f"--width must be a multiple of 8 (GroupNorm in 8 groups), got {self.width}"
+                f"--width-mult {self.width_mult} gives channel counts {scaled}: each must be a "
+                "multiple of 8 (GroupNorm in 8 groups), e.g. 0.25, 0.5, 0.75 or 1"
             )
+        if int(self.vox_res_mult * 8) < 1:
+            raise ConfigError(f"--vox-res-mult {self.vox_res_mult}: the 8^3 grid would vanish")
+        if self.num_points < 192:
+            raise ConfigError(
+                f"--num-points must be at least 192 (PVCNN2's last stage samples 1/192 of the "
+                f"points as centres), got {self.num_points}"
+            )
+        if self.sampler not in ("ddpm", "ddim"):
+            raise ConfigError(f"--sampler must be ddpm or ddim, got {self.sampler}")
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
 
@@ -101,15 +159,38 @@ class PointCloudSettings(Settings):
 # --------------------------------------------------------------------------- training
 
 
-def build_model(args: TrainArgs, settings: PointCloudSettings) -> PointVoxelDenoiser:
+def build_model(args: TrainArgs | None, settings: PointCloudSettings) -> PVCNN2:
     """The network these settings describe (for training, `--dry-run` and the export)."""
-    return PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
+    return network(settings)
+
+
+def network(settings: PointCloudSettings) -> PVCNN2:
+    """pcdiff's PVCNN2 at these settings' sizes."""
+    return PVCNN2(
+        num_classes=3,
+        num_points=settings.num_points,
+        embed_dim=settings.embed_dim,
+        use_att=settings.attention,
+        dropout=settings.dropout,
+        head_dropout=settings.head_dropout,
+        width_multiplier=settings.width_mult,
+        voxel_resolution_multiplier=settings.vox_res_mult,
+        radius_multiplier=settings.radius_mult,
+        num_neighbors=settings.num_neighbors,
+    )
 
 
 def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) -> SkullBreak:
     """One split of the SkullBreak layout, sampled at these settings' sizes."""
     return SkullBreak(
-        root, split, settings.num_points, settings.num_nn, settings.timesteps, seed=seed
+        root,
+        split,
+        settings.num_points,
+        settings.num_nn,
+        settings.timesteps,
+        seed=seed,
+        train=split == "train",
+        augment=settings.augment,
     )
 
 
@@ -141,6 +222,9 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         )
 
     model = build_model(args, settings)
+    if settings.init_from:  # before the optimizer and the EMA copy see the weights
+        load_exported(Path(settings.init_from), model, device="cpu")
+        accelerator.print(f"initialised from {settings.init_from}")
     ema = (
         torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)
@@ -171,13 +255,17 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module
         steps, unit = settings.sample_steps, test_set.unit
         noise = loop.eval_generator()  # depends only on the step evaluated: resumes report alike
-        return evaluate(accelerator, scored, test_loader, diffusion, steps, noise, pool, unit)
+        return evaluate(
+            accelerator, scored, test_loader, diffusion, steps, noise, pool, unit,
+            sampler=settings.sampler, num_ens=settings.num_ens,
+        )  # fmt: skip
 
     for epoch in loop.epochs():
         for batch in loop.batches():
             with accelerator.accumulate(model):
                 noisy = diffusion.q_sample(batch["implant"], batch["t"], batch["noise"])
-                loss = F.mse_loss(model(batch["skull"], noisy, batch["t"]), batch["noise"])
+                eps = predict_noise(model, batch["skull"], noisy, batch["t"])
+                loss = F.mse_loss(eps, batch["noise"])
                 accelerator.backward(loss)
                 loop.clip_gradients(model)
                 optimizer.step()
@@ -214,8 +302,15 @@ def evaluate(
     generator: torch.Generator,
     pool: torch.Tensor,
     unit: str,
+    sampler: str = "ddim",
+    num_ens: int = 1,
 ) -> dict[str, float]:
     """Chamfer distance of sampled implants to the true ones, against baselines, in `unit`.
+
+    With `num_ens` > 1, each skull gets that many implants (the original's ensemble): each
+    member's Chamfer is reported (`chamfer_ens<k>`) and `chamfer` is their mean. (The original
+    combines the members by a majority vote of their voxelisations in its second-stage network,
+    which this recipe does not build.)
 
     Distances are in mm when the data records its voxel spacing (`unit` "mm"), else in the
     point files' own units. The trivial baseline ignores the skull: points drawn from all
@@ -233,9 +328,13 @@ def evaluate(
     scores = []
     for batch in loader:
         skull, implant = batch["skull"], batch["implant"]
-        generated = diffusion.sample(model, skull, implant.shape[1], sample_steps, generator)
+        members = [
+            diffusion.sample(model, skull, implant.shape[1], sample_steps, generator, sampler)
+            for _ in range(num_ens)
+        ]
         to_unit = batch["scale"][:, None, None] * batch["mm_per_unit"][:, None, :]
-        true, generated = implant * to_unit, generated * to_unit
+        true = implant * to_unit
+        member_scores = torch.stack([chamfer(m * to_unit, true) for m in members], 1)
         low, high = true.min(dim=1, keepdim=True).values, true.max(dim=1, keepdim=True).values
         box = low + (high - low) * torch.rand(true.shape, generator=generator).to(low.device)
         centroid = true.mean(dim=1, keepdim=True).expand_as(true)
@@ -243,12 +342,15 @@ def evaluate(
         skull_agnostic = pool[drawn].to(true.device) * to_unit
         baselines = (skull_agnostic, centroid, box)
         per_sample = torch.stack(
-            [chamfer(generated, true), *(chamfer(b, true) for b in baselines)], 1
+            [member_scores.mean(dim=1), *(chamfer(b, true) for b in baselines)], 1
         )
+        if num_ens > 1:
+            per_sample = torch.cat([per_sample, member_scores], 1)
         scores.append(accelerator.gather_for_metrics(per_sample))
     model.train()
     scores = torch.cat(scores)
-    names = ("chamfer", "baseline_skull_agnostic", "oracle_centroid", "oracle_bbox")
+    names = ["chamfer", "baseline_skull_agnostic", "oracle_centroid", "oracle_bbox"]
+    names += [f"chamfer_ens{k}" for k in range(num_ens)] if num_ens > 1 else []
     mean = scores.mean(dim=0).tolist()
     metrics = {f"{name}_{unit}": value for name, value in zip(names, mean, strict=True)}
     return metrics | {"n": len(scores)}
@@ -257,12 +359,10 @@ def evaluate(
 # --------------------------------------------------------------------------- single-device use
 
 
-def load_model(
-    model_dir: Path, device: torch.device
-) -> tuple[PointVoxelDenoiser, PointCloudSettings]:
+def load_model(model_dir: Path, device: torch.device) -> tuple[PVCNN2, PointCloudSettings]:
     """An exported model on `device`, and the settings it was trained with."""
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, RECIPE))
-    model = PointVoxelDenoiser(settings.width, settings.depth, settings.resolution)
+    model = network(settings)
     load_exported(model_dir, model, device="cpu")
     return model.to(device).eval(), settings
 
@@ -277,6 +377,8 @@ def evaluate_export(
     ),
     split: str = typer.Option("test", help="Which split to score: <data>/<split>.csv."),
     sample_steps: int = typer.Option(None, help="DDIM steps (default: as in training)."),
+    sampler: str = typer.Option(None, help="ddpm or ddim (default: as in training)."),
+    num_ens: int = typer.Option(None, help="Implants per skull (default: as in training)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
@@ -287,8 +389,10 @@ def evaluate_export(
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     steps = sample_steps or settings.sample_steps
-    generator = torch.Generator().manual_seed(seed)
-    metrics = evaluate(accelerator, model, loader, diffusion, steps, generator, pool, dataset.unit)
+    metrics = evaluate(
+        accelerator, model, loader, diffusion, steps, torch.Generator().manual_seed(seed), pool,
+        dataset.unit, sampler=sampler or settings.sampler, num_ens=num_ens or settings.num_ens,
+    )  # fmt: skip
     print(format_metrics(metrics))
 
 

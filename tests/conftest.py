@@ -31,8 +31,10 @@ CAPTIONING_TINY = ["--dim", "32", "--depth", "1", "--decoder-depth", "1"]
 CRYSTAL = REPO / "recipes" / "train_crystal.py"
 CRYSTAL_TINY = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf-bins", "16"]
 # a point-cloud model small enough for many short runs in the tests
-POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--width", "16", "--depth", "1"]
-POINTCLOUD_TINY += ["--resolution", "8"]
+# (PVCNN2 at its narrowest, 4^3 voxels; dropout off so that 1 and 2 processes compute alike)
+POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--vox-res-mult", "0.125"]
+POINTCLOUD_TINY += ["--num-neighbors", "8", "--embed-dim", "16", "--dropout", "0"]
+POINTCLOUD_TINY += ["--head-dropout", "0", "--sampler", "ddim"]
 CRICKET = REPO / "recipes" / "train_cricket.py"
 CRICKET_TINY = ["--hidden", "16", "--heads", "2", "--layers", "2", "--history", "6"]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"

@@ -49,8 +49,8 @@ def recipe_app(path: Path) -> typer.Typer:
     [
         (TEMPLATE, "--hidden", "0"),
         (TEMPLATE, "--depth", "-1"),
-        (POINTCLOUD, "--width", "0"),
-        (POINTCLOUD, "--resolution", "0"),
+        (POINTCLOUD, "--num-neighbors", "0"),
+        (POINTCLOUD, "--dropout", "1.5"),
         (POINTCLOUD, "--timesteps", "0"),
         (QUALITY, "--image-size", "0"),
         (QUALITY, "--dropout", "1.5"),

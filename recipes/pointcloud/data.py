@@ -55,6 +55,15 @@ def load_points(path: Path, header_only: bool = False) -> np.ndarray:
     return points.astype(np.float32)
 
 
+def rotation_xyz(angles: np.ndarray) -> np.ndarray:
+    """Open3D's get_rotation_matrix_from_xyz((a, b, c)): Rx(a) @ Ry(b) @ Rz(c)."""
+    (ca, cb, cc), (sa, sb, sc) = np.cos(angles), np.sin(angles)
+    rx = np.array([[1, 0, 0], [0, ca, -sa], [0, sa, ca]])
+    ry = np.array([[cb, 0, sb], [0, 1, 0], [-sb, 0, cb]])
+    rz = np.array([[cc, -sc, 0], [sc, cc, 0], [0, 0, 1]])
+    return rx @ ry @ rz
+
+
 def normalisation(defective: np.ndarray) -> tuple[np.ndarray, float]:
     """The original's normalisation: centre of the bounding box, scale (max extent / 2) / 3."""
     low, high = defective.min(axis=0), defective.max(axis=0)
@@ -126,8 +135,20 @@ class SkullBreak(Dataset):
     """
 
     def __init__(
-        self, root: Path, split: str, num_points: int, num_nn: int, timesteps: int, seed: int
+        self,
+        root: Path,
+        split: str,
+        num_points: int,
+        num_nn: int,
+        timesteps: int,
+        seed: int,
+        train: bool = False,
+        augment: bool = False,
     ):
+        # train: normalise as the original trains (bounding box of the sampled skull + implant
+        # points, skullbreak_data.py lines 76-88), else by the sampled skull as it evaluates;
+        # augment: its random rotation of both by up to 10 degrees about each axis (lines 63-70)
+        self.train, self.augment = train, augment
         csv = root / f"{split}.csv"
         recorded: dict[Path, dict[str, list[float] | None]] = {}  # per case folder: its spacings
         self.entries, spacings = [], []
@@ -163,13 +184,21 @@ class SkullBreak(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         defective_path, implant_path = self.entries[index]
         defective, implant = load_points(defective_path), load_points(implant_path)
-        center, scale = normalisation(defective)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
         skull_idx = torch.randint(len(defective), (self.num_skull_points,), generator=g)
         implant_idx = torch.randint(len(implant), (self.num_nn,), generator=g)
+        skull, implant = defective[skull_idx.numpy()], implant[implant_idx.numpy()]
+        if self.train and self.augment:  # about the centre of both, as Open3D's rotate
+            angles = (
+                (torch.rand(3, generator=g, dtype=torch.float64).numpy() * 20 - 10) * np.pi / 180
+            )
+            both = np.concatenate([skull, implant]).astype(np.float64)
+            rotated = (both - both.mean(axis=0)) @ rotation_xyz(angles).T + both.mean(axis=0)
+            skull, implant = np.split(rotated.astype(np.float32), [len(skull)])
+        center, scale = normalisation(np.concatenate([skull, implant]) if self.train else skull)
         return {
-            "skull": torch.from_numpy((defective - center) / scale)[skull_idx],
-            "implant": torch.from_numpy((implant - center) / scale)[implant_idx],
+            "skull": torch.from_numpy((skull - center) / scale).float(),
+            "implant": torch.from_numpy((implant - center) / scale).float(),
             "t": torch.randint(self.timesteps, (), generator=g),
             "noise": torch.randn(self.num_nn, 3, generator=g),
             "center": torch.from_numpy(center),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recipes.pointcloud.model import predict_noise
+
 
 class Diffusion:
     """Linear beta schedule 1e-4 -> 0.02 over T = 1000 steps (scaled by 1000/T for fewer steps,
@@ -32,22 +34,32 @@ class Diffusion:
         generator: torch.Generator,
         sampler: str = "ddim",
     ) -> torch.Tensor:
-        """Implant points for each skull: DDIM (eta 0) over `steps` steps, or full DDPM."""
+        """Implant points for each skull: DDIM (eta 0) over `steps` steps, or full DDPM as the
+        original samples (posterior mean and variance, nothing clipped)."""
         shape = (skull.shape[0], num_nn, 3)
         x = torch.randn(shape, generator=generator).to(skull.device)
         if sampler == "ddpm":
             for t in reversed(range(self.timesteps)):
                 tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-                eps = model(skull, x, tt)
+                eps = predict_noise(model, skull, x, tt)
+                # the original's p_sample (model_var_type 'fixedsmall', no clipping): x0 from
+                # eps, the posterior mean of q(x_{t-1} | x_t, x0), the posterior variance
                 a_bar, beta = self.alphas_cumprod[t], self.betas[t]
-                mean = (x - beta / (1 - a_bar).sqrt() * eps) / (1 - beta).sqrt()
+                a_prev = self.alphas_cumprod[t - 1] if t else torch.ones_like(a_bar)
+                x0 = (1 / a_bar).sqrt() * x - (1 / a_bar - 1).sqrt() * eps
+                mean = (beta * a_prev.sqrt() * x0 + (1 - a_prev) * (1 - beta).sqrt() * x) / (
+                    1 - a_bar
+                )
+                variance = beta * (1 - a_prev) / (1 - a_bar)
+                if t == 0:  # posterior_log_variance_clipped: t = 0 takes t = 1's (unused: no noise)
+                    variance = torch.zeros_like(variance)
                 noise = torch.randn(shape, generator=generator).to(skull.device) if t else 0
-                x = mean + beta.sqrt() * noise
+                x = mean + variance.sqrt() * noise
             return x
         ts = torch.linspace(self.timesteps - 1, 0, steps).round().long().tolist()
         for t, t_next in zip(ts, [*ts[1:], -1], strict=True):
             tt = torch.full((shape[0],), t, device=skull.device, dtype=torch.long)
-            eps = model(skull, x, tt)
+            eps = predict_noise(model, skull, x, tt)
             a_bar = self.alphas_cumprod[t]
             x0 = ((x - (1 - a_bar).sqrt() * eps) / a_bar.sqrt()).clamp(-4, 4)
             a_next = self.alphas_cumprod[t_next] if t_next >= 0 else torch.ones_like(a_bar)

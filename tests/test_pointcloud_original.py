@@ -1,0 +1,137 @@
+"""The point-cloud recipe against pcdiff's own code: fixtures made by running the original's
+network (tests/fixtures/pointcloud/README.md says how): state-dict keys and shapes, parameter
+count, the trainer's checkpoint format, and the forward pass for the same weights and input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.errors import CheckpointError
+from accel_common.tools.cli import app
+from recipes.pointcloud import convert
+from recipes.pointcloud.model import PVCNN2
+from recipes.train_pointcloud import PointCloudSettings, network
+from tests.conftest import POINTCLOUD, REPO, run_recipe
+from tests.pointcloud_reference import fill_weights
+
+FIXTURES = REPO / "tests" / "fixtures" / "pointcloud"
+RECORD = json.loads((FIXTURES / "pvcnn2_keys.json").read_text())
+
+
+def small_model() -> PVCNN2:
+    config = dict(RECORD["small"]["config"])
+    config.pop("num_nn")
+    return PVCNN2(**config)
+
+
+def keys_and_shapes(model: torch.nn.Module) -> list:
+    return [[k, list(v.shape)] for k, v in model.state_dict().items()]
+
+
+def test_the_network_at_the_originals_size_has_its_keys_shapes_and_count():
+    model = PVCNN2()  # the original's defaults
+    assert keys_and_shapes(model) == RECORD["full"]["keys"]  # in order: one to one
+    assert len(RECORD["full"]["keys"]) == 296
+    assert sum(p.numel() for p in model.parameters()) == RECORD["full"]["parameters"] == 27_648_963
+
+
+def test_the_forward_pass_equals_the_originals():
+    """Measured: bit-equal on CPU (max |difference| 0.0); the bound is the contract's 1e-5."""
+    model = small_model()
+    assert keys_and_shapes(model) == RECORD["small"]["keys"]
+    model.load_state_dict(fill_weights(model.state_dict()), strict=True)
+    fixture = load_file(str(FIXTURES / "pvcnn2_forward.safetensors"))
+    with torch.no_grad():
+        output = model.eval()(fixture["inputs"], fixture["t"])
+    expected = fixture["output"]
+    difference = (output - expected).abs().max() / expected.abs().max()
+    assert difference <= 1e-5, difference
+
+
+def original_checkpoint(path, prefix_from="model._orig_mod."):
+    """A checkpoint as pcdiff's trainer saves it, with the small network's keys as the
+    original's compiled `Model` names them (from the fixture), re-prefixed if asked."""
+    weights = fill_weights(small_model().state_dict())
+    state = {}
+    for key in RECORD["small"]["checkpoint_keys"]:
+        assert key.startswith("model._orig_mod.")
+        state[prefix_from + key.removeprefix("model._orig_mod.")] = weights[
+            key.removeprefix("model._orig_mod.")
+        ]
+    torch.save({"epoch": 3, "model_state": state, "optimizer_state": {}, "loss": 0.5}, path)
+    return weights
+
+
+@pytest.mark.parametrize("prefix", ["model._orig_mod.", "model.module._orig_mod.", "model."])
+def test_a_checkpoint_of_the_originals_trainer_imports_strictly(tmp_path, prefix):
+    weights = original_checkpoint(tmp_path / "model_latest.pth", prefix)
+    state, config = convert.import_checkpoint(tmp_path / "model_latest.pth")
+    settings = PointCloudSettings.from_config(config)
+    assert (settings.width_mult, settings.embed_dim, settings.attention) == (0.25, 16, True)
+    model = network(settings)
+    model.load_state_dict(state, strict=True)  # no missing, no unexpected key
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_convert_from_and_to_pcdiff_round_trips(tmp_path):
+    weights = original_checkpoint(tmp_path / "model_best.pth")
+    runner = CliRunner()
+    out = tmp_path / "export"
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "model_best.pth"), str(out), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 0, result.output
+    meta = read_export_metadata(out)
+    assert meta["recipe"] == "pointcloud"
+    model = network(PointCloudSettings.from_config(meta["config"]))
+    load_exported(out, model)  # strict
+    back = tmp_path / "back.pth"
+    result = runner.invoke(app, ["convert", str(out), str(back), "--to", "pcdiff"])
+    assert result.exit_code == 0, result.output
+    checkpoint = torch.load(back, weights_only=True)
+    # what test_completion.py's uncompiled Model loads: model.<PVCNN2 key>
+    assert list(checkpoint["model_state"]) == [f"model.{k}" for k in weights]
+    for key, value in weights.items():
+        assert torch.equal(checkpoint["model_state"][f"model.{key}"], value)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_tensor(tmp_path):
+    original_checkpoint(tmp_path / "ckpt.pth")
+    checkpoint = torch.load(tmp_path / "ckpt.pth", weights_only=True)
+    key = "model._orig_mod.sa_layers.1.0.voxel_layers.0.weight"
+    checkpoint["model_state"][key] = torch.zeros(3, 3, 3, 3, 3)
+    torch.save(checkpoint, tmp_path / "other.pth")
+    with pytest.raises(CheckpointError, match=r"sa_layers\.1\.0\.voxel_layers\.0\.weight.*\(3, 3"):
+        convert.import_checkpoint(tmp_path / "other.pth")
+    torch.save({"model_state": {"encoder.weight": torch.zeros(2)}}, tmp_path / "x.pth")
+    with pytest.raises(CheckpointError, match="not a PVCNN2"):
+        convert.import_checkpoint(tmp_path / "x.pth")
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_converted_original_checkpoint(tmp_path, pointcloud_data):
+    """`--init-from` an export converted from the original's checkpoint: the run starts from
+    those weights (loaded strictly) and trains on."""
+    weights = original_checkpoint(tmp_path / "model_latest.pth")
+    export = tmp_path / "converted"
+    result = CliRunner().invoke(
+        app, ["convert", str(tmp_path / "model_latest.pth"), str(export), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 0, result.output
+    config = RECORD["small"]["config"]
+    out = tmp_path / "run"
+    args = ["--data", str(pointcloud_data), "--output-dir", str(out), "--init-from", str(export)]
+    args += ["--num-points", str(config["num_points"]), "--num-nn", str(config["num_nn"])]
+    args += ["--vox-res-mult", "0.25", "--radius-mult", "4", "--num-neighbors", "16"]
+    args += ["--embed-dim", "16", "--max-steps", "1", "--eval-every", "100", "--lr", "1e-9"]
+    run_recipe(args, cwd=tmp_path, script=POINTCLOUD)
+    trained = load_file(str(out / "model" / "model.safetensors"))
+    # one step at lr 1e-9 (after the warm-up's first, smaller, step) leaves them all but equal
+    for key, value in weights.items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
