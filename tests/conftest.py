@@ -154,6 +154,24 @@ def run_recipe(
     return result
 
 
+def invoke_train(train: Callable[..., Any], args: list[str]) -> Any:
+    """A recipe's training command in this process, through Typer's test runner."""
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(train)
+    return CliRunner().invoke(app, args)
+
+
+def dry_run_plan(train: Callable[..., Any], args: list[str]) -> dict[str, str]:
+    """A recipe's `--dry-run` in this process: the `name: value` lines of its plan."""
+    result = invoke_train(train, [*args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("dry run: nothing is trained or written")
+    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+
+
 def exported_params(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(output_dir / "model" / "model.safetensors"))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
 import json
 import re
 from datetime import date
@@ -16,9 +17,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-import typer
 from accelerate.state import AcceleratorState
-from typer.testing import CliRunner
 
 import recipes.train_cricket as recipe
 from accel_common.errors import CheckpointError, DataError
@@ -29,6 +28,7 @@ from tests.conftest import (
     CRICKET,
     CRICKET_TINY,
     REPO,
+    dry_run_plan,
     exported_params,
     global_relative_difference,
     max_relative_difference,
@@ -313,14 +313,7 @@ def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
     assert set(ids.tolist()) <= {0, *expected, *players.values()}
 
 
-def dry_run(args: list[str]) -> dict[str, str]:
-    """The `--dry-run` plan's `name: value` lines, from the command in this process."""
-    app = typer.Typer()
-    app.command()(recipe.train)
-    result = CliRunner().invoke(app, [*args, "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
-    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+dry_run = functools.partial(dry_run_plan, recipe.train)
 
 
 def parameters(settings: recipe.CricketSettings, vocab_sizes: dict[str, int]) -> str:

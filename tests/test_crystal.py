@@ -15,7 +15,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-import typer
 from accelerate.state import AcceleratorState
 from ase import Atoms
 from ase.build import bulk
@@ -45,8 +44,10 @@ from tests.conftest import (
     CRYSTAL,
     CRYSTAL_TINY,
     REPO,
+    dry_run_plan,
     exported_params,
     global_relative_difference,
+    invoke_train,
     metrics_log,
     recipe_env,
     run_processes,
@@ -486,18 +487,8 @@ def test_the_python_api_trains_in_process_and_on_two_processes(tmp_path, monkeyp
 ORIGINAL = REPO / "recipes" / "crystal" / "configs" / "original.yaml"
 
 
-def invoke(args: list[str]):
-    app = typer.Typer()
-    app.command()(recipe.train)
-    return CliRunner().invoke(app, args)
-
-
-def dry_run(args: list[str]) -> dict[str, str]:
-    """The training command's `--dry-run` in-process: its `name: value` lines."""
-    result = invoke([*args, "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
-    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+invoke = functools.partial(invoke_train, recipe.train)
+dry_run = functools.partial(dry_run_plan, recipe.train)
 
 
 def parameters(width: int, layers: int, heads: int = 1, bins: int = 256, fc: int = 16) -> str:

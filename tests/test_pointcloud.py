@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -11,9 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import typer
 from torch.utils.data import DataLoader
-from typer.testing import CliRunner
 
 import recipes.train_pointcloud as recipe
 from accel_common.errors import ConfigError, DataError
@@ -26,6 +25,7 @@ from tests.conftest import (
     POINTCLOUD,
     POINTCLOUD_TINY,
     REPO,
+    dry_run_plan,
     exported_params,
     global_relative_difference,
     max_relative_difference,
@@ -370,14 +370,7 @@ def test_a_voxel_spacing_that_is_not_three_positive_numbers_is_refused(tmp_path,
 ORIGINAL = REPO / "recipes" / "pointcloud" / "configs" / "original.yaml"
 
 
-def dry_run(args: list[str]) -> dict[str, str]:
-    """The training command's `--dry-run` in-process: its `name: value` lines."""
-    app = typer.Typer()
-    app.command()(recipe.train)
-    result = CliRunner().invoke(app, [*args, "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
-    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+dry_run = functools.partial(dry_run_plan, recipe.train)
 
 
 def parameters(**sizes) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import shutil
@@ -22,8 +23,10 @@ from recipes.quality.example import ANNOTATORS
 from tests.conftest import (
     QUALITY,
     REPO,
+    dry_run_plan,
     exported_params,
     global_relative_difference,
+    invoke_train,
     max_relative_difference,
     metrics_log,
     run_recipe,
@@ -224,18 +227,8 @@ def test_pretrained_without_network_is_a_clear_error(quality_data, tmp_path):
 ORIGINAL = REPO / "recipes" / "quality" / "configs" / "original.yaml"
 
 
-def invoke(args: list[str]):
-    app = typer.Typer()
-    app.command()(recipe.train)
-    return CliRunner().invoke(app, args)
-
-
-def dry_run(args: list[str]) -> dict[str, str]:
-    """The dry run's `name: value` lines."""
-    result = invoke([*args, "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
-    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+invoke = functools.partial(invoke_train, recipe.train)
+dry_run = functools.partial(dry_run_plan, recipe.train)
 
 
 def parameters(backbone: str, annotators: int = len(ANNOTATORS)) -> str:

@@ -3,6 +3,7 @@ from one declaration (accel_common.settings), shown on the template recipe."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
@@ -11,7 +12,6 @@ from enum import Enum
 
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from accel_common.errors import ConfigError
@@ -19,24 +19,11 @@ from accel_common.options import TrainArgs
 from accel_common.settings import Settings, setting
 from accel_common.tools import example_data
 from accel_common.tracking import PACKAGES, TRACKERS, parse_report_to
-from tests.conftest import run_recipe
+from tests.conftest import dry_run_plan, invoke_train, run_recipe
 
 template = importlib.import_module("recipes.train_template")
-runner = CliRunner()
-
-
-def invoke(args: list[str]):
-    app = typer.Typer()
-    app.command()(template.train)
-    return runner.invoke(app, args)
-
-
-def dry_run(args: list[str]) -> dict[str, str]:
-    """The dry run's `name: value` lines."""
-    result = invoke([*args, "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
-    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
+invoke = functools.partial(invoke_train, template.train)
+dry_run = functools.partial(dry_run_plan, template.train)
 
 
 class Colour(str, Enum):
