@@ -117,7 +117,8 @@ def table(results: dict, device: str, peak: float, date: str, versions: str) -> 
         base = entry["no"]["samples_per_s"]
         for precision in PRECISIONS:
             r = entry[precision]
-            estimate_cell = f"{entry['estimate_gib']:.1f} GiB" if precision == "no" else ""
+            estimate = entry["estimate_gib"]
+            estimate_cell = f"{estimate:.1f} GiB" if precision == "no" and estimate else ""
             lines.append(
                 f"| {name} ({entry['size']}) | {entry['batch']} | "
                 f"{'fp32' if precision == 'no' else precision} | {r['samples_per_s']:.1f} "
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and workload.name not in args.only:
             continue
         entry = {"size": workload.size, "batch": workload.per_gpu_batch}
-        entry["estimate_gib"] = estimate(workload)["total_bytes"] / GIB
+        total = estimate(workload)["total_bytes"]
+        entry["estimate_gib"] = None if total is None else total / GIB
         for precision in PRECISIONS:
             entry[precision] = measure(workload, precision, args.steps, args.warmup)
             print(f"{workload.name} {precision}: {json.dumps(entry[precision])}", flush=True)

@@ -49,12 +49,15 @@ def estimate(workload: Workload) -> dict[str, float]:
     torch.manual_seed(0)
     with device:
         model = workload.build()
+    params = sum(p.numel() for p in model.parameters())
+    fixed = 16 * params
+    if not workload.activations_estimable:
+        return {"parameters": params, "fixed_bytes": fixed, "per_sample_bytes": None,
+                "total_bytes": None}  # fmt: skip
     one, two = (
         saved_bytes(lambda n=n: workload.loss(model, workload.batch(n, device))) for n in (1, 2)
     )
     per_sample = two - one  # what one more sample adds
-    params = sum(p.numel() for p in model.parameters())
-    fixed = 16 * params
     return {
         "parameters": params,
         "fixed_bytes": fixed,
@@ -69,10 +72,13 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for workload in workloads():
         e = estimate(workload)
+        unknown = "measure on a GPU (make bench-gpu)"
+        activations = f"{e['per_sample_bytes'] / GIB:.3f} GiB" if e["total_bytes"] else unknown
+        total = f"{e['total_bytes'] / GIB:.1f} GiB" if e["total_bytes"] else unknown
         print(
             f"| {workload.name} ({workload.size}) | {e['parameters'] / 1e6:.1f}M "
-            f"| {e['fixed_bytes'] / GIB:.2f} GiB | {e['per_sample_bytes'] / GIB:.3f} GiB "
-            f"| {workload.per_gpu_batch} | {e['total_bytes'] / GIB:.1f} GiB |"
+            f"| {e['fixed_bytes'] / GIB:.2f} GiB | {activations} "
+            f"| {workload.per_gpu_batch} | {total} |"
         )
 
 

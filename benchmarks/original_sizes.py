@@ -9,13 +9,16 @@ shapes; what the data loader does is left out (see `accel-recipes bench` for who
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accel_common.options import TrainArgs
+from accel_common.settings import read_config_file
 from accel_common.tools.bench import load_recipe
 
 
@@ -30,6 +33,21 @@ class Workload:
     # False where the forward pass reads tensor values (PyG's pooling sizes its output from the
     # batch vector), which the shapes-only `meta` device cannot give: estimated on the CPU
     meta_ok: bool = True
+    # False where no pass can be run cheaply without a GPU: the estimate gives the parameters'
+    # share only, and `make bench-gpu` measures the rest
+    activations_estimable: bool = True
+
+
+def preset_model(name: str) -> nn.Module:
+    """Recipe `name`'s network at its original preset (recipes/NAME/configs/original.yaml), built
+    by the recipe itself: the sizes live in one place."""
+    recipe = load_recipe(name)
+    preset = Path(recipe.__file__).parent / name / "configs" / "original.yaml"
+    names = [f.name for f in fields(TrainArgs)] + [
+        f.name for f in fields(recipe.train.settings_class)
+    ]
+    args, settings = recipe.train.resolve(**read_config_file(preset, names))
+    return recipe.build_model(args, settings)
 
 
 def _pointcloud() -> Workload:
@@ -44,15 +62,18 @@ def _pointcloud() -> Workload:
 
     def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
         skull, noise, t = inputs  # epsilon prediction on the implant points
-        return F.mse_loss(model(skull, noise, t).float(), noise)
+        return F.mse_loss(recipe.predict_noise(model, skull, noise, t).float(), noise)
 
     return Workload(
         "pointcloud",
-        "30720 points (3072 implant), width 256, depth 3, 32^3 voxels",
+        "pcdiff's PVCNN2: 30720 points (3072 implant), embed 64, attention, 32/16/8 voxel grids",
         8,
-        lambda: recipe.PointVoxelDenoiser(width=256, depth=3, resolution=32),
+        lambda: preset_model("pointcloud"),
         batch,
         loss,
+        # farthest-point sampling and ball query read point values, which the `meta` device
+        # lacks, and a CPU pass at 30720 points is too large to estimate with: measured on a GPU
+        activations_estimable=False,
     )
 
 
@@ -60,7 +81,7 @@ def _quality() -> Workload:
     recipe = load_recipe("quality")
 
     def batch(n: int, device: torch.device) -> tuple:
-        images = torch.randn(2 * n, 3, 300, 300, device=device)  # a pair is two images
+        images = torch.randn(2 * n, 3, 448, 448, device=device)  # a pair is two images
         choice = torch.randint(-1, 2, (n,), device=device)
         annotator = torch.randint(0, 8, (n,), device=device)
         return images, choice, annotator
@@ -73,9 +94,9 @@ def _quality() -> Workload:
 
     return Workload(
         "quality",
-        "EfficientNet-B3 at 300 px; a sample is a pair (2 images)",
+        "EfficientNet-B4 at 448 px; a sample is a pair (2 images)",
         32,
-        lambda: recipe.QualityScorer("efficientnet_b3", num_annotators=8, dropout=0.2),
+        lambda: preset_model("quality"),
         batch,
         loss,
     )
@@ -114,7 +135,6 @@ CRYSTAL_ATOMS, CRYSTAL_NEIGHBORS = 32, 25  # atoms per structure: typical of Mat
 
 
 def _crystal() -> Workload:
-    recipe = load_recipe("crystal")
     from torch_geometric.data import Data
 
     def batch(n: int, device: torch.device) -> Data:
@@ -142,7 +162,7 @@ def _crystal() -> Workload:
         f"iComformer width 256, 4 layers, 256 RBF, {CRYSTAL_NEIGHBORS} neighbours, "
         f"{CRYSTAL_ATOMS} atoms per structure",
         64,
-        lambda: recipe.Comformer(width=256, layers=4, heads=1, rbf_bins=256),
+        lambda: preset_model("crystal"),
         batch,
         loss,
         meta_ok=False,

@@ -47,9 +47,19 @@ def test_without_a_gpu_it_stops_with_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_every_measured_workload_has_an_estimate():
     names = set()
+    parameters = {}
     for workload in workloads():
         e = estimate(workload)
-        assert e["per_sample_bytes"] > 0 and e["parameters"] > 0, workload.name
-        assert e["total_bytes"] == e["fixed_bytes"] + workload.per_gpu_batch * e["per_sample_bytes"]
+        parameters[workload.name] = e["parameters"]
+        assert e["fixed_bytes"] == 16 * e["parameters"], workload.name
+        if workload.activations_estimable:
+            assert e["per_sample_bytes"] > 0, workload.name
+            total = e["fixed_bytes"] + workload.per_gpu_batch * e["per_sample_bytes"]
+            assert e["total_bytes"] == total
+        else:  # PVCNN2's sampling ops need point values: the GPU benchmark measures it
+            assert e["total_bytes"] is None, workload.name
         names.add(workload.name)
     assert names == {"pointcloud", "quality", "captioning", "crystal"}
+    # the networks are the recipes' own, at their original presets: the originals' counts
+    assert parameters["pointcloud"] == 27_648_963 and parameters["crystal"] == 4_966_497
+    assert parameters["quality"] - 18_598_217 < 100  # plus one reliability per annotator
