@@ -544,6 +544,29 @@ def load_for_inference(model_dir: Path, model: torch.nn.Module) -> torch.device:
 # --------------------------------------------------------------------------- conversion
 
 
+def require_same_tensors(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, Any], where: str
+) -> None:
+    """A strict import's check, before loading: `state` has every tensor `expected` names (a
+    state dict, or shapes), no other, each of the same shape; else one line naming the first
+    mismatch and both shapes (another architecture, or other sizes)."""
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in expected.items()}
+    for key, shape in shapes.items():
+        if key not in state:
+            raise CheckpointError(f"{where}: missing tensor {key} {shape}")
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(
+                f"{where}: {key} has shape {tuple(state[key].shape)} in the checkpoint, {shape} "
+                "in this recipe's network"
+            )
+    unexpected = [k for k in state if k not in shapes]
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(
+            f"{where}: unexpected tensor {name} {tuple(state[name].shape)} (another network?)"
+        )
+
+
 def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
     """Remove DDP/compile wrapper prefixes in any nesting, and compiled-submodule `_orig_mod.`."""
     cleaned: dict[str, Any] = {}

@@ -760,7 +760,9 @@ def test_convert_from_comformer_refuses_another_network_naming_the_tensor(tmp_pa
     state = torch.load(source, weights_only=True)["model"]
     state["fc_out.weight"] = torch.zeros(2, 8)  # a classification head
     torch.save({"model": state}, source)
-    with pytest.raises(CheckpointError, match=r"fc_out.weight is \(2, 8\) there, \(1, 8\)"):
+    with pytest.raises(
+        CheckpointError, match=r"fc_out.weight has shape \(2, 8\) in the checkpoint, \(1, 8\)"
+    ):
         convert.import_checkpoint(source)
     del state["fc_out.weight"]
     torch.save({"model": state}, source)

@@ -591,17 +591,24 @@ def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
 
     source = original_checkpoint(tmp_path / "last.pt")
     checkpoint = torch.load(source, weights_only=True)
+    right = checkpoint["model"]["head.3.weight"]
     checkpoint["model"]["head.3.weight"] = torch.zeros(128, 512)
     torch.save(checkpoint, source)
     with pytest.raises(
         CheckpointError,
         match=r"head\.3\.weight has shape \(128, 512\) in the "
-        r"checkpoint, \(256, 512\) in the network",
+        r"checkpoint, \(256, 512\) in this recipe.s network",
     ):
         import_checkpoint(source)
+    checkpoint["model"]["head.3.weight"] = right
     del checkpoint["model"]["head.6.bias"]
     torch.save(checkpoint, source)
-    with pytest.raises(CheckpointError, match=r"1 missing keys \(first: \['head\.6\.bias'\]\)"):
+    with pytest.raises(CheckpointError, match=r"missing tensor head\.6\.bias \(1,\)"):
+        import_checkpoint(source)
+    checkpoint["model"]["head.6.bias"] = torch.zeros(1)
+    checkpoint["model"]["head.9.weight"] = torch.zeros(2)
+    torch.save(checkpoint, source)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor head\.9\.weight \(2,\)"):
         import_checkpoint(source)
 
 

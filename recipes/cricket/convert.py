@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from accel_common.checkpoint import require_same_tensors
 from accel_common.errors import CheckpointError
 
 ORIGINAL = "cricketmodel"
@@ -85,18 +86,8 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     )  # fmt: skip
     with torch.device("meta"):
         model = network(settings, shape["vocab_sizes"])
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for key, tensor in state.items():
-        if key not in expected:
-            raise CheckpointError(f"{source}: unexpected tensor {key} {tuple(tensor.shape)}")
-        if tuple(tensor.shape) != expected[key]:
-            raise CheckpointError(
-                f"{source}: {key} has shape {tuple(tensor.shape)}, {settings.model} at these "
-                f"sizes has {expected[key]}"
-            )
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise CheckpointError(f"{source}: no tensor {missing[0]} {expected[missing[0]]}")
+    where = f"{source}: not {settings.model} at these sizes"
+    require_same_tensors(state, model.state_dict(), where)
     config = settings.as_config() | {
         "vocab_sizes": shape["vocab_sizes"],
         "mean": 0.0,  # the original keeps no target statistics: the baselines are unknown

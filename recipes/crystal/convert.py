@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import read_recipe_export, strip_wrapper_prefixes
+from accel_common.checkpoint import read_recipe_export, require_same_tensors, strip_wrapper_prefixes
 from accel_common.errors import CheckpointError
 
 ORIGINAL = "comformer"
@@ -94,18 +94,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     if "model" in original:
         _check_model_section(original["model"], sizes, source.parent / CONFIG)
     model = Comformer(**sizes)
-    expected = model.state_dict()
-    for key, tensor in expected.items():
-        if key not in state:
-            raise CheckpointError(f"{source}: missing tensor {key} {tuple(tensor.shape)}")
-        if state[key].shape != tensor.shape:
-            raise CheckpointError(
-                f"{source}: {key} is {tuple(state[key].shape)} there, {tuple(tensor.shape)} "
-                "in this recipe's iComformer"
-            )
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} (another network?)")
+    require_same_tensors(state, model.state_dict(), f"{source}: not this recipe's iComformer")
     model.load_state_dict(state, strict=True)
     settings = {"model": "iComformer", **sizes}
     for ours, theirs in (("cutoff", "cutoff"), ("max_neighbors", "max_neighbors")):

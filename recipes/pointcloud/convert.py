@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from accel_common.checkpoint import load_exported, read_recipe_export
+from accel_common.checkpoint import load_exported, read_recipe_export, require_same_tensors
 from accel_common.errors import CheckpointError
 
 ORIGINAL = "pcdiff"
@@ -76,21 +76,6 @@ def settings_for(state: dict[str, torch.Tensor]):
     return PointCloudSettings.from_config(preset)
 
 
-def check_same_architecture(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):
-    """Refuse weights of another architecture, naming the first mismatched tensor."""
-    for key, value in expected.items():
-        if key not in state:
-            raise CheckpointError(f"not this network: '{key}' {tuple(value.shape)} is missing")
-        if state[key].shape != value.shape:
-            raise CheckpointError(
-                f"not this network: '{key}' has shape {tuple(state[key].shape)}, "
-                f"PVCNN2 at these sizes has {tuple(value.shape)}"
-            )
-    extra = [k for k in state if k not in expected]
-    if extra:
-        raise CheckpointError(f"not this network: unexpected tensor '{extra[0]}'")
-
-
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A pcdiff checkpoint as this recipe's state dict and export config (loads strictly)."""
     from recipes.train_pointcloud import network
@@ -98,7 +83,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     state = read_state(Path(source))
     settings = settings_for(state)
     expected = network(settings).state_dict()
-    check_same_architecture(state, expected)
+    require_same_tensors(state, expected, f"{source}: not PVCNN2 at these sizes")
     return {k: v.to(expected[k].dtype).contiguous() for k, v in state.items()}, settings.as_config()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import read_recipe_export
+from accel_common.checkpoint import read_recipe_export, require_same_tensors
 from accel_common.errors import CheckpointError
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer
 
@@ -37,23 +37,9 @@ def scorer_shapes(backbone: str) -> dict[str, tuple[int, ...]]:
 
 
 def check_state(state: dict[str, torch.Tensor], backbone: str, source: Path) -> None:
-    """Strict: every key the scorer has, no other, each of the same shape; else an error naming
-    the first mismatch."""
-    expected = scorer_shapes(backbone)
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source}: not the original's QualityScorer({backbone}): "
-            f"{len(missing)} missing keys (first: {missing[:1]}), "
-            f"{len(unexpected)} unexpected keys (first: {unexpected[:1]})"
-        )
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise CheckpointError(
-                f"{source}: not the original's QualityScorer({backbone}): {key} has shape "
-                f"{tuple(state[key].shape)} in the checkpoint, {shape} in the network"
-            )
+    """Strict: every key the scorer has, no other, each of the same shape."""
+    where = f"{source}: not the original's QualityScorer({backbone})"
+    require_same_tensors(state, scorer_shapes(backbone), where)
 
 
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
