@@ -256,7 +256,28 @@ def _check(hidden: int, heads: int) -> None:
         raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}")
 
 
-class CricketHeteroGNN(nn.Module):
+class _EncodersAndBlocks(nn.Module):
+    """What both of the original's models start with, registered first and in this order (the
+    state dict's keys follow it): the node encoders, then the message-passing blocks."""
+
+    def __init__(
+        self,
+        vocab_sizes: dict[str, int],
+        hidden: int,
+        layers: int,
+        heads: int,
+        dropout: float,
+        film: bool = False,
+    ) -> None:
+        super().__init__()
+        _check(hidden, heads)
+        self.encoders = NodeEncoderDict(vocab_sizes, hidden, dropout)
+        self.conv_stack = nn.ModuleList(
+            HeteroConvBlock(hidden, heads, dropout, film=film) for _ in range(layers)
+        )
+
+
+class CricketHeteroGNN(_EncodersAndBlocks):
     """The original's default model: encoders, message passing, the query node to the head.
     `forward` returns the predicted runs, shape (graphs,) (the original's is a dict
     {'score': (graphs, 1)})."""
@@ -264,12 +285,7 @@ class CricketHeteroGNN(nn.Module):
     def __init__(
         self, vocab_sizes: dict[str, int], hidden: int, layers: int, heads: int, dropout: float
     ) -> None:
-        super().__init__()
-        _check(hidden, heads)
-        self.encoders = NodeEncoderDict(vocab_sizes, hidden, dropout)
-        self.conv_stack = nn.ModuleList(
-            HeteroConvBlock(hidden, heads, dropout) for _ in range(layers)
-        )
+        super().__init__(vocab_sizes, hidden, layers, heads, dropout)
         self.score_head = _score_head(hidden, dropout)
 
     def forward(self, data) -> torch.Tensor:
@@ -280,19 +296,14 @@ class CricketHeteroGNN(nn.Module):
         return self.score_head(x["query"]).squeeze(-1)
 
 
-class CricketHeteroGNNFull(nn.Module):
+class CricketHeteroGNNFull(_EncodersAndBlocks):
     """The original's full model (its tuned run): FiLM-modulated blocks, hybrid matchup + query
     readout, innings-conditional chase projection."""
 
     def __init__(
         self, vocab_sizes: dict[str, int], hidden: int, layers: int, heads: int, dropout: float
     ) -> None:
-        super().__init__()
-        _check(hidden, heads)
-        self.encoders = NodeEncoderDict(vocab_sizes, hidden, dropout)
-        self.conv_stack = nn.ModuleList(
-            HeteroConvBlock(hidden, heads, dropout, film=True) for _ in range(layers)
-        )
+        super().__init__(vocab_sizes, hidden, layers, heads, dropout, film=True)
         self.matchup_mlp = nn.Sequential(
             nn.Linear(hidden * 2, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Dropout(dropout)
         )
