@@ -196,7 +196,10 @@ class TrainLoop:
         self.balanced = find_balanced_sampler(loader) if plan.num_processes > 1 else None
         self._window_costs: np.ndarray | None = None
         self._imbalances: list[float] = []
-        self.sync_timer = self._time_sync_waits() if timing_requested() else None
+        # the benchmark's timing of the gradient all-reduce, attached to the model in
+        # clip_gradients (Accelerate does not keep the DDP wrapper it prepared)
+        timed = timing_requested() and accelerator.num_processes > 1
+        self.sync_timer = SyncWaitTimer() if timed else None
         self.adjustable, self.derived, self.data_dir = adjustable, derived, data_dir
         # the data's content fingerprint: read by the main process (once: its per-file digests
         # are cached), the same for all
@@ -317,6 +320,8 @@ class TrainLoop:
         taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
         gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
         Under fp16 the loss scaler makes that decision itself."""
+        if self.sync_timer is not None and not self.sync_timer.tried:
+            self.sync_timer.attach(model)  # times every later step (the first is never logged)
         if not self.accelerator.sync_gradients:
             return
         skip_mode = self.on_nonfinite is OnNonFinite.skip and self.accelerator.scaler is None
@@ -402,7 +407,7 @@ class TrainLoop:
             record["train/rank_imbalance"] = float(np.mean(self._imbalances))
             record["train/rank_imbalance_max"] = max(self._imbalances)
             self._imbalances = []
-        if self.sync_timer is not None:
+        if self.sync_timer is not None and self.sync_timer.attached:
             mine = torch.tensor([self.sync_timer.take_mean_ms()], device=self.accelerator.device)
             waits = self.accelerator.gather(mine).tolist()
             record["train/sync_wait_ms_min"], record["train/sync_wait_ms_max"] = (
@@ -411,14 +416,6 @@ class TrainLoop:
             )
         if record:
             self.accelerator.log(record, step=self.step)
-
-    def _time_sync_waits(self) -> SyncWaitTimer | None:
-        """A timer on the gradient all-reduce of every prepared DDP model (sync_wait.py), or
-        None where there is none to time (1 process, GPUs, FSDP, DeepSpeed)."""
-        timer = SyncWaitTimer()
-        # the models the recipe prepared: Accelerate keeps them, and the loop is not given them
-        attached = [timer.attach(model) for model in self.accelerator._models]
-        return timer if any(attached) else None
 
     def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
         """(processes with a non-finite loss or gradient norm in this optimizer step, processes

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,20 +36,25 @@ def timing_requested() -> bool:
 
 class SyncWaitTimer:
     """The DDP communication hook that times each step's gradient all-reduce (module
-    docstring). Register with `attach(model)`; read with `take_step()` after each step."""
+    docstring). Register with `attach(model)`; call `take_step()` after each step and read the
+    mean with `take_mean_ms()`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # completions are recorded on the communication thread
         self._launched: list[float] = []
         self._finished: list[float] = []
         self.waits: list[float] = []  # seconds, one per synchronised step since the last read
+        self.tried = self.attached = False
 
-    def attach(self, model: torch.nn.Module) -> bool:
-        """Time `model`'s all-reduces if it is a DDP model on a CPU (gloo) process group."""
-        if not isinstance(model, DistributedDataParallel) or dist.get_backend() != "gloo":
-            return False
-        model.register_comm_hook(self, _timed_allreduce)
-        return True
+    def attach(self, model: torch.nn.Module) -> None:
+        """Time `model`'s all-reduces if it is a DDP model on a CPU (gloo) process group (the
+        same answer on every process); a second call does nothing."""
+        if self.tried:
+            return
+        self.tried = True
+        if isinstance(model, DistributedDataParallel) and dist.get_backend() == "gloo":
+            model.register_comm_hook(self, _timed_allreduce)
+            self.attached = True
 
     def launched(self) -> None:
         with self._lock:
@@ -74,8 +78,10 @@ class SyncWaitTimer:
         return 1000 * sum(waits) / len(waits) if waits else 0.0
 
 
-def _timed_allreduce(timer: SyncWaitTimer, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default all-reduce of one bucket (the mean over processes), timed."""
+def _timed_allreduce(timer: SyncWaitTimer, bucket):
+    """DDP's default all-reduce of one bucket (the mean over processes), timed. (No annotations
+    on `bucket` and the result: DDP refuses a hook whose annotations are not its own classes,
+    and here they would be strings.)"""
     timer.launched()
     future = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
