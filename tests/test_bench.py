@@ -60,7 +60,7 @@ def test_independent_runs_are_a_ceiling_without_a_target():
 def test_the_table_shows_imbalance_and_waits_where_logged(tmp_path):
     """A launch's imbalance and waits come from its metrics log, first window dropped; the
     table shows the medians over repeats, and '-' where a run logged none."""
-    records = [{"config": {}}]
+    records = [{"config": {"global_batch_size": 32}}]
     for step, (rate, imbalance, least, most) in enumerate(
         [(1.0, 9.0, 90.0, 99.0), (100.0, 1.02, 2.0, 6.0), (100.0, 1.04, 4.0, 10.0)]
     ):
@@ -73,16 +73,15 @@ def test_the_table_shows_imbalance_and_waits_where_logged(tmp_path):
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     launch = bench.read_launch(log)
     assert launch.rate == pytest.approx(100.0)
+    assert launch.step_ms == pytest.approx(320.0)  # 32 samples at 100 samples/s
     assert launch.imbalance == pytest.approx(1.03)
     assert launch.wait_ms == pytest.approx((3.0, 8.0))
     case = tiny(next(case for case in bench.CASES if case.name == "template"))
     result = bench.Result(case, {1: [50.0], 2: [100.0]})
     result.launches = {1: [bench.Launch(50.0)], 2: [launch]}
-    row = bench.table([result], [1, 2])[-1]
-    # 16 per device x 2 processes at 100 samples/s: 320 ms a step
-    assert row.endswith("| 1.030 | 320.0 | 3.0, 8.0 | met |")
+    assert bench.table([result], [1, 2])[-1].endswith("| 1.030 | 320.0 | 3.0, 8.0 | met |")
     assert bench.table([bench.Result(case, {1: [50.0], 2: [100.0]})], [1, 2])[-1].endswith(
-        "| - | 320.0 | - | met |"
+        "| - | - | - | met |"
     )
 
 

@@ -113,10 +113,12 @@ MIN_RATIO = {"pointcloud": 1.8}
 
 @dataclass(frozen=True)
 class Launch:
-    """What one launch measured: samples/s and, where logged, the mean rank imbalance and the
-    mean all-reduce wait per step of the process that waited least and most (milliseconds)."""
+    """What one launch measured: samples/s and, where logged, milliseconds per optimizer step
+    (its global batch at that rate), the mean rank imbalance and the mean all-reduce wait per
+    step of the process that waited least and most (milliseconds)."""
 
     rate: float
+    step_ms: float | None = None
     imbalance: float | None = None
     wait_ms: tuple[float, float] | None = None
 
@@ -136,10 +138,9 @@ class Result:
         return statistics.median(found) if found else None
 
     def step_ms(self, n: int) -> float | None:
-        """Milliseconds per optimizer step at the median rate (None for independent runs)."""
-        if self.case.independent:
-            return None
-        return 1000 * self.case.per_device_bs * n / self.rate(n)
+        """Median over repeats of the milliseconds per optimizer step (None: not known)."""
+        found = [r.step_ms for r in self.launches.get(n, []) if r.step_ms is not None]
+        return statistics.median(found) if found else None
 
     def wait_ms(self, n: int) -> tuple[float, float] | None:
         """Medians over repeats of the least and the most waiting process's ms per step."""
@@ -212,11 +213,16 @@ def steady_mean(metrics_jsonl: Path, key: str, skip: int = 1) -> float | None:
 
 
 def read_launch(metrics_jsonl: Path) -> Launch:
-    """Samples/s, imbalance and all-reduce waits of one launch, first window dropped."""
+    """Samples/s, step time, imbalance and all-reduce waits of one launch, first window
+    dropped; the global batch comes from the run's logged config."""
     least = steady_mean(metrics_jsonl, "train/sync_wait_ms_min")
     most = steady_mean(metrics_jsonl, "train/sync_wait_ms_max")
+    first = json.loads(metrics_jsonl.read_text().splitlines()[0])
+    batch = first.get("config", {}).get("global_batch_size")
+    rate = steady_rate(metrics_jsonl)
     return Launch(
-        steady_rate(metrics_jsonl),
+        rate,
+        1000 * batch / rate if batch else None,
         steady_mean(metrics_jsonl, "train/rank_imbalance"),
         None if least is None or most is None else (least, most),
     )
@@ -370,17 +376,18 @@ def section(results: Sequence[Result], counts: Sequence[int], gpus: bool, repeat
         "quality run at their defaults otherwise.",
         "",
         "Where the time goes at N processes: `imbalance N` is the recipe's logged",
-        "`train/rank_imbalance`, the busiest process's item cost (edges, graph nodes, tokens) over",
-        "the mean, per optimizer step, averaged (`-`: items of one size, nothing balanced;",
+        "`train/rank_imbalance`, the busiest process's item cost (edges, graph nodes, tokens)",
+        "over the mean, per optimizer step, averaged (`-`: items of one size, nothing balanced;",
         "crystal, cricket and captioning balance each step's items over the processes,",
-        "`accel_common/balance.py`). `step ms N` is the time of one optimizer step at the median",
-        "rate. `wait ms N [least, most]` is the time from a process's last gradient bucket",
-        "being launched to the end of the step's all-reduces (`accel_common/sync_wait.py`, a",
-        "timed DDP communication hook; gloo only), averaged per step, for the process that",
-        "waited least (about the communication itself) and most (communication plus waiting for",
-        "the slowest process: imbalance, or a core shared with other work). A recipe below the",
-        "reference with a small spread between the two waits loses its time elsewhere (its own",
-        "per-step work); a large spread with an imbalance near 1 points at the machine.",
+        "`accel_common/balance.py`). `step ms N` is the time of one optimizer step",
+        "(accumulation steps included) at the launch's rate. `wait ms N [least, most]` is the",
+        "time from a process's last gradient bucket being launched to the end of the step's",
+        "all-reduces (`accel_common/sync_wait.py`, a timed DDP communication hook; gloo only),",
+        "averaged per step, for the process that waited least (about the communication itself)",
+        "and most (communication plus waiting for the slowest process: imbalance, or a core",
+        "shared with other work). A recipe below the reference with a small spread between the",
+        "two waits loses its time elsewhere (its own per-step work); a large spread with an",
+        "imbalance near 1 points at the machine.",
         "",
         "![throughput against process count](scaling.png)",
         SECTION_END,
@@ -497,6 +504,8 @@ def reference_loop(argv: Sequence[str] | None = None) -> None:
     if rank == 0:
         (args.output_dir / "logs").mkdir(parents=True, exist_ok=True)
         log = (args.output_dir / "logs" / METRICS_FILE).open("w", buffering=1)
+        # as the recipes' first record: the run's global batch (the benchmark's step time)
+        log.write(json.dumps({"config": {"global_batch_size": args.per_device_bs * world}}) + "\n")
     samples = args.per_device_bs * world * args.log_every
     step, epoch, window_start = 0, 0, time.perf_counter()
     while step < args.max_steps:
