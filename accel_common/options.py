@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -233,15 +233,22 @@ class TrainArgs(Settings):
         )
 
     def make_train_loader(
-        self, dataset: Dataset, plan: BatchPlan, collate_fn: Callable | None = None
+        self,
+        dataset: Dataset,
+        plan: BatchPlan,
+        collate_fn: Callable | None = None,
+        costs: Sequence[float] | None = None,
     ) -> DataLoader:
-        """The shuffled, drop-last training loader (runtime.make_train_loader)."""
+        """The shuffled, drop-last training loader (runtime.make_train_loader); with `costs`
+        (one per item), each step's items balanced over processes by cost."""
         return runtime.make_train_loader(
             dataset,
             plan.per_device_batch_size,
             seed=self.seed,
             workers=self.workers,
             collate_fn=collate_fn,
+            costs=costs,
+            plan=plan,
         )
 
     def make_lr_schedule(

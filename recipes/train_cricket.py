@@ -283,7 +283,11 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     std = float(y_train.std() or 1.0)
     model = network(settings, vocab_sizes, baseline.mean)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    loaders = [args.make_train_loader(train_set, plan, collate_fn=train_set.collate)]
+    # each step's deliveries spread over the processes by the nodes of their graphs (the
+    # history's ball nodes vary, one node of every other type)
+    nodes = np.minimum(deliveries.pos[train_set.index], settings.history)
+    nodes += len(train_set.graph(0).node_types) - 1
+    loaders = [args.make_train_loader(train_set, plan, train_set.collate, costs=nodes)]
     loaders += [
         DataLoader(s, plan.per_device_batch_size, collate_fn=s.collate) for s in (val_set, test_set)
     ]

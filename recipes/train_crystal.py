@@ -57,6 +57,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.batching import total_optimizer_steps
 from accel_common.checkpoint import load_exported, load_for_inference, read_recipe_export
+from accel_common.data.cache import list_lengths
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
@@ -222,7 +223,10 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     collate = Collater(train_set)
-    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
+    # each step's structures spread over the processes by their edge count (the convolutions'
+    # work), so that no process waits for one holding the largest structures
+    edges = list_lengths(rows.select(parts[0]), "source")
+    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate, costs=edges)
     val_loader, test_loader = (
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)
