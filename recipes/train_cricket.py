@@ -142,6 +142,13 @@ class CricketSettings(Settings):
         min=0,
         adjustable=True,
     )
+    min_epochs: int = setting(
+        0,
+        "Early stopping may stop only after more than this many epochs (the original's "
+        "--min-epochs, 15: from epoch 16 on).",
+        min=0,
+        adjustable=True,
+    )
     graph_cache_dir: Path | None = setting(
         None,
         "Folder of the preprocessing cache (default: under the datasets cache).",
@@ -297,6 +304,7 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
         derived=derived, monitor="val_mae", patience=settings.patience,
+        min_epochs=settings.min_epochs,
     )  # fmt: skip
 
     for _epoch in loop.epochs():

@@ -331,6 +331,10 @@ def test_the_original_preset_plans_its_run_and_writes_nothing(tmp_path, monkeypa
     assert plan["parameters excluding embeddings"] == "17444737"
     assert plan["batch"] == "global batch 64 = 64 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
+    # trainer.py: no warm-up ramp, 5 epochs at the peak, then cosine stepped after each epoch
+    assert plan["learning rate"].endswith(
+        "0 warmup steps, 5 epochs at the peak, then cosine per epoch"
+    )
     assert plan["epochs"] == "100"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
