@@ -566,3 +566,100 @@ def test_the_graphs_of_deliveries_are_the_originals(tmp_path):
                 a, b = mine[edge][attr], theirs[edge][attr]
                 assert a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6), (
                     innings, ball, edge, attr)  # fmt: skip
+
+
+def convert_original(tmp_path: Path, model: str = "CricketHeteroGNN") -> Path:
+    """`accel-recipes convert --from cricketmodel` of the fixture's checkpoint, with the original's
+    entity_mapper.pkl (made by its EntityMapper, README.md there) beside it."""
+    from typer.testing import CliRunner
+
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path, model)
+    (tmp_path / "entity_mapper.pkl").write_bytes((FIXTURES / "entity_mapper.pkl").read_bytes())
+    out = tmp_path / "converted"
+    result = CliRunner().invoke(app, ["convert", "--from", "cricketmodel", str(source), str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_path):
+    """The converted export carries the original's entity ids (players by name, mapped to this
+    recipe's registry ids per match), so `predict` on the fixture match gives, for its 8
+    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals); with
+    every player unknown it would not. `--to` writes back the dict EntityMapper.load reads."""
+    meta = json.loads((FIXTURES / "original.json").read_text())
+    export = convert_original(tmp_path)
+    vocab = json.loads((export / cricket.VOCAB_FILE).read_text())
+    mapper = meta["entity_mapper"]
+    assert vocab["players"] == mapper["player_to_id"] and vocab["player_key"] == "name"
+    assert set(vocab["player_roles"].values()) == {"unknown"}  # no ollama: all unknown
+    expected = meta["outputs"]["CricketHeteroGNN"]
+
+    def predicted(model_dir: Path, name: str) -> list[float]:
+        recipe.predict(model_dir=model_dir, match=FIXTURES / "match.json", out=tmp_path / name)
+        rows = list(csv.DictReader((tmp_path / name).open()))
+        first = {
+            i: next(k for k, r in enumerate(rows) if r["innings"] == str(i + 1)) for i in (0, 1)
+        }
+        # a sample's row: its innings' first row + its ball index - 1 (ball 0 is no sample)
+        return [float(rows[first[i] + ball - 1]["predicted"]) for i, ball in meta["samples"]]
+
+    assert predicted(export, "p.csv") == pytest.approx(expected, abs=5e-5)
+    unknown = vocab | {"players": {}}
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(unknown))
+    assert max(abs(a - b) for a, b in zip(predicted(export, "u.csv"), expected, strict=True)) > 1e-3
+    # and back: the pickle the original's EntityMapper.load reads, with its keys and ids
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab))
+    from recipes.cricket.convert import MAPPER_FILE, export_checkpoint, read_mapper
+
+    back = export_checkpoint(export, tmp_path / "back" / "best_model.pt")
+    sizes = {"players": 21, "venues": 1, "teams": 2}
+    assert read_mapper(back.parent / MAPPER_FILE, sizes) == vocab
+    import pickle
+
+    data = pickle.loads((back.parent / MAPPER_FILE).read_bytes())
+    assert data["id_to_player"][1] == next(k for k, v in mapper["player_to_id"].items() if v == 1)
+    assert data["_next_player_id"] == 22
+
+
+def test_a_pickle_that_would_build_anything_but_plain_data_is_refused(tmp_path):
+    import pickle
+    from collections import OrderedDict
+
+    from recipes.cricket.convert import read_mapper
+
+    path = tmp_path / "entity_mapper.pkl"
+    path.write_bytes(pickle.dumps({"player_to_id": OrderedDict(a=1)}))
+    with pytest.raises(CheckpointError, match=r"entity_mapper.pkl: refused to unpickle "
+                       r"collections.OrderedDict;") as err:  # fmt: skip
+        read_mapper(path, {"players": 1, "venues": 0, "teams": 0})
+    assert "\n" not in str(err.value)
+    path.write_bytes(pickle.dumps({"player_to_id": {"a": 1}, "venue_to_id": {}, "team_to_id": {}}))
+    with pytest.raises(
+        CheckpointError, match=r"1 players, but the checkpoint's embedding has rows"
+    ):
+        read_mapper(path, {"players": 5, "venues": 0, "teams": 0})
+
+
+def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_line(
+    cricket_data, tmp_path
+):
+    """--init-from the converted fixture (hidden 8, 2 layers, 2 heads, the original's 21-player
+    vocabulary): one step from its weights ends close to them; --hidden 16 is refused in one line
+    naming the first tensor that differs."""
+    from safetensors.torch import load_file
+
+    export = convert_original(tmp_path)
+    args = ["--data", str(cricket_data), "--graph-cache-dir", str(tmp_path / "cache")]
+    args += ["--history", "6", "--sample-every", "8", "--bs", "16", "--max-steps", "1"]
+    args += ["--layers", "2", "--heads", "2", "--init-from", str(export)]
+    train_here([*args, "--hidden", "8"], tmp_path / "run")
+    start = load_file(FIXTURES / "CricketHeteroGNN.safetensors")
+    trained = exported_params(tmp_path / "run")
+    assert trained.keys() == start.keys()
+    # one AdamW step at lr 2.5e-4 from the original's weights (a fresh start differs by ~1)
+    assert global_relative_difference(start, trained) < 0.01
+    with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
+        train_here([*args, "--hidden", "16"], tmp_path / "wrong")
+    assert "\n" not in str(err.value) and "has shape" in str(err.value)

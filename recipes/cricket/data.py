@@ -466,6 +466,40 @@ def build_vocab(parsed: datasets.Dataset, rows: list[int], min_matches: int) -> 
     }
 
 
+ENTITIES = ("players", "venues", "teams")
+
+
+def vocab_sizes(vocab: dict[str, Any]) -> dict[str, int]:
+    """Embedding rows (less the unknown's) a vocabulary needs: its highest index of each kind."""
+    return {kind: max(vocab[kind].values(), default=0) for kind in ENTITIES}
+
+
+def keyed_by_registry(vocab: dict[str, Any], registries: list[dict[str, str]]) -> dict[str, Any]:
+    """A vocabulary whose players are keyed by name (the original's: `"player_key": "name"`) as
+    this recipe keys them, by Cricsheet registry id, through the matches' registries (name ->
+    id); the names stay too, for files without a registry. Others are returned as they are."""
+    if vocab.get("player_key") != "name":
+        return vocab
+    by_name = vocab["players"]
+    players = dict(by_name)
+    for registry in registries:
+        players |= {person: by_name[name] for name, person in registry.items() if name in by_name}
+    return vocab | {"players": players, "player_key": "registry"}
+
+
+def match_registries(files: list[Path]) -> list[dict[str, str]]:
+    """Each match file's `info.registry.people` (name -> Cricsheet id); {} where it has none or
+    is not a match (the reader reports those)."""
+    registries = []
+    for path in files:
+        try:
+            info = json.loads(Path(path).read_bytes()).get("info", {})
+            registries.append(dict(info.get("registry", {}).get("people", {})))
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            registries.append({})
+    return registries
+
+
 def load_innings(
     folder: Path,
     *,
@@ -478,14 +512,19 @@ def load_innings(
     workers: int,
     cache_dir: Path | None = None,
     retired_is_wicket: bool = True,
+    vocab: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """The featurised innings of every usable match in `folder` (column `split`: 0 train, 1
-    val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached)."""
+    val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached).
+    `vocab`: a given vocabulary (a model's to fine-tune) instead of the training split's."""
     start = time.perf_counter()
     files = match_files(folder)
     cache_dir = cache_root(cache_dir)
     parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
-    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches, retired_is_wicket)
+    if vocab is not None:
+        vocab = keyed_by_registry(vocab, match_registries(files))
+    given = json.dumps(vocab, sort_keys=True) if vocab is not None else min_matches
+    key = cache_key(parse_key, ratios, split_seed, split_by_date, given, retired_is_wicket)
     target = cache_dir / f"cricket-{key}"
     was_cached = (target / VOCAB_FILE).is_file()
     num_proc = workers if workers > 1 else None
@@ -510,7 +549,7 @@ def load_innings(
         raise DataError(f"{folder / file}: {note}; remove it, or leave out --strict to skip it")
     if not was_cached:
         info = build_features(parsed, status, target, ratios, split_seed, split_by_date,
-                              min_matches, num_proc, retired_is_wicket)  # fmt: skip
+                              min_matches, num_proc, retired_is_wicket, vocab)  # fmt: skip
     else:
         info = json.loads((target / VOCAB_FILE).read_text())
     rows = datasets.load_from_disk(str(target))
@@ -529,9 +568,11 @@ def build_features(
     min_matches: int,
     num_proc: int | None,
     retired_is_wicket: bool = True,
+    vocab: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Split the usable matches, build the vocabulary from the training split, and compute
-    every innings' features into the cache folder `target` (with the vocabulary and summary)."""
+    """Split the usable matches, build the vocabulary from the training split (unless one is
+    given), and compute every innings' features into the cache folder `target` (with the
+    vocabulary and summary)."""
     ok = [i for i, s in enumerate(status["status"]) if s == "ok"]
     if not ok:
         raise DataError(
@@ -540,7 +581,8 @@ def build_features(
     dates = dict(zip(parsed["file"], parsed["date"], strict=True))
     used = sorted({status["file"][i] for i in ok})
     split = split_matches(used, [dates[f] for f in used], ratios, split_seed, split_by_date)
-    vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
+    if vocab is None:
+        vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
     usable = parsed.select(ok)
     usable = usable.add_column("split", [split[status["file"][i]] for i in ok])
     names = [c for c in PARSED if c not in ("file", "innings")]
