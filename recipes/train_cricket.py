@@ -120,6 +120,12 @@ class CricketSettings(Settings):
         "Count a retired-hurt or retired-not-out batter as a wicket in the features, as the "
         "original does (--no-retired-is-wicket: not, as the batter may come back).",
     )
+    unknown_player_team: bool = setting(
+        False,
+        "Give a player outside the vocabulary the fallback embedding of the team they play for "
+        "in this match (the original: none, team 0, with role 0: its vocabulary holds every "
+        "player it knows a team of).",
+    )
     model: str = setting(
         "CricketHeteroGNN",
         "cricketmodel's network: CricketHeteroGNN (its train.py default) or CricketHeteroGNNFull "
@@ -324,7 +330,13 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     y_train = deliveries.y[train]
     baseline = PhaseBaseline.fit(deliveries.over[train], deliveries.wickets[train], y_train)
     train_set, val_set, test_set = (
-        CricketGraphs(deliveries, used & (deliveries.split == k), settings.history, baseline)
+        CricketGraphs(
+            deliveries,
+            used & (deliveries.split == k),
+            settings.history,
+            baseline,
+            settings.unknown_player_team,
+        )
         for k in range(3)
     )
     sizes = vocab_sizes(info["vocab"])
@@ -410,7 +422,9 @@ def predict(
     deliveries = Deliveries(table, target=settings.target)
     baseline = PhaseBaseline(config["baseline"], config["mean"])
     everything = np.ones(len(deliveries.row), dtype=bool)
-    graphs = CricketGraphs(deliveries, everything, settings.history, baseline)
+    graphs = CricketGraphs(
+        deliveries, everything, settings.history, baseline, settings.unknown_player_team
+    )
     loader = DataLoader(graphs, batch_size=256, collate_fn=graphs.collate)
     predictions = []
     with torch.no_grad():

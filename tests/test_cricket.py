@@ -586,8 +586,9 @@ def convert_original(tmp_path: Path, model: str = "CricketHeteroGNN") -> Path:
 def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_path):
     """The converted export carries the original's entity ids (players by name, mapped to this
     recipe's registry ids per match), so `predict` on the fixture match gives, for its 8
-    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals); with
-    every player unknown it would not. `--to` writes back the dict EntityMapper.load reads."""
+    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals), and with
+    every player unknown its outputs through the fallback embeddings (team 0, role 0: players it
+    has no team of). `--to` writes back the dict EntityMapper.load reads."""
     meta = json.loads((FIXTURES / "original.json").read_text())
     export = convert_original(tmp_path)
     vocab = json.loads((export / cricket.VOCAB_FILE).read_text())
@@ -606,9 +607,16 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
         return [float(rows[first[i] + ball - 1]["predicted"]) for i, ball in meta["samples"]]
 
     assert predicted(export, "p.csv") == pytest.approx(expected, abs=5e-5)
-    unknown = vocab | {"players": {}}
-    (export / cricket.VOCAB_FILE).write_text(json.dumps(unknown))
-    assert max(abs(a - b) for a, b in zip(predicted(export, "u.csv"), expected, strict=True)) > 1e-3
+    # every player unknown: the original's fallback embedding, of team 0 and role 0
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab | {"players": {}}))
+    unknown = meta["outputs_unknown_players"]["CricketHeteroGNN"]
+    assert max(abs(a - b) for a, b in zip(unknown, expected, strict=True)) > 1e-2
+    assert predicted(export, "u.csv") == pytest.approx(unknown, abs=5e-5)
+    # --unknown-player-team gives them this match's team instead: another output
+    metadata = json.loads((export / "model.json").read_text())
+    metadata["config"]["unknown_player_team"] = True
+    (export / "model.json").write_text(json.dumps(metadata))
+    assert predicted(export, "t.csv") != pytest.approx(unknown, abs=1e-3)
     # and back: the pickle the original's EntityMapper.load reads, with its keys and ids
     (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab))
     from recipes.cricket.convert import MAPPER_FILE, export_checkpoint, read_mapper

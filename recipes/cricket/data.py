@@ -690,11 +690,17 @@ class CricketGraphs(Dataset):
     `history` earlier deliveries of the innings as ball nodes (the original: all of them)."""
 
     def __init__(
-        self, deliveries: Deliveries, keep: np.ndarray, history: int, baseline: PhaseBaseline
+        self,
+        deliveries: Deliveries,
+        keep: np.ndarray,
+        history: int,
+        baseline: PhaseBaseline,
+        unknown_player_team: bool = False,
     ) -> None:
         self.d = deliveries
         self.index = np.flatnonzero(keep)
         self.history = history
+        self.unknown_player_team = unknown_player_team
         self.baseline = baseline(deliveries.over[keep], deliveries.wickets[keep])
         self.template = HeteroData()  # the edges every graph has; copied per sample (cheaper)
         for edge, edge_index in static_edges().items():
@@ -713,8 +719,9 @@ class CricketGraphs(Dataset):
         (tests/test_cricket.py), built at once: the 167 edge types of one-node context edges
         make PyG's per-graph batching about 7 ms a graph."""
         index = np.asarray(indices, dtype=np.int64)
+        baseline = self.baseline[index].astype(np.float32)
         return batch_graphs(
-            self.d, self.index[index], self.history, self.baseline[index].astype(np.float32)
+            self.d, self.index[index], self.history, baseline, self.unknown_player_team
         )
 
     def graph(self, index: int) -> HeteroData:
@@ -722,13 +729,28 @@ class CricketGraphs(Dataset):
         d, k = self.d, int(self.index[index])
         flat, row = int(d.flat[k]), int(d.row[k])
         graph = copy.copy(self.template)
-        fill_graph(graph, d, flat, min(int(d.pos[k]), self.history), row)
+        fill_graph(graph, d, flat, min(int(d.pos[k]), self.history), row, self.unknown_player_team)
         graph.y = torch.tensor([float(d.y[k])])
         graph.baseline = torch.tensor([float(self.baseline[index])])
         return graph
 
 
-def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int) -> None:
+def player_teams(ids: torch.Tensor, teams: torch.Tensor, unknown_player_team: bool) -> torch.Tensor:
+    """The team ids of players' fallback embeddings (read only for a player outside the
+    vocabulary, id 0): the team they play for here; for an unknown player, with
+    `unknown_player_team` off, none (0), as the original's `get_player_team_id` gives a player
+    its mapper does not hold."""
+    return teams if unknown_player_team else torch.where(ids == UNKNOWN, 0, teams)
+
+
+def fill_graph(
+    graph: HeteroData,
+    d: Deliveries,
+    flat: int,
+    balls: int,
+    row: int,
+    unknown_player_team: bool = False,
+) -> None:
     """The nodes and the history's edges of the graph before delivery `flat`."""
     venue, batting, bowling = (torch.tensor([[int(v)]]) for v in d.context[row])
     graph["venue"].x, graph["batting_team"].x, graph["bowling_team"].x = venue, batting, bowling
@@ -739,7 +761,7 @@ def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int
          ("bowler_identity", bowling))
     ):  # fmt: skip
         graph[kind].x = torch.tensor([[int(ids[slot])]])
-        graph[kind].team_id = team
+        graph[kind].team_id = player_teams(graph[kind].x, team, unknown_player_team)
         graph[kind].role_id = roles
     ctx = torch.from_numpy(d.ctx[flat]).view(1, -1)
     for kind, cols in FEATURE_SLICES.items():
@@ -764,7 +786,11 @@ def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int
 
 
 def batch_graphs(
-    d: Deliveries, samples: np.ndarray, history: int, baseline: np.ndarray
+    d: Deliveries,
+    samples: np.ndarray,
+    history: int,
+    baseline: np.ndarray,
+    unknown_player_team: bool = False,
 ) -> HeteroData:
     """The graphs of `samples` batched, as PyG's Batch of `CricketGraphs.graph` holds them."""
     n = len(samples)
@@ -784,7 +810,9 @@ def batch_graphs(
         (("striker_identity", 1), ("nonstriker_identity", 1), ("bowler_identity", 2))
     ):
         graph[kind].x = ids[:, slot : slot + 1]
-        graph[kind].team_id = context[:, team : team + 1]
+        graph[kind].team_id = player_teams(
+            graph[kind].x, context[:, team : team + 1], unknown_player_team
+        )
         graph[kind].role_id = roles
     ctx = torch.from_numpy(d.ctx[flats])
     for kind, cols in FEATURE_SLICES.items():
