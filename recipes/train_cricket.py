@@ -379,7 +379,8 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
         loop.end_epoch(metrics, model)
     metrics = loop.finish(model)
     if accelerator.is_main_process:  # predict maps names with the training vocabulary
-        (args.output_dir / "model" / VOCAB_FILE).write_text(json.dumps(info["vocab"]))
+        vocab = start[1] if start else info["vocab"]  # a fine-tuned model keeps its own
+        (args.output_dir / "model" / VOCAB_FILE).write_text(json.dumps(vocab))
     return metrics
 
 

@@ -586,9 +586,9 @@ def convert_original(tmp_path: Path, model: str = "CricketHeteroGNN") -> Path:
 def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_path):
     """The converted export carries the original's entity ids (players by name, mapped to this
     recipe's registry ids per match), so `predict` on the fixture match gives, for its 8
-    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals), and with
-    every player unknown its outputs through the fallback embeddings (team 0, role 0: players it
-    has no team of). `--to` writes back the dict EntityMapper.load reads."""
+    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals); so too with
+    bowling types in its vocabulary, and with every player unknown (its fallback embeddings:
+    team 0, role 0). `--to` writes back the dict EntityMapper.load reads."""
     meta = json.loads((FIXTURES / "original.json").read_text())
     export = convert_original(tmp_path)
     vocab = json.loads((export / cricket.VOCAB_FILE).read_text())
@@ -607,6 +607,12 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
         return [float(rows[first[i] + ball - 1]["predicted"]) for i, ball in meta["samples"]]
 
     assert predicted(export, "p.csv") == pytest.approx(expected, abs=5e-5)
+    # bowling types (the original's LLM classification) set the bowler's is_pace / is_spin
+    typed = vocab | {"player_bowling_types": meta["bowling_types"]}
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(typed))
+    with_types = meta["outputs_bowling_types"]["CricketHeteroGNN"]
+    assert max(abs(a - b) for a, b in zip(with_types, expected, strict=True)) > 1e-2
+    assert predicted(export, "b.csv") == pytest.approx(with_types, abs=5e-5)
     # every player unknown: the original's fallback embedding, of team 0 and role 0
     (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab | {"players": {}}))
     unknown = meta["outputs_unknown_players"]["CricketHeteroGNN"]
@@ -668,6 +674,9 @@ def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_li
     assert trained.keys() == start.keys()
     # one AdamW step at lr 2.5e-4 from the original's weights (a fresh start differs by ~1)
     assert global_relative_difference(start, trained) < 0.01
+    # it keeps the original's vocabulary (by name), for predict and --to cricketmodel
+    vocab = cricket.VOCAB_FILE
+    assert (tmp_path / "run" / "model" / vocab).read_text() == (export / vocab).read_text()
     with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
         train_here([*args, "--hidden", "16"], tmp_path / "wrong")
     assert "\n" not in str(err.value) and "has shape" in str(err.value)

@@ -312,7 +312,8 @@ def innings_features(
     number = int(record.get("innings", 0))  # a super-over record has none: no chase
     chase = record.get("file_target", -1) > 0 and number == 2
     over_col = np.asarray(record["over"], dtype=np.int64)
-    context = innings_context(record, number, int(record["file_target"]) if chase else None)
+    target = int(record["file_target"]) if chase else None
+    context = innings_context(record, number, target, vocab.get("player_bowling_types"))
     return {
         "o_ctx": context.reshape(-1),
         "o_ball": ball_features(record).reshape(-1),
@@ -477,14 +478,18 @@ def vocab_sizes(vocab: dict[str, Any]) -> dict[str, int]:
 def keyed_by_registry(vocab: dict[str, Any], registries: list[dict[str, str]]) -> dict[str, Any]:
     """A vocabulary whose players are keyed by name (the original's: `"player_key": "name"`) as
     this recipe keys them, by Cricsheet registry id, through the matches' registries (name ->
-    id); the names stay too, for files without a registry. Others are returned as they are."""
+    id): their indices and bowling types; the names stay too, for files without a registry.
+    Others are returned as they are."""
     if vocab.get("player_key") != "name":
         return vocab
-    by_name = vocab["players"]
-    players = dict(by_name)
-    for registry in registries:
-        players |= {person: by_name[name] for name, person in registry.items() if name in by_name}
-    return vocab | {"players": players, "player_key": "registry"}
+    keyed = dict(vocab, player_key="registry")
+    for kind in ("players", "player_bowling_types"):
+        by_name = vocab.get(kind, {})
+        keyed[kind] = dict(by_name)
+        for registry in registries:
+            keyed[kind] |= {person: by_name[name] for name, person in registry.items()
+                            if name in by_name}  # fmt: skip
+    return keyed
 
 
 def match_registries(files: list[Path]) -> list[dict[str, str]]:
