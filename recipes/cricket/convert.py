@@ -17,7 +17,8 @@ each player's most frequent team, role and bowling type; the next free ids) to
 checkpoint or in that layout (`checkpoints/best_model.pt` -> `data/processed/`), with an
 unpickler that builds nothing but dicts, strings and numbers, and writes it beside the export
 as this recipe's vocab.json (players by name, as the original keys them, `"player_key":
-"name"`); `--to` writes entity_mapper.pkl beside the checkpoint from an export's vocab.json.
+"name"`); `--to` writes entity_mapper.pkl beside the checkpoint from such a vocab.json (this
+recipe's own keys players by Cricsheet registry id, which the original's code cannot look up).
 """
 
 from __future__ import annotations
@@ -217,8 +218,14 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, target)
     vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
-    if vocab_path.is_file():
-        write_mapper(json.loads(vocab_path.read_text()), target.parent / MAPPER_FILE)
+    vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
+    if vocab.get("player_key") == "name":
+        write_mapper(vocab, target.parent / MAPPER_FILE)
+    else:  # this recipe keys players by Cricsheet registry id, the original's code by name
+        print(
+            f"note: no {MAPPER_FILE} written: {vocab_path} is not a vocabulary of player names "
+            "(only one imported from cricketmodel is); build the original's with its own code"
+        )
     return target
 
 
