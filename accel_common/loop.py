@@ -29,7 +29,8 @@ optimizer step of the previous one:
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
-run stops after N epochs without improvement. Both decide from the value the main process holds,
+run stops after N epochs without improvement (with `min_epochs` M, not before epoch M + 1: the
+count may reach N earlier, the stop waits). Both decide from the value the main process holds,
 broadcast to all, so every process stops at the same epoch (none waits alone in a collective);
 a resumed run restores the best value and the count.
 
@@ -161,10 +162,11 @@ class TrainLoop:
         on_nonfinite: OnNonFinite | str = OnNonFinite.stop,
         monitor: str | None = None,
         patience: int = 0,
+        min_epochs: int = 0,
     ) -> None:
         if patience and not monitor:
             raise ConfigError("TrainLoop: patience needs a metric to monitor")
-        self.monitor, self.patience = monitor, patience
+        self.monitor, self.patience, self.min_epochs = monitor, patience, min_epochs
         self.accelerator, self.plan, self.loader = accelerator, plan, loader
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
@@ -544,7 +546,8 @@ class TrainLoop:
             self._export(model, self.output_dir / BEST_DIR, progress.best_metrics)
             return
         progress.bad_epochs += 1
-        if self.patience and progress.bad_epochs >= self.patience:
+        patient = progress.bad_epochs < self.patience or self._epoch_number <= self.min_epochs
+        if self.patience and not patient:
             progress.stopped = True
             say(
                 self.accelerator,

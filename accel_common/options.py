@@ -122,6 +122,14 @@ class TrainArgs(Settings):
         0.0, "Floor of cosine decay, as a fraction of the peak LR.", min=0, max=1
     )
     gamma: float = setting(1.0, "Per-step factor of exponential decay.", above=0, max=1)
+    hold_epochs: int = setting(
+        0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0
+    )
+    decay_per_epoch: bool = setting(
+        False,
+        "Change the LR only at epoch boundaries, as a torch scheduler stepped after each epoch "
+        "(else at every optimizer step).",
+    )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
     )
@@ -273,6 +281,8 @@ class TrainArgs(Settings):
             min_lr_ratio=self.min_lr_ratio,
             gamma=self.gamma,
             max_steps=self.max_steps,
+            hold_epochs=self.hold_epochs,
+            decay_per_epoch=self.decay_per_epoch,
         )
 
     def make_loop(
@@ -288,12 +298,14 @@ class TrainArgs(Settings):
         config: dict[str, Any] | None = None,
         monitor: str | None = None,
         patience: int = 0,
+        min_epochs: int = 0,
     ) -> TrainLoop:
         """The run's TrainLoop (loop.TrainLoop). `settings` are the workload's own, `derived`
         what the run computed from its data that single-device commands need too (a target's
         mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
         the checkpoints and the export, and is the run's identity but for the adjustable
-        settings. `monitor` and `patience` keep the best epoch's model and stop early."""
+        settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
+        epoch `min_epochs` + 1."""
         own = settings.as_config() if settings is not None else {}
         adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
         return TrainLoop(
@@ -319,6 +331,7 @@ class TrainArgs(Settings):
             on_nonfinite=self.on_nonfinite,
             monitor=monitor,
             patience=patience,
+            min_epochs=min_epochs,
         )
 
 
