@@ -163,6 +163,7 @@ class TrainLoop:
         monitor: str | None = None,
         patience: int = 0,
         min_epochs: int = 0,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         if patience and not monitor:
             raise ConfigError("TrainLoop: patience needs a metric to monitor")
@@ -203,6 +204,7 @@ class TrainLoop:
         timed = timing_requested() and accelerator.num_processes > 1
         self.sync_timer = SyncWaitTimer() if timed else None
         self.adjustable, self.derived, self.data_dir = adjustable, derived, data_dir
+        self.defaults = defaults or {}  # the settings' declared defaults (checkpoint.py)
         # the data's content fingerprint: read by the main process (once: its per-file digests
         # are cached), the same for all
         fingerprint = None
@@ -653,6 +655,7 @@ class TrainLoop:
             path,
             self.plan,
             identity=self.identity,
+            defaults=self.defaults,
             adjustable=self.adjustable,
             total_steps=self.total_steps,
             data_dir=self.data_dir,

@@ -317,6 +317,10 @@ class TrainArgs(Settings):
             config={**self.as_config(), **own, **(derived or {}), **(config or {})},
             adjustable=frozenset(adjustable),
             derived=frozenset(derived or {}),
+            defaults={
+                **self.default_config(),
+                **(settings.default_config() if settings is not None else {}),
+            },
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,
