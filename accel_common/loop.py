@@ -163,11 +163,13 @@ class TrainLoop:
         monitor: str | None = None,
         patience: int = 0,
         min_epochs: int = 0,
+        min_delta: float = 0.0,
         defaults: dict[str, Any] | None = None,
     ) -> None:
         if patience and not monitor:
             raise ConfigError("TrainLoop: patience needs a metric to monitor")
         self.monitor, self.patience, self.min_epochs = monitor, patience, min_epochs
+        self.min_delta = min_delta
         self.accelerator, self.plan, self.loader = accelerator, plan, loader
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
@@ -542,10 +544,15 @@ class TrainLoop:
         # the main process's value decides for all: no process can stop alone
         value = float(broadcast_object_list([self.metrics[self.monitor]])[0])
         progress = self.progress
+        # any lower value is the best model; only one lower by more than min_delta resets the
+        # patience count (as the cricket original's trainer: a tiny gain does not keep it going)
+        significant = progress.best is None or value < progress.best - self.min_delta
         if progress.best is None or value < progress.best:
-            progress.best, progress.bad_epochs = value, 0
+            progress.best = value
             progress.best_metrics = {**self.metrics, "best_epoch": self._epoch_number}
             self._export(model, self.output_dir / BEST_DIR, progress.best_metrics)
+        if significant:
+            progress.bad_epochs = 0
             return
         progress.bad_epochs += 1
         patient = progress.bad_epochs < self.patience or self._epoch_number <= self.min_epochs

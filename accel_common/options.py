@@ -299,13 +299,15 @@ class TrainArgs(Settings):
         monitor: str | None = None,
         patience: int = 0,
         min_epochs: int = 0,
+        min_delta: float = 0.0,
     ) -> TrainLoop:
         """The run's TrainLoop (loop.TrainLoop). `settings` are the workload's own, `derived`
         what the run computed from its data that single-device commands need too (a target's
         mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
         the checkpoints and the export, and is the run's identity but for the adjustable
         settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
-        epoch `min_epochs` + 1."""
+        epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
+        `min_delta`."""
         own = settings.as_config() if settings is not None else {}
         adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
         return TrainLoop(
@@ -336,6 +338,7 @@ class TrainArgs(Settings):
             monitor=monitor,
             patience=patience,
             min_epochs=min_epochs,
+            min_delta=min_delta,
         )
 
 

@@ -159,6 +159,13 @@ class CricketSettings(Settings):
         min=0,
         adjustable=True,
     )
+    min_delta: float = setting(
+        1e-4,
+        "An epoch resets the patience count only when its val MAE is lower by more than this "
+        "(runs; the original's min_delta); the best model is kept on any lower MAE.",
+        min=0,
+        adjustable=True,
+    )
     init_from: Path | None = setting(
         None,
         "Start from the weights of an export (fine-tuning): this recipe's, or one converted "
@@ -364,6 +371,7 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
         derived=derived, monitor="val_mae", patience=settings.patience,
         min_epochs=settings.min_epochs,
+        min_delta=settings.min_delta,
     )  # fmt: skip
 
     for _epoch in loop.epochs():

@@ -359,6 +359,28 @@ def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run,
     assert torch.equal(exported_params(tmp_path)["weight"], weights_at[1])
 
 
+def test_a_gain_below_min_delta_keeps_the_best_model_but_not_the_patience(run, tmp_path):
+    """As cricketmodel's trainer: val_mae 2.0 then 1.99995 (better by less than min_delta 1e-4)
+    with patience 1: epoch 2's model is the best one exported, yet the run stops after it; with
+    min_delta 0 the same gain resets the count and the run goes on to epoch 3."""
+    for min_delta, last_epoch in ((1e-4, 2), (0.0, 3)):
+        values = iter([2.0, 1.99995, 3.0])
+        out = tmp_path / f"delta_{min_delta}"
+        accelerator, model, _, loop, _ = run(
+            out=out, monitor="val_mae", patience=1, min_delta=min_delta
+        )
+        epochs = []
+        for epoch in loop.epochs():
+            epochs.append(epoch)
+            for _batch in loop.batches():
+                with accelerator.accumulate(model):
+                    pass  # no training: only the metric decides
+                loop.record(torch.zeros(()))
+            loop.end_epoch({"val_mae": next(values)}, model)
+        assert epochs[-1] == last_epoch and loop.done
+        assert loop.finish(model)["best_epoch"] == 2
+
+
 @pytest.mark.dist
 def test_early_stopping_waits_for_min_epochs_and_stops_every_process_at_once(tmp_path):
     """tests/early_stopping_check.py: the main process's val_mae stops improving after epoch 1,
