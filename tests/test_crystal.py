@@ -1032,3 +1032,29 @@ def test_init_from_starts_training_from_a_converted_comformer_checkpoint(tmp_pat
     # one step from the original's weights: close to them, not to a fresh initialisation
     start = load_file(FIXTURES / "icomformer.safetensors")
     assert (trained["fc_out.weight"] - start["fc_out.weight"]).abs().max() < 0.05
+
+
+def test_ecomformer_trains_exports_predicts_and_converts_back(tmp_path):
+    """`--model eComformer` through the whole recipe: training steps, the export, predict from
+    it, and `convert --to comformer` giving the original's tensors (its fixture's keys)."""
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 20)
+    argv = ["--data", str(path), "--target", "volume", "--no-cache-graphs", "--model", "eComformer"]
+    argv += ["--width", "16", "--layers", "3", "--rbf-bins", "12", "--fc-features", "8"]
+    argv += ["--bs", "8", "--max-steps", "2", "--output-dir", str(tmp_path / "run")]
+    try:
+        _, model_dir = train_in_python(recipe.train, argv, tmp_path / "run", script=CRYSTAL)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    out = tmp_path / "p.csv"
+    recipe.predict(model_dir=model_dir, data=path, out=out, index=":")
+    assert len(list(csv.DictReader(out.open()))) == 20
+    back = tmp_path / "back" / "best_model.pt"
+    result = CliRunner().invoke(
+        cli.app, ["convert", str(model_dir), str(back), "--to", "comformer"]
+    )
+    assert result.exit_code == 0, result.output
+    saved = torch.load(back, weights_only=True)["model"]
+    original = load_file(FIXTURES / "ecomformer.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
+    assert json.loads((back.parent / "config.json").read_text())["model"]["name"] == "eComformer"
