@@ -104,10 +104,14 @@ class BatchNorm(nn.BatchNorm1d):
                 self.num_batches_tracked.add_(1)
                 m = self.momentum
                 unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - m).add_(m * mean.to(x.dtype))
-                self.running_var.mul_(1 - m).add_(m * unbiased.to(x.dtype))
-        out = (x - mean.to(x.dtype)) * torch.rsqrt(var + self.eps).to(x.dtype)
-        return out * self.weight + self.bias if self.affine else out
+                self.running_mean.mul_(1 - m).add_(m * mean.to(self.running_mean.dtype))
+                self.running_var.mul_(1 - m).add_(m * unbiased.to(self.running_var.dtype))
+        # normalised in float32 at least (a bf16 input under autocast too, as torch's kernels do)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        out = (x.to(compute) - mean.to(compute)) * torch.rsqrt(var + self.eps).to(compute)
+        if self.affine:
+            out = out * self.weight + self.bias
+        return out.to(x.dtype)
 
     @staticmethod
     def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
