@@ -1000,6 +1000,9 @@ def test_the_python_apis_defaults_are_the_originals():
     assert (settings.cutoff, settings.max_neighbors, settings.width) == (6.0, 25, 256)
     assert (settings.rbf_bins, settings.angle_bins, settings.fc_features) == (256, 256, 256)
     assert recipe.train.resolve()[1].width == 16  # the command line's own default
+    # model_name="eComformer" takes eComformerConfig's defaults, as the original's config does
+    _, settings = recipe.train.resolve(**api.original_defaults("eComformer"))
+    assert (settings.model, settings.layers, settings.width) == ("eComformer", 3, 256)
 
 
 def test_init_from_starts_training_from_a_converted_comformer_checkpoint(tmp_path):
