@@ -119,10 +119,9 @@ class QualitySettings(Settings):
         max=1,
     )
     augment: bool = setting(
-        False,
+        True,
         "The original's training augmentation: flips both ways, rotation up to 15 degrees, "
-        "colour jitter (dataset.py 35-43); on in its preset, off by default: at 32 px the "
-        "rotation's resampling and the jitter mask the blur and noise the example grades.",
+        "colour jitter (dataset.py 35-43); --no-augment turns it off.",
     )
     draw_weight: float = setting(0.1, "Penalty on |s_i - s_j| for a draw.", min=0.0)
     eta_lr: float = setting(
@@ -360,7 +359,7 @@ def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
     QualitySettings,
     build_model=build_model,
     default_per_device_bs=32,
-    lr=1e-4,
+    lr=1e-3,
     ref_bs=32,
     epochs=20,
     weight_decay=1e-5,
