@@ -432,7 +432,7 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         ],
         lr=args.lr,
     )
-    pairs = Pairs(train_records, train_images, annotators)
+    pairs = Pairs(train_records, train_images, annotators, seed=args.seed)
     train_loader = args.make_train_loader(pairs, plan)
     every_image = Images(names, ImageReader(image_dir, size, mean, std))  # scored each epoch
     image_loader = DataLoader(every_image, batch_size=64, num_workers=args.workers)
