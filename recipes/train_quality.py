@@ -119,10 +119,9 @@ class QualitySettings(Settings):
         max=1,
     )
     augment: bool = setting(
-        False,
+        True,
         "The original's training augmentation: flips both ways, rotation up to 15 degrees, "
-        "colour jitter (dataset.py 35-43); on in its preset, off by default: at 32 px the "
-        "rotation's resampling and the jitter mask the blur and noise the example grades.",
+        "colour jitter (dataset.py 35-43); --no-augment turns it off.",
     )
     draw_weight: float = setting(0.1, "Penalty on |s_i - s_j| for a draw.", min=0.0)
     eta_lr: float = setting(
@@ -360,7 +359,7 @@ def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
     QualitySettings,
     build_model=build_model,
     default_per_device_bs=32,
-    lr=1e-4,
+    lr=1e-3,
     ref_bs=32,
     epochs=20,
     weight_decay=1e-5,
@@ -433,7 +432,7 @@ def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
         ],
         lr=args.lr,
     )
-    pairs = Pairs(train_records, train_images, annotators)
+    pairs = Pairs(train_records, train_images, annotators, seed=args.seed)
     train_loader = args.make_train_loader(pairs, plan)
     every_image = Images(names, ImageReader(image_dir, size, mean, std))  # scored each epoch
     image_loader = DataLoader(every_image, batch_size=64, num_workers=args.workers)

@@ -259,7 +259,7 @@ def crystal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def quality_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """160 rated images and 6 annotators (3 experts, casual, spammer, adversarial)."""
+    """320 rated surface patches and 6 annotators (3 experts, casual, spammer, adversarial)."""
     from recipes.quality.example import write_dataset
 
     return shared_dataset(tmp_path_factory, "quality", write_dataset)

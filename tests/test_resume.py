@@ -49,8 +49,9 @@ CASES = {
     # 15 steps per epoch (120 samples, --bs 8): killed 5 steps into the second epoch; the EMA of
     # the weights (the export) is restored too
     "pointcloud": (POINTCLOUD, "pointcloud_data", 20, 45, ["--epochs", "3", "--ema-decay", "0.9"]),
-    # 63 steps per epoch (2040 training comparisons, --batch-size 32), cut to 84 steps: killed 7
-    # steps into the second epoch; dropout stays on, so the restored RNG state is tested too
+    # 48 steps per epoch (1530 training comparisons, --batch-size 32), cut to 84 steps: killed 22
+    # steps into the second epoch; dropout and augmentation stay on, so the restored RNG state
+    # and the augmentation's per-pair draws are tested too
     "quality": (QUALITY, "quality_data", 70, 84, ["--epochs", "2", "--max-steps", "84"]),
     # 50 micro-batches of 16 per epoch (800 images), 4 per optimizer step, so windows run across
     # epoch ends: 37 steps in 3 epochs, killed 3 steps into the second epoch

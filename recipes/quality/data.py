@@ -327,16 +327,28 @@ class Images(Dataset):
 
 
 class Pairs(Dataset):
-    """Comparisons as (image i, image j, choice, annotator index), the images read from disk."""
+    """Comparisons as (image i, image j, choice, annotator index), the images read from disk.
 
-    def __init__(self, records: list, read: ImageReader, annotators: list[str]):
+    The augmentation's draws for an item depend only on (seed, epoch, item), as every random
+    sample in this project: the same on 1 or N processes, with any number of loader workers and
+    after a resume. torchvision's transforms draw from the global RNG, so it is seeded per item
+    and restored after (dropout draws from it too)."""
+
+    def __init__(self, records: list, read: ImageReader, annotators: list[str], seed: int = 0):
         self.read = read
         who = {name: k for k, name in enumerate(annotators)}
         self.rows = [(v.img1, v.img2, v.choice, who[v.annotator]) for v in records]
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by the training loop before each epoch
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int):
         a, b, choice, annotator = self.rows[item]
-        return self.read(a), self.read(b), torch.tensor(float(choice)), torch.tensor(annotator)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + item)
+            image_a, image_b = self.read(a), self.read(b)
+        return image_a, image_b, torch.tensor(float(choice)), torch.tensor(annotator)

@@ -1,21 +1,24 @@
 """The Crowd-BT recipe's synthetic example, written in the original project's layout (see
 recipes/quality/data.py): images, one <annotator>/comparison_data.json per annotator, truth.json.
 
-The images are degraded by a known amount (quality = 1 - degradation, mixing blur, noise and JPEG
-compression). Annotators answer correctly with their reliability eta: experts near 1, a casual one
-at 0.75, a spammer at 0.5 (coin flips) and an adversarial one at 0.1 (systematically reversed).
-Near-equal pairs are often called a draw.
+Like the original's data (patches of finished surfaces), each image is a surface patch: one
+colour, gentle shading, a fine even grain. Its quality is 1 - degradation, the degradation drawn
+as scratches, pits and coarse grain noise in proportion to a known amount. These survive the
+original's training augmentation (flips, rotation up to 15 degrees, colour jitter) by design:
+they do not depend on orientation, position, brightness or colour. Annotators answer correctly
+with their reliability eta: experts near 1, a casual one at 0.75, a spammer at 0.5 (coin flips)
+and an adversarial one at 0.1 (systematically reversed). Near-equal pairs are often called a
+draw.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageFilter
+from PIL import Image, ImageDraw
 
 from recipes.quality.data import ORIGINAL_FILE
 
@@ -29,40 +32,47 @@ ANNOTATORS = {
 }
 DRAW_GAP = 0.04  # pairs closer than this in quality are usually called a draw
 BATCH_SIZE = 50  # comparisons per annotation batch (the records' batch_number)
-GOLD = 40  # the first images are gold: category POS_0..POS_5 by quality (pair_type gold_gold)
+GOLD_SHARE = 0.25  # the first quarter are gold: category POS_0..POS_5 by quality (gold_gold)
 
 
-def scene(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A colourful textured scene: gratings plus blobs, values in [0, 1]."""
+def surface(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A clean surface patch: one colour, gentle shading in a random direction, a fine even
+    grain; values in [0, 1]."""
     y, x = np.mgrid[0:size, 0:size] / size
-    image = np.zeros((size, size, 3))
-    for _ in range(3):
-        angle, freq, phase = rng.uniform(0, np.pi), rng.uniform(2, 6), rng.uniform(0, 2 * np.pi)
-        wave = np.sin(2 * np.pi * freq * (x * np.cos(angle) + y * np.sin(angle)) + phase)
-        image += 0.25 * wave[..., None] * rng.uniform(0.2, 1.0, size=3)
-    for _ in range(4):
-        cx, cy, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.08, 0.25)
-        blob = ((x - cx) ** 2 + (y - cy) ** 2) < r**2
-        image[blob] = rng.uniform(0, 1, size=3)
-    return np.clip(image + 0.5, 0, 1)
+    angle = rng.uniform(0, 2 * np.pi)
+    shading = 0.08 * (np.cos(angle) * (x - 0.5) + np.sin(angle) * (y - 0.5))
+    grain = rng.normal(scale=0.02, size=(size, size, 1))
+    return np.clip(rng.uniform(0.25, 0.75, size=3) + shading[..., None] + grain, 0, 1)
 
 
 def degrade(image: np.ndarray, amount: float, rng: np.random.Generator) -> Image.Image:
-    """Blur, add noise and JPEG-compress in proportion to `amount` in [0, 1]."""
+    """Scratches (thin dark or light lines at any angle), pits (small dark spots) and coarse
+    grain noise, each in proportion to `amount` in [0, 1]."""
+    size = image.shape[0]
+    scale = size / 32  # the defects keep their share of the patch at any --size
     pil = Image.fromarray((image * 255).astype(np.uint8))
-    pil = pil.filter(ImageFilter.GaussianBlur(radius=1.5 * amount))
-    noisy = np.asarray(pil) / 255 + rng.normal(scale=0.15 * amount, size=image.shape)
-    pil = Image.fromarray((np.clip(noisy, 0, 1) * 255).astype(np.uint8))
-    buffer = io.BytesIO()
-    pil.save(buffer, format="JPEG", quality=int(95 - 85 * amount))
-    return Image.open(buffer).convert("RGB")
+    draw = ImageDraw.Draw(pil)
+    for _ in range(round(6 * amount)):
+        cx, cy = rng.uniform(0, size, size=2)
+        angle, half = rng.uniform(0, np.pi), rng.uniform(0.1, 0.3) * size
+        dx, dy = half * np.cos(angle), half * np.sin(angle)
+        low, high = (0, 60) if rng.uniform() < 0.5 else (200, 255)
+        colour = tuple(int(v) for v in rng.uniform(low, high, size=3))
+        draw.line([(cx - dx, cy - dy), (cx + dx, cy + dy)], fill=colour, width=round(scale))
+    for _ in range(round(8 * amount)):
+        cx, cy = rng.uniform(0, size, size=2)
+        radius = rng.uniform(0.5, 1.5) * scale
+        colour = tuple(int(v) for v in rng.uniform(0, 80, size=3))
+        draw.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=colour)
+    noisy = np.asarray(pil) / 255 + rng.normal(scale=0.2 * amount, size=image.shape)
+    return Image.fromarray((np.clip(noisy, 0, 1) * 255).astype(np.uint8))
 
 
 def write_dataset(
     out_dir: Path,
     *,
-    images: int = 160,
-    comparisons_per_annotator: int = 400,
+    images: int = 320,
+    comparisons_per_annotator: int = 300,
     size: int = 32,
     seed: int = 0,
 ) -> Path:
@@ -73,10 +83,11 @@ def write_dataset(
     clock_rng = np.random.default_rng([seed, 1])  # record metadata: the votes stay seed-stable
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     names, quality = [], {}
+    gold_count = round(GOLD_SHARE * images)
     for index in range(images):
         name = f"img_{index:03d}.png"
         amount = float(rng.uniform(0, 1))
-        degrade(scene(rng, size), amount, rng).save(out_dir / "images" / name)
+        degrade(surface(rng, size), amount, rng).save(out_dir / "images" / name)
         names.append(name)
         quality[name] = 1.0 - amount
     for annotator, eta in ANNOTATORS.items():
@@ -90,7 +101,10 @@ def write_dataset(
             else:
                 correct = rng.uniform() < eta
                 choice = "left" if left_better == correct else "right"
-            gold = [f"POS_{min(5, int(6 * quality[names[k]]))}" if k < GOLD else "" for k in (i, j)]
+            gold = [
+                f"POS_{min(5, int(6 * quality[names[k]]))}" if k < gold_count else ""
+                for k in (i, j)
+            ]
             kind = {2: "gold_gold", 1: "gold_real", 0: "real_real"}[sum(map(bool, gold))]
             time_taken = round(float(clock_rng.gamma(2.0, 1.5)) + 0.5, 2)
             clock += timedelta(seconds=time_taken + 0.3)
