@@ -77,7 +77,9 @@ class Schedule:
     """Warmup then decay, as a multiplier of the peak LR at each optimizer step.
 
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
-    per-step factor of exponential decay (1.0 keeps the LR constant after warmup). `onecycle`
+    per-step factor of exponential decay (1.0 keeps the LR constant after warmup).
+    `warmup_start` is the fraction of the peak that warmup rises from (torch's LinearLR
+    start_factor; 0 by default, onecycle's 1/25 when it is 0). `onecycle`
     follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the run when
     `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
     """
@@ -87,6 +89,7 @@ class Schedule:
     decay: Decay = Decay.constant
     min_lr_ratio: float = 0.0
     gamma: float = 1.0
+    warmup_start: float = 0.0
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -103,6 +106,10 @@ class Schedule:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"--gamma must be in (0, 1], got {self.gamma}")
+        if not 0.0 <= self.warmup_start <= 1.0:
+            raise ConfigError(
+                f"the warmup's start factor must be in [0, 1], got {self.warmup_start}"
+            )
 
     def multiplier(self, step: int) -> float:
         """Fraction of the peak LR used for optimizer step `step` (0-based)."""
@@ -111,7 +118,9 @@ class Schedule:
         if decay is Decay.onecycle and warmup == 0:
             warmup = max(1, int(0.3 * self.total_steps))
         if step < warmup:
-            start = 0.04 if decay is Decay.onecycle else 0.0  # OneCycleLR starts at peak / 25
+            start = self.warmup_start
+            if decay is Decay.onecycle and not start:
+                start = 0.04  # OneCycleLR starts at peak / 25
             return start + (1.0 - start) * (step + 1) / warmup
         if decay is Decay.constant:
             return 1.0
@@ -159,6 +168,7 @@ def make_lr_schedule(
     min_lr_ratio: float = 0.0,
     gamma: float = 1.0,
     max_steps: int = 0,
+    warmup_start: float = 0.0,
 ) -> LRSchedule:
     """Count the run's optimizer steps, scale `lr` to the global batch, build the schedule.
 
@@ -187,6 +197,7 @@ def make_lr_schedule(
         decay=decay,
         min_lr_ratio=min_lr_ratio,
         gamma=gamma,
+        warmup_start=warmup_start,
     )
     description = describe_lr(
         peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay

@@ -250,8 +250,10 @@ class TrainArgs(Settings):
         optimizer: torch.optim.Optimizer,
         plan: BatchPlan,
         steps_per_epoch: int,
+        warmup_start: float = 0.0,
     ) -> LRSchedule:
-        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
+        """--lr scaled to the global batch, warmup (rising from `warmup_start` x the peak) and
+        decay (lr.make_lr_schedule)."""
         return make_lr_schedule(
             accelerator,
             optimizer,
@@ -266,6 +268,7 @@ class TrainArgs(Settings):
             min_lr_ratio=self.min_lr_ratio,
             gamma=self.gamma,
             max_steps=self.max_steps,
+            warmup_start=warmup_start,
         )
 
     def make_loop(
