@@ -222,6 +222,7 @@ def load_checkpoint(
     plan: BatchPlan,
     *,
     identity: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
     adjustable: frozenset[str] = frozenset(),
     total_steps: int | None = None,
     data_dir: Path | None = None,
@@ -233,7 +234,9 @@ def load_checkpoint(
     Refused, with what differs: another global batch (the schedule and the resume position
     depend on it; the number of processes may change), a checkpoint past this run's last step
     (`total_steps`), another run's settings (`identity`: the settings that change the math), a
-    missing or truncated file, tensors whose shapes do not fit the model.
+    missing or truncated file, tensors whose shapes do not fit the model. A setting the
+    checkpoint does not record (added to the recipe after it was saved) counts as its value in
+    `defaults`: the run it continues ran that way.
     """
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())
@@ -265,6 +268,12 @@ def load_checkpoint(
     if identity is not None and "identity" in run:
         saved = {k: v for k, v in run["identity"].items() if k not in adjustable}
         current = {k: v for k, v in identity.items() if k not in adjustable}
+        added_since = object()  # a setting the checkpoint predates: it ran at the default
+        current = {
+            k: v
+            for k, v in current.items()
+            if k in saved or (defaults or {}).get(k, added_since) != v
+        }
         check_same_data(path, saved, current, data_dir)
         differences = describe_differences(saved, current, derived)
         if differences:

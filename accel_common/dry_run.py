@@ -106,6 +106,8 @@ def print_dry_run(
             plan.global_batch_size,
             args.warmup_steps,
             args.schedule,
+            args.hold_epochs,
+            args.decay_per_epoch,
         ),
         "epochs": f"{args.epochs}"
         + (f", at most {args.max_steps} steps" if args.max_steps else ""),

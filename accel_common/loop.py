@@ -29,7 +29,8 @@ optimizer step of the previous one:
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
-run stops after N epochs without improvement. Both decide from the value the main process holds,
+run stops after N epochs without improvement (with `min_epochs` M, not before epoch M + 1: the
+count may reach N earlier, the stop waits). Both decide from the value the main process holds,
 broadcast to all, so every process stops at the same epoch (none waits alone in a collective);
 a resumed run restores the best value and the count.
 
@@ -76,6 +77,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
     META_FILE,
@@ -96,6 +98,7 @@ from accel_common.console import format_metrics, print_banner, say
 from accel_common.data.files import folder_fingerprint
 from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
 from accel_common.lr import LRSchedule
+from accel_common.sync_wait import SyncWaitTimer, timing_requested
 from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
@@ -159,10 +162,14 @@ class TrainLoop:
         on_nonfinite: OnNonFinite | str = OnNonFinite.stop,
         monitor: str | None = None,
         patience: int = 0,
+        min_epochs: int = 0,
+        min_delta: float = 0.0,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         if patience and not monitor:
             raise ConfigError("TrainLoop: patience needs a metric to monitor")
-        self.monitor, self.patience = monitor, patience
+        self.monitor, self.patience, self.min_epochs = monitor, patience, min_epochs
+        self.min_delta = min_delta
         self.accelerator, self.plan, self.loader = accelerator, plan, loader
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
@@ -189,7 +196,17 @@ class TrainLoop:
         self._skip_step = False
         self._stop_signal: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
+        # a loader balanced by cost knows every process's cost per micro-step: logged as the
+        # step's imbalance, with no collective (balance.py)
+        self.balanced = find_balanced_sampler(loader) if plan.num_processes > 1 else None
+        self._window_costs: np.ndarray | None = None
+        self._imbalances: list[float] = []
+        # the benchmark's timing of the gradient all-reduce, attached to the model in
+        # clip_gradients (Accelerate does not keep the DDP wrapper it prepared)
+        timed = timing_requested() and accelerator.num_processes > 1
+        self.sync_timer = SyncWaitTimer() if timed else None
         self.adjustable, self.derived, self.data_dir = adjustable, derived, data_dir
+        self.defaults = defaults or {}  # the settings' declared defaults (checkpoint.py)
         # the data's content fingerprint: read by the main process (once: its per-file digests
         # are cached), the same for all
         fingerprint = None
@@ -309,6 +326,8 @@ class TrainLoop:
         taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
         gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
         Under fp16 the loss scaler makes that decision itself."""
+        if self.sync_timer is not None and not self.sync_timer.tried:
+            self.sync_timer.attach(model)  # times every later step (the first is never logged)
         if not self.accelerator.sync_gradients:
             return
         skip_mode = self.on_nonfinite is OnNonFinite.skip and self.accelerator.scaler is None
@@ -334,9 +353,20 @@ class TrainLoop:
         if not self._recorded:
             raise RuntimeError("TrainLoop: call loop.record(loss) once for every batch")
         self._recorded = False
-        self.progress.samples_in_epoch += self.plan.per_device_batch_size * self.plan.num_processes
+        micro_step_samples = self.plan.per_device_batch_size * self.plan.num_processes
+        self.progress.samples_in_epoch += micro_step_samples
+        if self.balanced is not None:
+            costs = self.balanced.rank_costs[
+                self.progress.samples_in_epoch // micro_step_samples - 1
+            ]
+            self._window_costs = costs if self._window_costs is None else self._window_costs + costs
         if not self.accelerator.sync_gradients:
             return False  # mid-accumulation: no optimizer step happened
+        if self._window_costs is not None:
+            self._imbalances.append(imbalance(self._window_costs))
+            self._window_costs = None
+        if self.sync_timer is not None:
+            self.sync_timer.take_step()
         skip_mode = self.on_nonfinite is OnNonFinite.skip and self.accelerator.scaler is None
         if skip_mode and self._flags is None:
             raise RuntimeError(
@@ -367,11 +397,31 @@ class TrainLoop:
             )
         if logged is not None:
             self._require_finite(logged)  # every process sees the same reduced value
+            self._log_balance()
         if stop_signals and not self.done:
             self._preempted()
         if self.save_every and self.progress.step % self.save_every == 0 and not self.done:
             self.save()  # the final save comes from finish()
         return self.done
+
+    def _log_balance(self) -> None:
+        """On a logging step: the imbalance of the steps since the last (mean and max over
+        steps) and, when timed, the mean all-reduce wait per step of the process that waited
+        least (the communication) and most (plus waiting for the slowest)."""
+        record = {}
+        if self._imbalances:
+            record["train/rank_imbalance"] = float(np.mean(self._imbalances))
+            record["train/rank_imbalance_max"] = max(self._imbalances)
+            self._imbalances = []
+        if self.sync_timer is not None and self.sync_timer.attached:
+            mine = torch.tensor([self.sync_timer.take_mean_ms()], device=self.accelerator.device)
+            waits = self.accelerator.gather(mine).tolist()
+            record["train/sync_wait_ms_min"], record["train/sync_wait_ms_max"] = (
+                min(waits),
+                max(waits),
+            )
+        if record:
+            self.accelerator.log(record, step=self.step)
 
     def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
         """(processes with a non-finite loss or gradient norm in this optimizer step, processes
@@ -494,13 +544,19 @@ class TrainLoop:
         # the main process's value decides for all: no process can stop alone
         value = float(broadcast_object_list([self.metrics[self.monitor]])[0])
         progress = self.progress
+        # any lower value is the best model; only one lower by more than min_delta resets the
+        # patience count (as the cricket original's trainer: a tiny gain does not keep it going)
+        significant = progress.best is None or value < progress.best - self.min_delta
         if progress.best is None or value < progress.best:
-            progress.best, progress.bad_epochs = value, 0
+            progress.best = value
             progress.best_metrics = {**self.metrics, "best_epoch": self._epoch_number}
             self._export(model, self.output_dir / BEST_DIR, progress.best_metrics)
+        if significant:
+            progress.bad_epochs = 0
             return
         progress.bad_epochs += 1
-        if self.patience and progress.bad_epochs >= self.patience:
+        patient = progress.bad_epochs < self.patience or self._epoch_number <= self.min_epochs
+        if self.patience and not patient:
             progress.stopped = True
             say(
                 self.accelerator,
@@ -606,6 +662,7 @@ class TrainLoop:
             path,
             self.plan,
             identity=self.identity,
+            defaults=self.defaults,
             adjustable=self.adjustable,
             total_steps=self.total_steps,
             data_dir=self.data_dir,

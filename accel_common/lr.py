@@ -4,12 +4,13 @@ Scaling: an LR tuned at a reference global batch (`--ref-bs`) is carried to the 
 batch by a rule: `none` keeps it, `linear` multiplies by the batch ratio (Goyal et al.), `sqrt` by
 its square root (gentler, often better for Adam).
 
-Schedules: the multiplier is a pure function of the optimizer step (one step = one update after
-gradient accumulation). Accelerate's prepared scheduler, by default, calls `step()` once per process
-on every optimizer step, so that a schedule written in single-process steps runs `num_processes`
-times faster. Recipes instead build their `Accelerator` with `step_scheduler_with_optimizer=False`
-and call `scheduler.step()` once per optimizer step (when `accelerator.sync_gradients` is true):
-the LR at step k is then the same on 1 process or 64, and checkpoint resume restores it exactly.
+Schedules: warmup, an optional hold at the peak, then decay; the multiplier is a pure function of
+the optimizer step (one step = one update after gradient accumulation). Accelerate's prepared
+scheduler, by default, calls `step()` once per process on every optimizer step, so that a
+schedule written in single-process steps runs `num_processes` times faster. Recipes instead build
+their `Accelerator` with `step_scheduler_with_optimizer=False` and call `scheduler.step()` once per
+optimizer step (when `accelerator.sync_gradients` is true): the LR at step k is then the same on 1
+process or 64, and checkpoint resume restores it exactly.
 """
 
 from __future__ import annotations
@@ -61,21 +62,30 @@ def describe_lr(
     global_batch_size: int,
     warmup_steps: int,
     decay: Decay,
+    hold_epochs: int = 0,
+    decay_per_epoch: bool = False,
 ) -> str:
     """The banner's LR line: the peak, where it came from, and the schedule's shape."""
     warmup = f"{warmup_steps} warmup steps"
     if Decay(decay) is Decay.onecycle and warmup_steps == 0:
         warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
+    if hold_epochs:
+        warmup += f", {hold_epochs} epochs at the peak"
+    per_epoch = " per epoch" if decay_per_epoch else ""
     return (
         f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
         f"scaling to global batch {global_batch_size}); {warmup}, then {Decay(decay).value}"
+        f"{per_epoch}"
     )
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Warmup then decay, as a multiplier of the peak LR at each optimizer step.
+    """Warmup, hold, then decay, as a multiplier of the peak LR at each optimizer step.
 
+    `hold_steps` keep the peak LR after the warmup before the decay starts (the decay then spans
+    the remaining steps). `decay_every` > 1 advances the decay only every that many steps (one
+    epoch's: a torch scheduler stepped after each epoch, as cricketmodel's CosineAnnealingLR).
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
     per-step factor of exponential decay (1.0 keeps the LR constant after warmup).
     `warmup_start` is the fraction of the peak that warmup rises from (torch's LinearLR
@@ -89,6 +99,8 @@ class Schedule:
     decay: Decay = Decay.constant
     min_lr_ratio: float = 0.0
     gamma: float = 1.0
+    hold_steps: int = 0
+    decay_every: int = 1
     warmup_start: float = 0.0
 
     def __post_init__(self) -> None:
@@ -102,6 +114,14 @@ class Schedule:
                 f"--warmup-steps must be between 0 and the run's {self.total_steps} optimizer "
                 f"steps, got {self.warmup_steps}"
             )
+        if not 0 <= self.hold_steps <= self.total_steps - self.warmup_steps:
+            raise ConfigError(
+                f"--hold-epochs: its {self.hold_steps} steps at the peak LR and the "
+                f"{self.warmup_steps} warmup steps exceed the run's {self.total_steps} optimizer "
+                "steps; hold fewer epochs or train more"
+            )
+        if self.decay_every < 1:
+            raise ConfigError(f"the decay's period must be 1 step or more, got {self.decay_every}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.gamma <= 1.0:
@@ -118,15 +138,17 @@ class Schedule:
         if decay is Decay.onecycle and warmup == 0:
             warmup = max(1, int(0.3 * self.total_steps))
         if step < warmup:
-            start = self.warmup_start
-            if decay is Decay.onecycle and not start:
-                start = 0.04  # OneCycleLR starts at peak / 25
-            return start + (1.0 - start) * (step + 1) / warmup
-        if decay is Decay.constant:
+            rise_from = self.warmup_start
+            if decay is Decay.onecycle and not rise_from:
+                rise_from = 0.04  # OneCycleLR starts at peak / 25
+            return rise_from + (1.0 - rise_from) * (step + 1) / warmup
+        start = warmup + self.hold_steps
+        if decay is Decay.constant or step < start:
             return 1.0
+        since = (step - start) // self.decay_every * self.decay_every
         if decay is Decay.exponential:
-            return self.gamma ** (step - warmup)
-        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+            return self.gamma**since
+        progress = min(1.0, since / max(1, self.total_steps - start))
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
@@ -168,14 +190,17 @@ def make_lr_schedule(
     min_lr_ratio: float = 0.0,
     gamma: float = 1.0,
     max_steps: int = 0,
+    hold_epochs: int = 0,
+    decay_per_epoch: bool = False,
     warmup_start: float = 0.0,
 ) -> LRSchedule:
     """Count the run's optimizer steps, scale `lr` to the global batch, build the schedule.
 
     `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
-    `max_steps` > 0 caps the run. A parameter group with an `lr_scale` entry gets that multiple
-    of the peak LR. The scheduler is registered for checkpointing, not prepared (see the module
-    docstring for why).
+    `max_steps` > 0 caps the run. `hold_epochs` keep the peak LR after the warmup;
+    `decay_per_epoch` changes the LR only at epoch boundaries. A parameter group with an
+    `lr_scale` entry gets that multiple of the peak LR. The scheduler is registered for
+    checkpointing, not prepared (see the module docstring for why).
     """
     total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
     if total_steps < 1:
@@ -188,20 +213,28 @@ def make_lr_schedule(
         )
     if max_steps:
         total_steps = min(total_steps, max_steps)
+    warmup_steps = min(warmup_steps, total_steps)  # a short (--max-steps) run still works
+    epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch
+    hold_steps = min(
+        hold_epochs * steps_per_epoch // plan.grad_accum_steps, total_steps - warmup_steps
+    )
     peak = scale_lr(lr, ref_bs, plan.global_batch_size, scaling)
     for group in optimizer.param_groups:
         group["lr"] = peak * group.get("lr_scale", 1.0)
     schedule = Schedule(
         total_steps=total_steps,
-        warmup_steps=min(warmup_steps, total_steps),  # a short (--max-steps) run still works
+        warmup_steps=warmup_steps,
         decay=decay,
         min_lr_ratio=min_lr_ratio,
         gamma=gamma,
+        hold_steps=hold_steps,
+        decay_every=epoch_steps if decay_per_epoch else 1,
         warmup_start=warmup_start,
     )
     description = describe_lr(
-        peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay
-    )
+        peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay,
+        hold_epochs, decay_per_epoch,
+    )  # fmt: skip
     scheduler = build_scheduler(optimizer, schedule)
     accelerator.register_for_checkpointing(scheduler)
     return LRSchedule(scheduler, total_steps, description)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -122,6 +122,14 @@ class TrainArgs(Settings):
         0.0, "Floor of cosine decay, as a fraction of the peak LR.", min=0, max=1
     )
     gamma: float = setting(1.0, "Per-step factor of exponential decay.", above=0, max=1)
+    hold_epochs: int = setting(
+        0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0
+    )
+    decay_per_epoch: bool = setting(
+        False,
+        "Change the LR only at epoch boundaries, as a torch scheduler stepped after each epoch "
+        "(else at every optimizer step).",
+    )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
     )
@@ -233,15 +241,22 @@ class TrainArgs(Settings):
         )
 
     def make_train_loader(
-        self, dataset: Dataset, plan: BatchPlan, collate_fn: Callable | None = None
+        self,
+        dataset: Dataset,
+        plan: BatchPlan,
+        collate_fn: Callable | None = None,
+        costs: Sequence[float] | None = None,
     ) -> DataLoader:
-        """The shuffled, drop-last training loader (runtime.make_train_loader)."""
+        """The shuffled, drop-last training loader (runtime.make_train_loader); with `costs`
+        (one per item), each step's items balanced over processes by cost."""
         return runtime.make_train_loader(
             dataset,
             plan.per_device_batch_size,
             seed=self.seed,
             workers=self.workers,
             collate_fn=collate_fn,
+            costs=costs,
+            plan=plan,
         )
 
     def make_lr_schedule(
@@ -268,6 +283,8 @@ class TrainArgs(Settings):
             min_lr_ratio=self.min_lr_ratio,
             gamma=self.gamma,
             max_steps=self.max_steps,
+            hold_epochs=self.hold_epochs,
+            decay_per_epoch=self.decay_per_epoch,
             warmup_start=warmup_start,
         )
 
@@ -284,12 +301,16 @@ class TrainArgs(Settings):
         config: dict[str, Any] | None = None,
         monitor: str | None = None,
         patience: int = 0,
+        min_epochs: int = 0,
+        min_delta: float = 0.0,
     ) -> TrainLoop:
         """The run's TrainLoop (loop.TrainLoop). `settings` are the workload's own, `derived`
         what the run computed from its data that single-device commands need too (a target's
         mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
         the checkpoints and the export, and is the run's identity but for the adjustable
-        settings. `monitor` and `patience` keep the best epoch's model and stop early."""
+        settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
+        epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
+        `min_delta`."""
         own = settings.as_config() if settings is not None else {}
         adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
         return TrainLoop(
@@ -301,6 +322,10 @@ class TrainArgs(Settings):
             config={**self.as_config(), **own, **(derived or {}), **(config or {})},
             adjustable=frozenset(adjustable),
             derived=frozenset(derived or {}),
+            defaults={
+                **self.default_config(),
+                **(settings.default_config() if settings is not None else {}),
+            },
             output_dir=self.output_dir,
             resume=self.resume,
             overwrite=self.overwrite,
@@ -315,6 +340,8 @@ class TrainArgs(Settings):
             on_nonfinite=self.on_nonfinite,
             monitor=monitor,
             patience=patience,
+            min_epochs=min_epochs,
+            min_delta=min_delta,
         )
 
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader, Dataset
 
+from accel_common.balance import BalancedBatchSampler
 from accel_common.batching import BatchPlan, plan_batch
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
@@ -320,6 +321,8 @@ def make_train_loader(
     seed: int = 0,
     workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    costs: Sequence[float] | None = None,
+    plan: BatchPlan | None = None,
 ) -> DataLoader:
     """The training DataLoader every recipe needs, before `prepare`; `batch_size` is the plan's
     per-device batch.
@@ -328,17 +331,20 @@ def make_train_loader(
     - the shuffle order depends only on (seed, epoch): 1 or N processes see the same global
       batches, and a resumed run the same order;
     - its own generator: creating a loader iterator draws a seed, and drawing it from the global
-      RNG would shift dropout masks after a resume (which restores that RNG).
+      RNG would shift dropout masks after a resume (which restores that RNG);
+    - with `costs` (one per item: atoms, edges, tokens) and the `plan`, the items of each
+      optimizer step are spread over processes and accumulation steps so that the costs are
+      balanced (balance.BalancedBatchSampler): the same global batches, less waiting.
     """
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=EpochShuffleSampler(len(dataset), seed),
-        drop_last=True,
-        num_workers=workers,
-        collate_fn=collate_fn,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(seed)
+    common = {"num_workers": workers, "collate_fn": collate_fn, "generator": generator}
+    if costs is None:
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
+    if plan is None or plan.per_device_batch_size != batch_size:
+        raise ValueError("make_train_loader: costs need the plan whose per-device batch this is")
+    batches = BalancedBatchSampler(sampler, costs, plan)
+    return DataLoader(dataset, batch_sampler=batches, **common)
 
 
 def example_data_dir(workload: str) -> Path:

@@ -129,6 +129,18 @@ class Settings:
         return out
 
     @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """The declared defaults as `as_config` writes them: a checkpoint saved before a setting
+        existed ran as its default, so a resume compares the missing value to this."""
+        out = {}
+        for f in fields(cls):
+            value = f.default
+            out[f.name] = value.value if isinstance(value, Enum) else value
+            if isinstance(value, Path):
+                out[f.name] = str(value)
+        return out
+
+    @classmethod
     def from_config(cls: type[S], config: dict[str, Any], **overrides: Any) -> S:
         """These settings from a recorded config (an export's, a checkpoint's); keys of other
         settings are ignored, missing ones take their defaults."""

@@ -182,7 +182,8 @@ def train(args: TrainArgs, settings: CaptioningSettings) -> dict[str, float]:
         test_set, *_ = prepare_split(test_folder, test_records, tokenizer, size, max_tokens)
     how = "read from the cache" if cached else "decoded and cached"
     accelerator.print(f"{len(train_set)} training images {how} in {seconds:.2f}s")
-    counts = np.bincount(np.concatenate([t[1:].numpy() for t in train_set["tokens"]]))
+    captions = train_set["tokens"]
+    counts = np.bincount(np.concatenate([t[1:].numpy() for t in captions]))
     majority = int(counts.argmax())
 
     # what `caption` needs besides the settings: the vocabulary's size and its [BOS]/[EOS] ids
@@ -191,7 +192,9 @@ def train(args: TrainArgs, settings: CaptioningSettings) -> dict[str, float]:
     model = Captioner(derived["vocab_size"], **settings.network())
     # Adam with L2 weight decay, as the original (not AdamW's decoupled decay)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
+    # each step's captions spread over the processes by their token count
+    tokens = [len(t) for t in captions]
+    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate, costs=tokens)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size, collate_fn=collate)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader

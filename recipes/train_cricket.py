@@ -42,10 +42,11 @@ import torch
 import torch.nn.functional as F
 import typer
 from accelerate import Accelerator, DistributedDataParallelKwargs
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import load_for_inference, read_recipe_export
+from accel_common.checkpoint import load_for_inference, read_recipe_export, require_same_tensors
 from accel_common.console import say
 from accel_common.data.cache import list_column
 from accel_common.errors import ConfigError, DataError
@@ -64,8 +65,11 @@ from recipes.cricket.data import (
     NotAMatch,
     PhaseBaseline,
     innings_features,
+    keyed_by_registry,
     load_innings,
+    match_registries,
     parse_match,
+    vocab_sizes,
 )
 from recipes.cricket.example import example_vocab_sizes, write_dataset
 from recipes.cricket.model import MODELS, CricketHeteroGNN, CricketHeteroGNNFull
@@ -116,6 +120,12 @@ class CricketSettings(Settings):
         "Count a retired-hurt or retired-not-out batter as a wicket in the features, as the "
         "original does (--no-retired-is-wicket: not, as the batter may come back).",
     )
+    unknown_player_team: bool = setting(
+        False,
+        "Give a player outside the vocabulary the fallback embedding of the team they play for "
+        "in this match (the original: none, team 0, with role 0: its vocabulary holds every "
+        "player it knows a team of).",
+    )
     model: str = setting(
         "CricketHeteroGNN",
         "cricketmodel's network: CricketHeteroGNN (its train.py default) or CricketHeteroGNNFull "
@@ -142,6 +152,26 @@ class CricketSettings(Settings):
         min=0,
         adjustable=True,
     )
+    min_epochs: int = setting(
+        0,
+        "Early stopping may stop only after more than this many epochs (the original's "
+        "--min-epochs, 15: from epoch 16 on).",
+        min=0,
+        adjustable=True,
+    )
+    min_delta: float = setting(
+        1e-4,
+        "An epoch resets the patience count only when its val MAE is lower by more than this "
+        "(runs; the original's min_delta); the best model is kept on any lower MAE.",
+        min=0,
+        adjustable=True,
+    )
+    init_from: Path | None = setting(
+        None,
+        "Start from the weights of an export (fine-tuning): this recipe's, or one converted "
+        "from cricketmodel's checkpoint with `accel-recipes convert --from cricketmodel`; loaded "
+        "strictly, with the vocabulary beside it (vocab.json) in place of --min-matches'.",
+    )
     graph_cache_dir: Path | None = setting(
         None,
         "Folder of the preprocessing cache (default: under the datasets cache).",
@@ -165,6 +195,31 @@ def network(
         with torch.no_grad():
             model.score_head[-1].bias.fill_(mean)
     return model
+
+
+def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """--init-from: an export's weights and the vocabulary its embeddings were trained with."""
+    weights = export / "model.safetensors" if export.is_dir() else export
+    vocab_path = weights.parent / VOCAB_FILE
+    if not weights.is_file():
+        raise ConfigError(f"--init-from {export}: no exported model at {weights}")
+    if not vocab_path.is_file():
+        raise ConfigError(
+            f"--init-from {export}: no {VOCAB_FILE} beside it (the vocabulary its embeddings "
+            "were trained with); convert cricketmodel's checkpoint with its entity_mapper.pkl "
+            "beside it, or use an export of train"
+        )
+    return load_file(str(weights)), json.loads(vocab_path.read_text())
+
+
+def start_from(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -> None:
+    """Load `state` strictly, or stop with one line naming the first tensor that differs."""
+    where = (
+        f"--init-from {export}: not this network (--model, --hidden, --layers and --heads must "
+        "be the export's)"
+    )
+    require_same_tensors(state, model.state_dict(), where)
+    model.load_state_dict(state, strict=True)
 
 
 def build_model(args: TrainArgs, settings: CricketSettings) -> nn.Module:
@@ -216,10 +271,14 @@ def evaluate(
 
 
 def prepare_data(
-    accelerator: Accelerator, args: TrainArgs, settings: CricketSettings
+    accelerator: Accelerator,
+    args: TrainArgs,
+    settings: CricketSettings,
+    vocab: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """The innings table, built by the main process first (the others read its cache), and a
-    one-line summary of what was read and skipped."""
+    one-line summary of what was read and skipped. `vocab`: a model's to fine-tune, instead of
+    the training split's."""
     folder = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     with accelerator.main_process_first():
         rows, info = load_innings(
@@ -233,6 +292,7 @@ def prepare_data(
             workers=args.workers,
             cache_dir=settings.graph_cache_dir,
             retired_is_wicket=settings.retired_is_wicket,
+            vocab=vocab,
         )
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
@@ -269,21 +329,34 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     accelerator, plan = args.make_accelerator(
         [DistributedDataParallelKwargs(find_unused_parameters=True)]
     )
-    rows, info = prepare_data(accelerator, args, settings)
+    start = read_start(settings.init_from) if settings.init_from is not None else None
+    rows, info = prepare_data(accelerator, args, settings, start[1] if start else None)
     deliveries = Deliveries(rows, target=settings.target)
     used = deliveries.rank % settings.sample_every == 0
     train = used & (deliveries.split == 0)
     y_train = deliveries.y[train]
     baseline = PhaseBaseline.fit(deliveries.over[train], deliveries.wickets[train], y_train)
     train_set, val_set, test_set = (
-        CricketGraphs(deliveries, used & (deliveries.split == k), settings.history, baseline)
+        CricketGraphs(
+            deliveries,
+            used & (deliveries.split == k),
+            settings.history,
+            baseline,
+            settings.unknown_player_team,
+        )
         for k in range(3)
     )
-    vocab_sizes = {k: len(v) for k, v in info["vocab"].items()}
+    sizes = vocab_sizes(info["vocab"])
     std = float(y_train.std() or 1.0)
-    model = network(settings, vocab_sizes, baseline.mean)
+    model = network(settings, sizes, baseline.mean)
+    if start is not None:  # fine-tuning: before the optimizer and DDP see the weights
+        start_from(model, start[0], settings.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    loaders = [args.make_train_loader(train_set, plan, collate_fn=train_set.collate)]
+    # each step's deliveries spread over the processes by the nodes of their graphs (the
+    # history's ball nodes vary, one node of every other type)
+    nodes = np.minimum(deliveries.pos[train_set.index], settings.history)
+    nodes += len(train_set.graph(0).node_types) - 1
+    loaders = [args.make_train_loader(train_set, plan, train_set.collate, costs=nodes)]
     loaders += [
         DataLoader(s, plan.per_device_batch_size, collate_fn=s.collate) for s in (val_set, test_set)
     ]
@@ -292,11 +365,13 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     # what predict needs besides the settings: vocabulary sizes, target statistics, baseline
-    derived = {"vocab_sizes": vocab_sizes, "mean": baseline.mean, "std": std}
+    derived = {"vocab_sizes": sizes, "mean": baseline.mean, "std": std}
     derived["baseline"] = baseline.table.tolist()
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
         derived=derived, monitor="val_mae", patience=settings.patience,
+        min_epochs=settings.min_epochs,
+        min_delta=settings.min_delta,
     )  # fmt: skip
 
     for _epoch in loop.epochs():
@@ -316,7 +391,8 @@ def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
         loop.end_epoch(metrics, model)
     metrics = loop.finish(model)
     if accelerator.is_main_process:  # predict maps names with the training vocabulary
-        (args.output_dir / "model" / VOCAB_FILE).write_text(json.dumps(info["vocab"]))
+        vocab = start[1] if start else info["vocab"]  # a fine-tuned model keeps its own
+        (args.output_dir / "model" / VOCAB_FILE).write_text(json.dumps(vocab))
     return metrics
 
 
@@ -334,7 +410,10 @@ def predict(
     require_new_file(out)
     vocab_path = model_dir / VOCAB_FILE
     if not vocab_path.is_file():
-        raise DataError(f"{vocab_path}: missing; export the model again with train")
+        raise DataError(
+            f"{vocab_path}: missing; export the model again with train, or convert the original's "
+            "checkpoint with its entity_mapper.pkl beside it"
+        )
     vocab = json.loads(vocab_path.read_text())
     model = network(settings, config["vocab_sizes"])
     device = load_for_inference(model_dir, model)
@@ -347,6 +426,8 @@ def predict(
     records = [r for r in records if r["status"] == "ok"]
     if not records:
         raise DataError(f"{match}: no innings to predict (other match type, or no result)")
+    # a converted original's vocabulary names players; this recipe keys them by registry id
+    vocab = keyed_by_registry(vocab, match_registries([match]))
     table = datasets.Dataset.from_list([
         {"file": match.name, "innings": r["innings"], "split": 0}
         | innings_features(r, vocab, settings.retired_is_wicket) for r in records
@@ -354,7 +435,9 @@ def predict(
     deliveries = Deliveries(table, target=settings.target)
     baseline = PhaseBaseline(config["baseline"], config["mean"])
     everything = np.ones(len(deliveries.row), dtype=bool)
-    graphs = CricketGraphs(deliveries, everything, settings.history, baseline)
+    graphs = CricketGraphs(
+        deliveries, everything, settings.history, baseline, settings.unknown_player_team
+    )
     loader = DataLoader(graphs, batch_size=256, collate_fn=graphs.collate)
     predictions = []
     with torch.no_grad():
@@ -369,7 +452,7 @@ def predict(
         for k, pred in enumerate(predictions):
             innings, balls = records[deliveries.row[k]]["innings"], int(legal[k])
             over_ball = f"{balls // 6}.{balls % 6 + 1}"
-            writer.writerow([innings, over_ball, score[k], f"{pred:.2f}", f"{deliveries.y[k]:g}"])
+            writer.writerow([innings, over_ball, score[k], f"{pred:.4f}", f"{deliveries.y[k]:g}"])
     print(f"wrote {out}: {len(predictions)} deliveries")
 
 

@@ -1,4 +1,4 @@
-"""Crystal property prediction with a graph transformer (iComformer on periodic k-NN graphs).
+"""Crystal property prediction with a graph transformer (ComFormer on periodic k-NN graphs).
 
 Each structure of an extended XYZ file becomes the original ComFormer's graph: atoms are nodes,
 each linked both ways to its `--max-neighbors` nearest neighbours (ties kept; periodic images
@@ -6,8 +6,10 @@ included) and to its own images along three lattice vectors. The network is the 
 iComformer layer for layer (recipes/crystal/model.py): CGCNN atom features, graph-transformer
 convolutions (query/key/value/edge projections, BatchNorm-gated messages), one edge update
 attending over the lattice vectors after the first, mean pooling and an MLP to one number per
-structure. `accel-recipes convert --from comformer best_model.pt OUT` imports the original's
-checkpoints (recipes/crystal/convert.py).
+structure; `--model eComformer` is its equivariant variant (e3nn tensor products of the nodes
+with the edge vectors' spherical harmonics in place of the edge update). `accel-recipes convert
+--from comformer best_model.pt OUT` imports the original's checkpoints of either
+(recipes/crystal/convert.py).
 
     python recipes/train_crystal.py                                   # EMT-labelled example
     python recipes/train_crystal.py --data structures.extxyz --target formation_energy_per_atom
@@ -57,6 +59,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.batching import total_optimizer_steps
 from accel_common.checkpoint import load_exported, load_for_inference, read_recipe_export
+from accel_common.data.cache import list_lengths
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
@@ -75,7 +78,7 @@ from recipes.crystal.data import (
     target_value,
 )
 from recipes.crystal.example import write_dataset
-from recipes.crystal.model import VARIANTS, Comformer
+from recipes.crystal.model import VARIANTS, Comformer, EComformer, build_network
 
 RECIPE = "crystal"
 
@@ -104,7 +107,9 @@ class CrystalSettings(Settings):
     test_ratio: float = setting(0.1, "Share for testing.", min=0.01, max=0.98)
     split_seed: int = setting(123, "Seed of the train/val/test split.")
     model: str = setting(
-        "iComformer", "The original's network: iComformer (eComformer: not yet built here)."
+        "iComformer",
+        "The original's network: iComformer, or eComformer (equivariant, e3nn; its preset: "
+        "configs/original_ecomformer.yaml, 3 layers).",
     )
     width: int = setting(16, "Node and edge feature width: node_features (256).", min=8)
     layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
@@ -113,7 +118,10 @@ class CrystalSettings(Settings):
         64, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
     )
     angle_bins: int = setting(
-        64, "RBF centres of the edge-lattice cosines: triplet_input_features (256).", min=2
+        64,
+        "RBF centres of the edge-lattice cosines: triplet_input_features (256; unused by "
+        "eComformer, as there).",
+        min=2,
     )
     fc_features: int = setting(16, "Width of the MLP after pooling: fc_features (256).", min=1)
     init_from: Path | None = setting(
@@ -166,9 +174,10 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer:
+def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer | EComformer:
     """The network the settings describe; it needs no data, so --dry-run builds the same one."""
-    return Comformer(
+    return build_network(
+        settings.model,
         settings.width,
         settings.layers,
         settings.heads,
@@ -222,7 +231,10 @@ def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
     groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     collate = Collater(train_set)
-    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate)
+    # each step's structures spread over the processes by their edge count (the convolutions'
+    # work), so that no process waits for one holding the largest structures
+    edges = list_lengths(rows.select(parts[0]), "source")
+    train_loader = args.make_train_loader(train_set, plan, collate_fn=collate, costs=edges)
     val_loader, test_loader = (
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)

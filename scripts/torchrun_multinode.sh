@@ -9,7 +9,12 @@
 # before the arguments); RDZV_ID (default accel-recipes, the same on every node); TORCHRUN (the
 # binary); ACCELERATE_MIXED_PRECISION (default bf16, as in accelerate_configs/; a recipe's
 # --mixed-precision flag overrides it); MAX_RESTARTS (default 0: how often torchrun restarts the
-# workers after a rank dies; they continue from the newest complete checkpoint by themselves).
+# workers after a rank dies; they continue from the newest complete checkpoint by themselves);
+# ACCEL_RECIPES (default: the venv's accel-recipes, else PATH's).
+#
+# torchrun runs under `accel-recipes launch`, which turns a worker's error into one line with its
+# exit code, and a preemption (SIGUSR1/SIGTERM; the workers save and stop) into exit code 75: a
+# bare torchrun exits 1 for both, so a scheduler could not tell "requeue me" from a failure.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/common.sh
@@ -42,4 +47,4 @@ cmd=(
   "$RECIPE_SCRIPT" "${recipe_args[@]}" "$@"
 )
 echo "[node $NODE_RANK of $NNODES, $(hostname)] $(printf '%q ' "${cmd[@]}")"
-exec "${cmd[@]}"
+exec "$(resolve_bin ACCEL_RECIPES accel-recipes)" launch -- "${cmd[@]}"

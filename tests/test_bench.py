@@ -29,9 +29,15 @@ def test_bench_writes_its_section_and_plot(tmp_path):
 
     rows = [line for line in text.splitlines() if line.startswith(("| DDP", "| template"))]
     assert len(rows) == 2
+    header = next(line for line in text.splitlines() if line.startswith("| run |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
     for row in rows:
-        rates = [float(cell) for cell in row.split(" | ")[3:5]]
-        assert all(rate > 0 for rate in rates)
+        cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|")), strict=True))
+        assert float(cells["samples/s at 1"]) > 0 and float(cells["samples/s at 2"]) > 0
+        assert cells["imbalance 2"] == "-"  # fixed-size items: nothing to balance, not logged
+        # the all-reduce of both runs is timed: the least waiting process waits no longer
+        least, most = (float(v) for v in cells["wait ms 2 [least, most]"].split(", "))
+        assert 0 < least <= most < float(cells["step ms 2"])
     assert re.search(r"\| template .*\| (met|\*\*missed\*\*.*) \|$", rows[1])
     assert plot.read_bytes().startswith(b"\x89PNG")
     bench.write_section(out, text)  # a rerun replaces the section instead of adding another
@@ -49,6 +55,34 @@ def test_independent_runs_are_a_ceiling_without_a_target():
     rows = bench.table(results, [1, 2])[-2:]
     assert rows[0].startswith("| template |") and not rows[0].endswith("| - |")
     assert rows[1].startswith("| template, independent runs |") and rows[1].endswith("| - |")
+
+
+def test_the_table_shows_imbalance_and_waits_where_logged(tmp_path):
+    """A launch's imbalance and waits come from its metrics log, first window dropped; the
+    table shows the medians over repeats, and '-' where a run logged none."""
+    records = [{"config": {"global_batch_size": 32}}]
+    for step, (rate, imbalance, least, most) in enumerate(
+        [(1.0, 9.0, 90.0, 99.0), (100.0, 1.02, 2.0, 6.0), (100.0, 1.04, 4.0, 10.0)]
+    ):
+        records.append({"step": step, "train/samples_per_s": rate})
+        records.append(
+            {"step": step, "train/rank_imbalance": imbalance, "train/sync_wait_ms_min": least,
+             "train/sync_wait_ms_max": most}
+        )  # fmt: skip
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    launch = bench.read_launch(log)
+    assert launch.rate == pytest.approx(100.0)
+    assert launch.step_ms == pytest.approx(320.0)  # 32 samples at 100 samples/s
+    assert launch.imbalance == pytest.approx(1.03)
+    assert launch.wait_ms == pytest.approx((3.0, 8.0))
+    case = tiny(next(case for case in bench.CASES if case.name == "template"))
+    result = bench.Result(case, {1: [50.0], 2: [100.0]})
+    result.launches = {1: [bench.Launch(50.0)], 2: [launch]}
+    assert bench.table([result], [1, 2])[-1].endswith("| 1.030 | 320.0 | 3.0, 8.0 | met |")
+    assert bench.table([bench.Result(case, {1: [50.0], 2: [100.0]})], [1, 2])[-1].endswith(
+        "| - | - | - | met |"
+    )
 
 
 def test_steady_rate_drops_the_warm_up_window(tmp_path):

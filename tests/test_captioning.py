@@ -109,6 +109,12 @@ def test_two_processes_with_accumulation_equal_one_process_over_varying_caption_
     )
     assert metrics_log(two)[0]["config"]["num_processes"] == 2
     assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
+    # the captions were balanced by token count over the 2 x 2 micro-batches of every step: no
+    # process's tokens more than the longest caption (10 of ~64 per slot) above the mean
+    imbalances = [
+        r["train/rank_imbalance"] for r in metrics_log(two) if "train/rank_imbalance" in r
+    ]
+    assert len(imbalances) == 20 and all(1 <= i <= 1 + 10 / 48 for i in imbalances)
     final = [
         json.loads((run / "model" / "model.json").read_text())["metrics"] for run in (one, two)
     ]

@@ -404,9 +404,34 @@ def test_a_preempted_job_is_requeued_when_slurm_signals_its_steps(tmp_path, fake
 # torchrun without SLURM
 
 
+# this project's own `accel-recipes` (the launch wrapper itself is what the script relies on)
+REAL_WRAPPER = str(Path(sys.executable).parent / "accel-recipes")
+
+# a torchrun whose workers were preempted: a worker reported it, then the agent exits 1
+FAKE_PREEMPTED_TORCHRUN = """
+import sys
+print("preempted (rank 0): step 7 saved to runs/x/checkpoints/step_7", file=sys.stderr)
+print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", file=sys.stderr)
+sys.exit(1)
+"""
+
+
 def torchrun_env(tmp_path: Path, fakes: Path, **extra: str) -> dict[str, str]:
-    defaults = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "GPUS_PER_NODE": "8"}
+    defaults = {
+        "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "GPUS_PER_NODE": "8",
+        "ACCEL_RECIPES": REAL_WRAPPER,
+    }  # fmt: skip
     return base_env(tmp_path, fakes, TORCHRUN=str(fakes / "torchrun"), **{**defaults, **extra})
+
+
+def test_torchrun_script_exits_75_when_the_workers_were_preempted(tmp_path, fakes):
+    """A bare torchrun exits 1 after its workers saved on a preemption; the script runs it under
+    `accel-recipes launch`, so a scheduler sees 75 (requeue me), and one line says why."""
+    write_tool(fakes, "torchrun", FAKE_PREEMPTED_TORCHRUN)
+    result = run(["bash", str(TORCHRUN_SH)], torchrun_env(tmp_path, fakes))
+    assert result.returncode == 75, result.stderr
+    assert "launcher: preempted, the checkpoint is saved; exit code 75" in result.stderr
+    assert "ChildFailedError" not in result.stderr
 
 
 def test_torchrun_script_builds_the_command(tmp_path, fakes):

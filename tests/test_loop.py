@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -356,6 +357,53 @@ def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run,
         loop.end_epoch({"val_mae": 9.0}, model)
     assert loop.finish(model)["best_epoch"] == 1
     assert torch.equal(exported_params(tmp_path)["weight"], weights_at[1])
+
+
+def test_a_gain_below_min_delta_keeps_the_best_model_but_not_the_patience(run, tmp_path):
+    """As cricketmodel's trainer: val_mae 2.0 then 1.99995 (better by less than min_delta 1e-4)
+    with patience 1: epoch 2's model is the best one exported, yet the run stops after it; with
+    min_delta 0 the same gain resets the count and the run goes on to epoch 3."""
+    for min_delta, last_epoch in ((1e-4, 2), (0.0, 3)):
+        values = iter([2.0, 1.99995, 3.0])
+        out = tmp_path / f"delta_{min_delta}"
+        accelerator, model, _, loop, _ = run(
+            out=out, monitor="val_mae", patience=1, min_delta=min_delta
+        )
+        epochs = []
+        for epoch in loop.epochs():
+            epochs.append(epoch)
+            for _batch in loop.batches():
+                with accelerator.accumulate(model):
+                    pass  # no training: only the metric decides
+                loop.record(torch.zeros(()))
+            loop.end_epoch({"val_mae": next(values)}, model)
+        assert epochs[-1] == last_epoch and loop.done
+        assert loop.finish(model)["best_epoch"] == 2
+
+
+@pytest.mark.dist
+def test_early_stopping_waits_for_min_epochs_and_stops_every_process_at_once(tmp_path):
+    """tests/early_stopping_check.py: the main process's val_mae stops improving after epoch 1,
+    the other rank's never does. Patience 1 with --min-epochs 3 stops after epoch 4 (not 2) on
+    both ranks, with the 1-process run's weights (rel 1e-6: the same global batch of 8) and its
+    LR at every step: 2 epochs held at the peak, then cosine per epoch over the 6-2 left."""
+    script = REPO / "tests" / "early_stopping_check.py"
+    reports, weights = {}, {}
+    for nproc in (1, 2):
+        out = tmp_path / str(nproc)
+        run_recipe([str(out), "6", "1", "3"], cwd=tmp_path, nproc=nproc, script=script)
+        reports[nproc] = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(nproc)]
+        weights[nproc] = exported_params(out)
+    for report in (*reports[1], *reports[2]):
+        assert report["epochs"] == [1, 2, 3, 4] and report["step"] == 32  # 8 steps an epoch
+        assert report["lrs"] == reports[1][0]["lrs"]
+    assert reports[2][0]["best"] == reports[2][1]["best"] == 1.0  # the main process's value
+    lrs = reports[1][0]["lrs"]
+    assert lrs[:24] == [0.05] * 24 and set(lrs[24:]) == {0.05 * (1 + math.cos(math.pi / 4)) / 2}
+    assert max_relative_difference(weights[1], weights[2]) <= 1e-6
+    # without the minimum the same run stops after epoch 2
+    run_recipe([str(tmp_path / "early"), "6", "1", "0"], cwd=tmp_path, script=script)
+    assert json.loads((tmp_path / "early" / "rank_0.json").read_text())["epochs"] == [1, 2]
 
 
 def test_a_full_disk_during_a_periodic_save_stops_the_run_and_keeps_the_last_checkpoint(

@@ -92,3 +92,39 @@ def test_scheduler_counts_optimizer_steps():
 def test_bad_schedules_refused(kwargs):
     with pytest.raises(ConfigError):
         Schedule(**kwargs)
+
+
+def test_hold_then_cosine_per_epoch_is_torchs_cosine_stepped_after_each_epoch():
+    """cricketmodel's schedule (trainer.py): CosineAnnealingLR(T_max = epochs - 5), stepped after
+    each epoch from the 5th on; here 12 epochs of 7 optimizer steps, held for 5."""
+    epochs, per_epoch, hold = 12, 7, 5
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs - hold)
+    expected = []
+    for epoch in range(epochs):
+        expected += [optimizer.param_groups[0]["lr"]] * per_epoch
+        optimizer.step()  # no gradient: only the order torch expects
+        if epoch >= hold:
+            cosine.step()
+    schedule = Schedule(
+        total_steps=epochs * per_epoch, decay=Decay.cosine, hold_steps=hold * per_epoch,
+        decay_every=per_epoch,
+    )  # fmt: skip
+    values = [schedule.multiplier(s) for s in range(epochs * per_epoch)]
+    assert values == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert values[: (hold + 1) * per_epoch] == [1.0] * (hold + 1) * per_epoch  # held, then cos(0)
+    assert values[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 6 / 7)))  # epoch 12: 6/7
+
+
+def test_hold_after_warmup_and_per_step_decay():
+    schedule = Schedule(total_steps=30, warmup_steps=4, decay=Decay.cosine, hold_steps=6)
+    values = [schedule.multiplier(s) for s in range(30)]
+    assert values[3] == 1.0 and values[4:10] == [1.0] * 6
+    assert values[15] == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 20)))
+    assert all(a > b for a, b in itertools.pairwise(values[10:]))  # every step lower
+
+
+def test_a_hold_longer_than_the_run_is_refused():
+    with pytest.raises(ConfigError, match="--hold-epochs"):
+        Schedule(total_steps=10, warmup_steps=4, hold_steps=7)

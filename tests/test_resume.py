@@ -292,3 +292,31 @@ def test_resuming_an_older_checkpoint_is_refused_unless_told_to_move_later_resul
     )
     moved = sorted(p.name.split(".")[0] for p in (out / "checkpoints").glob("step_*.replaced-*"))
     assert moved == ["step_12", "step_16"]
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(tmp_path, template_data):
+    """A setting added to the recipes after a checkpoint was saved is absent from its recorded
+    identity. The run it continues ran as that setting's default, so resuming at the default goes
+    on; another value is a different run and is refused, naming the setting."""
+    out = tmp_path / "out"
+    args = ["--data", str(template_data), "--output-dir", str(out), *TEMPLATE_SMALL]
+    args[args.index("--epochs") + 1] = "1"
+    run_recipe(args, cwd=tmp_path)
+    (checkpoint,) = list_checkpoints(out)
+    progress_file = checkpoint / "progress.json"
+    record = json.loads(progress_file.read_text())
+    for newer in ("hold_epochs", "decay_per_epoch"):  # as a checkpoint saved before they existed
+        del record["run"]["identity"][newer]
+    progress_file.write_text(json.dumps(record))
+
+    refused = run_recipe(
+        [*args, "--epochs", "2", "--hold-epochs", "1", "--resume", "latest"],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "--hold-epochs unset in the checkpoint, 1 now" in refused.stderr
+
+    resumed = run_recipe([*args, "--epochs", "2", "--resume", "latest"], cwd=tmp_path)
+    assert f"resumed from {checkpoint}: step 8" in resumed.stdout
+    assert [p.name for p in list_checkpoints(out)][-1] == "step_16"

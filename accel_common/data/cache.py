@@ -14,6 +14,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
@@ -55,6 +56,15 @@ def cached(folder: Path, build: Callable[[], datasets.Dataset]) -> datasets.Data
     if not folder.is_dir():
         save_whole(build(), folder)
     return datasets.load_from_disk(str(folder))
+
+
+def list_lengths(table: datasets.Dataset, name: str) -> np.ndarray:
+    """Each row's length in a list column (atoms, edges, tokens: a cost per item), without
+    copying the values or Python per row; rows as `table` selects them."""
+    lengths = pc.list_value_length(table.data.column(name)).to_numpy(zero_copy_only=False)
+    if table._indices is not None:  # a selection of the table's rows (Dataset.select)
+        lengths = lengths[table._indices.column(0).to_numpy()]
+    return lengths
 
 
 def list_column(table: datasets.Dataset, name: str) -> tuple[np.ndarray, np.ndarray]:

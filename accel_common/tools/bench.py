@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accel_common.errors import RecipeError
+from accel_common.sync_wait import ENV as ACCEL_RECIPES_TIME_SYNC
+from accel_common.sync_wait import SyncWaitTimer, timing_requested
 from accel_common.tools.example_data import make_data
 from accel_common.tools.ports import free_port
 from accel_common.tracking import METRICS_FILE
@@ -109,13 +111,43 @@ CASES = (
 MIN_RATIO = {"pointcloud": 1.8}
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What one launch measured: samples/s and, where logged, milliseconds per optimizer step
+    (its global batch at that rate), the mean rank imbalance and the mean all-reduce wait per
+    step of the process that waited least and most (milliseconds)."""
+
+    rate: float
+    step_ms: float | None = None
+    imbalance: float | None = None
+    wait_ms: tuple[float, float] | None = None
+
+
 @dataclass
 class Result:
     case: Case
     rates: dict[int, list[float]] = field(default_factory=dict)  # processes -> per repeat
+    launches: dict[int, list[Launch]] = field(default_factory=dict)  # the same, in full
 
     def rate(self, n: int) -> float:
         return statistics.median(self.rates[n])
+
+    def imbalance(self, n: int) -> float | None:
+        """Median over repeats of the launches' mean imbalance (None: not logged)."""
+        found = [r.imbalance for r in self.launches.get(n, []) if r.imbalance is not None]
+        return statistics.median(found) if found else None
+
+    def step_ms(self, n: int) -> float | None:
+        """Median over repeats of the milliseconds per optimizer step (None: not known)."""
+        found = [r.step_ms for r in self.launches.get(n, []) if r.step_ms is not None]
+        return statistics.median(found) if found else None
+
+    def wait_ms(self, n: int) -> tuple[float, float] | None:
+        """Medians over repeats of the least and the most waiting process's ms per step."""
+        found = [r.wait_ms for r in self.launches.get(n, []) if r.wait_ms is not None]
+        if not found:
+            return None
+        return statistics.median(w[0] for w in found), statistics.median(w[1] for w in found)
 
     def ratios(self, n: int) -> list[float]:
         """Per-repeat N-process / 1-process ratios: runs made back to back, so drift cancels."""
@@ -133,6 +165,7 @@ def environment(work: Path) -> dict[str, str]:
         "HF_HOME": str(work / "hf"),
         "HF_HUB_OFFLINE": "1",
         "MASTER_ADDR": "127.0.0.1",
+        ACCEL_RECIPES_TIME_SYNC: "1",  # the all-reduce wait (sync_wait.py), logged per window
     }
 
 
@@ -171,8 +204,32 @@ def steady_rate(metrics_jsonl: Path, skip: int = 1) -> float:
     return statistics.harmonic_mean(rates[skip:])
 
 
-def run_case(case: Case, nproc: int, gpus: bool, data: Path, work: Path) -> float:
-    """Samples/s of one launch (or, for an `independent` case, the sum of nproc launches)."""
+def steady_mean(metrics_jsonl: Path, key: str, skip: int = 1) -> float | None:
+    """The mean of `key` over the logging windows after the first `skip` (every window has the
+    same number of steps), or None where the run does not log it."""
+    records = [json.loads(line) for line in metrics_jsonl.read_text().splitlines()]
+    values = [r[key] for r in records if key in r]
+    return statistics.fmean(values[skip:]) if len(values) > skip else None
+
+
+def read_launch(metrics_jsonl: Path) -> Launch:
+    """Samples/s, step time, imbalance and all-reduce waits of one launch, first window
+    dropped; the global batch comes from the run's logged config."""
+    least = steady_mean(metrics_jsonl, "train/sync_wait_ms_min")
+    most = steady_mean(metrics_jsonl, "train/sync_wait_ms_max")
+    first = json.loads(metrics_jsonl.read_text().splitlines()[0])
+    batch = first.get("config", {}).get("global_batch_size")
+    rate = steady_rate(metrics_jsonl)
+    return Launch(
+        rate,
+        1000 * batch / rate if batch else None,
+        steady_mean(metrics_jsonl, "train/rank_imbalance"),
+        None if least is None or most is None else (least, most),
+    )
+
+
+def run_case(case: Case, nproc: int, gpus: bool, data: Path, work: Path) -> Launch:
+    """What one launch measured (for an `independent` case: nproc launches, rates summed)."""
     copies, per_copy = (nproc, 1) if case.independent else (1, nproc)
     outs = [Path(tempfile.mkdtemp(prefix=f"{case.data}-{nproc}-", dir=work)) for _ in range(copies)]
     commands = [launch_command(case, per_copy, gpus, data, out) for out in outs]
@@ -190,7 +247,9 @@ def run_case(case: Case, nproc: int, gpus: bool, data: Path, work: Path) -> floa
         if process.wait(timeout=900) != 0:
             tail = log.read_text()[-3000:]
             raise RecipeError(f"{' '.join(command)} failed ({process.returncode}):\n{tail}")
-    return sum(steady_rate(out / "logs" / METRICS_FILE) for out in outs)
+    if case.independent:
+        return Launch(sum(steady_rate(out / "logs" / METRICS_FILE) for out in outs))
+    return read_launch(outs[0] / "logs" / METRICS_FILE)
 
 
 def process_counts(gpus: bool) -> list[int]:
@@ -217,17 +276,18 @@ def measure(
             data[name] = write_template_data(target, train_size=longest * max(counts))
         else:
             data[name] = make_data(name, target)
-    results = [Result(case, {n: [] for n in counts}) for case in cases]
+    results = [Result(case, {n: [] for n in counts}, {n: [] for n in counts}) for case in cases]
     for repeat in range(repeats):
         order = counts if repeat % 2 == 0 else counts[::-1]
         for result in results:
             for n in order:
                 started = time.perf_counter()
-                rate = run_case(result.case, n, gpus, data[result.case.data], work)
-                result.rates[n].append(rate)
+                launch = run_case(result.case, n, gpus, data[result.case.data], work)
+                result.rates[n].append(launch.rate)
+                result.launches[n].append(launch)
                 print(
                     f"repeat {repeat + 1}/{repeats} {result.case.name:>13} x{n}: "
-                    f"{rate:8.1f} samples/s ({time.perf_counter() - started:.0f} s)"
+                    f"{launch.rate:8.1f} samples/s ({time.perf_counter() - started:.0f} s)"
                 )
     return results
 
@@ -247,12 +307,19 @@ def verdict(result: Result, reference: Result | None) -> str:
     return "met" if not misses else "**missed**: " + ", ".join(misses)
 
 
+def fixed(value: object, form: str) -> str:
+    """A table cell: `value` formatted, or '-' where it was not measured."""
+    return "-" if value is None else form.format(value)
+
+
 def table(results: Sequence[Result], counts: Sequence[int]) -> list[str]:
     reference = next((r for r in results if r.case.name == REFERENCE), None)
     many = [n for n in counts if n > 1]
     header = ["run", "model", "per-device batch"]
     header += [f"samples/s at {n}" for n in counts]
     header += [f"ratio {n}/1 [min, max]" for n in many] + [f"efficiency {n}" for n in many]
+    header += [f"imbalance {n}" for n in many]
+    header += [f"step ms {n}" for n in many] + [f"wait ms {n} [least, most]" for n in many]
     header += ["target"]
     lines = ["| " + " | ".join(header) + " |", "| --- | --- | " + "---: | " * (len(header) - 3)]
     lines[-1] += "--- |"
@@ -264,6 +331,9 @@ def table(results: Sequence[Result], counts: Sequence[int]) -> list[str]:
             f"{statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]" for r in ratios.values()
         ]
         cells += [f"{statistics.median(r) / n:.0%}" for n, r in ratios.items()]
+        cells += [fixed(result.imbalance(n), "{:.3f}") for n in many]
+        cells += [fixed(result.step_ms(n), "{:.1f}") for n in many]
+        cells += [fixed(result.wait_ms(n), "{0[0]:.1f}, {0[1]:.1f}") for n in many]
         cells += [verdict(result, reference)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -304,6 +374,20 @@ def section(results: Sequence[Result], counts: Sequence[int], gpus: bool, repeat
         "runs pass `--max-steps` and `--log-every` (and `--sample-steps 2`, which only shortens",
         "the point-cloud recipe's final evaluation, after the measured steps); pointcloud and",
         "quality run at their defaults otherwise.",
+        "",
+        "Where the time goes at N processes: `imbalance N` is the recipe's logged",
+        "`train/rank_imbalance`, the busiest process's item cost (edges, graph nodes, tokens)",
+        "over the mean, per optimizer step, averaged (`-`: items of one size, nothing balanced;",
+        "crystal, cricket and captioning balance each step's items over the processes,",
+        "`accel_common/balance.py`). `step ms N` is the time of one optimizer step",
+        "(accumulation steps included) at the launch's rate. `wait ms N [least, most]` is the",
+        "time from a process's last gradient bucket being launched to the end of the step's",
+        "all-reduces (`accel_common/sync_wait.py`, a timed DDP communication hook; gloo only),",
+        "averaged per step, for the process that waited least (about the communication itself)",
+        "and most (communication plus waiting for the slowest process: imbalance, or a core",
+        "shared with other work). A recipe below the reference with a small spread between the",
+        "two waits loses its time elsewhere (its own per-step work); a large spread with an",
+        "imbalance near 1 points at the machine.",
         "",
         "![throughput against process count](scaling.png)",
         SECTION_END,
@@ -408,14 +492,20 @@ def reference_loop(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     in_features = dataset.tensors[0].shape[1]
     model: nn.Module = template.MLPRegressor(in_features, args.hidden, args.depth).to(device)
+    timer = None
     if distributed:
         model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        if timing_requested():  # the recipes' timing of the all-reduce wait, for comparison
+            timer = SyncWaitTimer()
+            timer.attach(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
 
     log = None
     if rank == 0:
         (args.output_dir / "logs").mkdir(parents=True, exist_ok=True)
         log = (args.output_dir / "logs" / METRICS_FILE).open("w", buffering=1)
+        # as the recipes' first record: the run's global batch (the benchmark's step time)
+        log.write(json.dumps({"config": {"global_batch_size": args.per_device_bs * world}}) + "\n")
     samples = args.per_device_bs * world * args.log_every
     step, epoch, window_start = 0, 0, time.perf_counter()
     while step < args.max_steps:
@@ -427,12 +517,19 @@ def reference_loop(argv: Sequence[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if timer is not None:
+                timer.take_step()
             if step % args.log_every == 0:  # as the recipes log: the loss averaged over ranks
                 loss = loss.detach()
                 if distributed:
                     dist.all_reduce(loss)  # a sum: gloo has no average
                 now = time.perf_counter()
                 record = {"step": step, "train/loss": loss.item() / world}
+                if timer is not None:
+                    waits = [torch.zeros(1) for _ in range(world)]
+                    dist.all_gather(waits, torch.tensor([timer.take_mean_ms()]))
+                    record["train/sync_wait_ms_min"] = min(w.item() for w in waits)
+                    record["train/sync_wait_ms_max"] = max(w.item() for w in waits)
                 record["train/samples_per_s"] = samples / (now - window_start)
                 window_start = now
                 if log is not None:

@@ -223,7 +223,14 @@ def convert(
             "config": config,
             "converted_from": f"{from_original}: {source}",
         }
+        # what the recipe's commands read beside the weights (a vocabulary), read before anything
+        # is written
+        extras = getattr(module, "export_files", None)
+        files = extras(source) if extras else {}
         path = write_export(state, output, metadata)
+        for name, text in files.items():
+            (path.parent / name).write_text(text)
+            console.print(f"wrote {path.parent / name}")
     else:
         path = convert_checkpoint(
             source, output, recipe=recipe, model_index=model_index, force=force

@@ -8,6 +8,8 @@ the original (`ORIGINAL = "pcdiff"`) and defines
         the export's config (the settings, and derived values, its commands rebuild the model from)
     export_checkpoint(model_dir: Path, target: Path) -> Path
         this recipe's export as a file the original's code loads
+    export_files(source: Path) -> dict[str, str]   (optional)
+        {file name: text} written beside the imported export (e.g. the original's vocabulary)
 
 Found by where it lives, like make-data's generators: adding an original edits no registry, and
 listing the names reads the files without importing any recipe.

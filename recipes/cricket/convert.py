@@ -8,12 +8,24 @@ read from the tensors themselves (embedding rows: the vocabulary; the query vect
 the blocks: the depth; an attention vector: the heads; a matchup MLP: the Full model). The
 state dict's names are this recipe's (recipes/cricket/model.py is module for module the
 original's), so the mapping is one to one. Read with `weights_only=True`: nothing arbitrary is
-unpickled. The original's vocabulary (entity_mapper.pkl, a pickle) is not read.
+unpickled.
+
+The original's vocabulary is its `EntityMapper`, pickled as a dict of plain dicts
+(`src/data/entity_mapper.py` save/load: names -> ids of venues, teams, players; ids -> names;
+each player's most frequent team, role and bowling type; the next free ids) to
+`data/processed/entity_mapper.pkl` (train.py's --processed-dir). `--from` reads it, beside the
+checkpoint or in that layout (`checkpoints/best_model.pt` -> `data/processed/`), with an
+unpickler that builds nothing but dicts, strings and numbers, and writes it beside the export
+as this recipe's vocab.json (players by name, as the original keys them, `"player_key":
+"name"`); `--to` writes entity_mapper.pkl beside the checkpoint from such a vocab.json (this
+recipe's own keys players by Cricsheet registry id, which the original's code cannot look up).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -23,11 +35,87 @@ from safetensors.torch import load_file
 
 from accel_common.checkpoint import require_same_tensors
 from accel_common.errors import CheckpointError
+from recipes.cricket.data import VOCAB_FILE
 
 ORIGINAL = "cricketmodel"
 STATE_KEY = "model_state_dict"
 # the original TrainingConfig's names -> this recipe's settings
-TRAINING_KEYS = {"huber_delta": "huber_delta", "patience": "patience"}
+TRAINING_KEYS = {"huber_delta": "huber_delta", "patience": "patience", "min_epochs": "min_epochs"}
+# the original's graph keeps every earlier ball; the longest T20 innings has 144 deliveries
+ALL_BALLS = 150
+MAPPER_FILE = "entity_mapper.pkl"
+# EntityMapper.save's dicts of names and ids: {its key: this recipe's vocab.json key}
+MAPPER_IDS = {"player_to_id": "players", "venue_to_id": "venues", "team_to_id": "teams"}
+MAPPER_NAMES = {"player_to_team": "player_teams", "player_to_role": "player_roles",
+                "player_to_bowling_type": "player_bowling_types"}  # fmt: skip
+# what an EntityMapper pickle may build: plain containers and scalars, nothing callable
+PLAIN_BUILTINS = frozenset({"dict", "list", "tuple", "str", "int", "float", "bool"})
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles containers and scalars only; any other class is refused, so a crafted pickle
+    cannot run code."""
+
+    def __init__(self, data: bytes, source: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in PLAIN_BUILTINS:
+            return super().find_class(module, name)
+        raise CheckpointError(
+            f"{self.source}: refused to unpickle {module}.{name}; an entity_mapper.pkl holds only "
+            "dicts of names and ids"
+        )
+
+
+def find_mapper(checkpoint: Path) -> Path | None:
+    """The original's entity_mapper.pkl for `checkpoint`: beside it, or where train.py's defaults
+    put it (checkpoints/best_model.pt -> data/processed/entity_mapper.pkl)."""
+    folder = Path(checkpoint).resolve().parent
+    for candidate in (folder / MAPPER_FILE, folder.parent / "data" / "processed" / MAPPER_FILE):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_mapper(path: Path, sizes: dict[str, int]) -> dict[str, Any]:
+    """The pickled EntityMapper as this recipe's vocabulary, checked against the checkpoint's
+    embedding sizes."""
+    try:
+        data = PlainUnpickler(Path(path).read_bytes(), path).load()
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{path}: not a readable pickle ({err})") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in MAPPER_IDS):
+        raise CheckpointError(
+            f"{path}: not an EntityMapper save (a dict with {', '.join(MAPPER_IDS)})"
+        )
+    vocab: dict[str, Any] = {"player_key": "name"}
+    for theirs, ours in MAPPER_IDS.items():
+        ids = data[theirs]
+        if sorted(ids.values()) != list(range(1, len(ids) + 1)):
+            raise CheckpointError(f"{path}: {theirs} does not number its names 1..{len(ids)}")
+        if len(ids) != sizes[ours]:
+            raise CheckpointError(
+                f"{path}: {len(ids)} {ours}, but the checkpoint's embedding has rows for "
+                f"{sizes[ours]}; give the entity_mapper.pkl of the run that saved it"
+            )
+        vocab[ours] = {str(name): int(index) for name, index in ids.items()}
+    for theirs, ours in MAPPER_NAMES.items():
+        vocab[ours] = {str(k): str(v) for k, v in (data.get(theirs) or {}).items()}
+    return vocab
+
+
+def export_files(source: Path) -> dict[str, str]:
+    """Files `convert --from cricketmodel` writes beside the export: the vocabulary (vocab.json)
+    from the original's entity_mapper.pkl, when there is one."""
+    mapper = find_mapper(source)
+    if mapper is None:
+        return {}
+    sizes = architecture(_read(source)[STATE_KEY])["vocab_sizes"]
+    return {VOCAB_FILE: json.dumps(read_mapper(mapper, sizes))}
 
 
 def _read(source: Path) -> dict[str, Any]:
@@ -82,7 +170,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
                  if theirs in training}  # fmt: skip
     settings = CricketSettings(
         model=shape["model"], hidden=shape["hidden"], layers=shape["layers"],
-        heads=shape["heads"], **overrides,
+        heads=shape["heads"], history=ALL_BALLS, **overrides,
     )  # fmt: skip
     with torch.device("meta"):
         model = network(settings, shape["vocab_sizes"])
@@ -129,4 +217,27 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, target)
+    vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
+    vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
+    if vocab.get("player_key") == "name":
+        write_mapper(vocab, target.parent / MAPPER_FILE)
+    else:  # this recipe keys players by Cricsheet registry id, the original's code by name
+        print(
+            f"note: no {MAPPER_FILE} written: {vocab_path} is not a vocabulary of player names "
+            "(only one imported from cricketmodel is); build the original's with its own code"
+        )
     return target
+
+
+def write_mapper(vocab: dict[str, Any], target: Path) -> None:
+    """`vocab` as the dict EntityMapper.save pickles (EntityMapper.load reads it back)."""
+    data: dict[str, Any] = {}
+    for theirs, ours in MAPPER_IDS.items():
+        ids = vocab[ours]
+        data[theirs] = dict(ids)
+        data["id_to_" + theirs.removesuffix("_to_id")] = {v: k for k, v in ids.items()}
+        data[f"_next_{theirs.removesuffix('_to_id')}_id"] = len(ids) + 1
+    for theirs, ours in MAPPER_NAMES.items():
+        data[theirs] = dict(vocab.get(ours, {}))
+    with target.open("wb") as handle:
+        pickle.dump(data, handle)

@@ -312,7 +312,8 @@ def innings_features(
     number = int(record.get("innings", 0))  # a super-over record has none: no chase
     chase = record.get("file_target", -1) > 0 and number == 2
     over_col = np.asarray(record["over"], dtype=np.int64)
-    context = innings_context(record, number, int(record["file_target"]) if chase else None)
+    target = int(record["file_target"]) if chase else None
+    context = innings_context(record, number, target, vocab.get("player_bowling_types"))
     return {
         "o_ctx": context.reshape(-1),
         "o_ball": ball_features(record).reshape(-1),
@@ -466,6 +467,44 @@ def build_vocab(parsed: datasets.Dataset, rows: list[int], min_matches: int) -> 
     }
 
 
+ENTITIES = ("players", "venues", "teams")
+
+
+def vocab_sizes(vocab: dict[str, Any]) -> dict[str, int]:
+    """Embedding rows (less the unknown's) a vocabulary needs: its highest index of each kind."""
+    return {kind: max(vocab[kind].values(), default=0) for kind in ENTITIES}
+
+
+def keyed_by_registry(vocab: dict[str, Any], registries: list[dict[str, str]]) -> dict[str, Any]:
+    """A vocabulary whose players are keyed by name (the original's: `"player_key": "name"`) as
+    this recipe keys them, by Cricsheet registry id, through the matches' registries (name ->
+    id): their indices and bowling types; the names stay too, for files without a registry.
+    Others are returned as they are."""
+    if vocab.get("player_key") != "name":
+        return vocab
+    keyed = dict(vocab, player_key="registry")
+    for kind in ("players", "player_bowling_types"):
+        by_name = vocab.get(kind, {})
+        keyed[kind] = dict(by_name)
+        for registry in registries:
+            keyed[kind] |= {person: by_name[name] for name, person in registry.items()
+                            if name in by_name}  # fmt: skip
+    return keyed
+
+
+def match_registries(files: list[Path]) -> list[dict[str, str]]:
+    """Each match file's `info.registry.people` (name -> Cricsheet id); {} where it has none or
+    is not a match (the reader reports those)."""
+    registries = []
+    for path in files:
+        try:
+            info = json.loads(Path(path).read_bytes()).get("info", {})
+            registries.append(dict(info.get("registry", {}).get("people", {})))
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            registries.append({})
+    return registries
+
+
 def load_innings(
     folder: Path,
     *,
@@ -478,14 +517,19 @@ def load_innings(
     workers: int,
     cache_dir: Path | None = None,
     retired_is_wicket: bool = True,
+    vocab: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """The featurised innings of every usable match in `folder` (column `split`: 0 train, 1
-    val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached)."""
+    val, 2 test) and what the run needs beside them (vocabulary, summary, seconds, cached).
+    `vocab`: a given vocabulary (a model's to fine-tune) instead of the training split's."""
     start = time.perf_counter()
     files = match_files(folder)
     cache_dir = cache_root(cache_dir)
     parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
-    key = cache_key(parse_key, ratios, split_seed, split_by_date, min_matches, retired_is_wicket)
+    if vocab is not None:
+        vocab = keyed_by_registry(vocab, match_registries(files))
+    given = json.dumps(vocab, sort_keys=True) if vocab is not None else min_matches
+    key = cache_key(parse_key, ratios, split_seed, split_by_date, given, retired_is_wicket)
     target = cache_dir / f"cricket-{key}"
     was_cached = (target / VOCAB_FILE).is_file()
     num_proc = workers if workers > 1 else None
@@ -510,7 +554,7 @@ def load_innings(
         raise DataError(f"{folder / file}: {note}; remove it, or leave out --strict to skip it")
     if not was_cached:
         info = build_features(parsed, status, target, ratios, split_seed, split_by_date,
-                              min_matches, num_proc, retired_is_wicket)  # fmt: skip
+                              min_matches, num_proc, retired_is_wicket, vocab)  # fmt: skip
     else:
         info = json.loads((target / VOCAB_FILE).read_text())
     rows = datasets.load_from_disk(str(target))
@@ -529,9 +573,11 @@ def build_features(
     min_matches: int,
     num_proc: int | None,
     retired_is_wicket: bool = True,
+    vocab: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Split the usable matches, build the vocabulary from the training split, and compute
-    every innings' features into the cache folder `target` (with the vocabulary and summary)."""
+    """Split the usable matches, build the vocabulary from the training split (unless one is
+    given), and compute every innings' features into the cache folder `target` (with the
+    vocabulary and summary)."""
     ok = [i for i, s in enumerate(status["status"]) if s == "ok"]
     if not ok:
         raise DataError(
@@ -540,7 +586,8 @@ def build_features(
     dates = dict(zip(parsed["file"], parsed["date"], strict=True))
     used = sorted({status["file"][i] for i in ok})
     split = split_matches(used, [dates[f] for f in used], ratios, split_seed, split_by_date)
-    vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
+    if vocab is None:
+        vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
     usable = parsed.select(ok)
     usable = usable.add_column("split", [split[status["file"][i]] for i in ok])
     names = [c for c in PARSED if c not in ("file", "innings")]
@@ -648,11 +695,17 @@ class CricketGraphs(Dataset):
     `history` earlier deliveries of the innings as ball nodes (the original: all of them)."""
 
     def __init__(
-        self, deliveries: Deliveries, keep: np.ndarray, history: int, baseline: PhaseBaseline
+        self,
+        deliveries: Deliveries,
+        keep: np.ndarray,
+        history: int,
+        baseline: PhaseBaseline,
+        unknown_player_team: bool = False,
     ) -> None:
         self.d = deliveries
         self.index = np.flatnonzero(keep)
         self.history = history
+        self.unknown_player_team = unknown_player_team
         self.baseline = baseline(deliveries.over[keep], deliveries.wickets[keep])
         self.template = HeteroData()  # the edges every graph has; copied per sample (cheaper)
         for edge, edge_index in static_edges().items():
@@ -671,8 +724,9 @@ class CricketGraphs(Dataset):
         (tests/test_cricket.py), built at once: the 167 edge types of one-node context edges
         make PyG's per-graph batching about 7 ms a graph."""
         index = np.asarray(indices, dtype=np.int64)
+        baseline = self.baseline[index].astype(np.float32)
         return batch_graphs(
-            self.d, self.index[index], self.history, self.baseline[index].astype(np.float32)
+            self.d, self.index[index], self.history, baseline, self.unknown_player_team
         )
 
     def graph(self, index: int) -> HeteroData:
@@ -680,13 +734,28 @@ class CricketGraphs(Dataset):
         d, k = self.d, int(self.index[index])
         flat, row = int(d.flat[k]), int(d.row[k])
         graph = copy.copy(self.template)
-        fill_graph(graph, d, flat, min(int(d.pos[k]), self.history), row)
+        fill_graph(graph, d, flat, min(int(d.pos[k]), self.history), row, self.unknown_player_team)
         graph.y = torch.tensor([float(d.y[k])])
         graph.baseline = torch.tensor([float(self.baseline[index])])
         return graph
 
 
-def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int) -> None:
+def player_teams(ids: torch.Tensor, teams: torch.Tensor, unknown_player_team: bool) -> torch.Tensor:
+    """The team ids of players' fallback embeddings (read only for a player outside the
+    vocabulary, id 0): the team they play for here; for an unknown player, with
+    `unknown_player_team` off, none (0), as the original's `get_player_team_id` gives a player
+    its mapper does not hold."""
+    return teams if unknown_player_team else torch.where(ids == UNKNOWN, 0, teams)
+
+
+def fill_graph(
+    graph: HeteroData,
+    d: Deliveries,
+    flat: int,
+    balls: int,
+    row: int,
+    unknown_player_team: bool = False,
+) -> None:
     """The nodes and the history's edges of the graph before delivery `flat`."""
     venue, batting, bowling = (torch.tensor([[int(v)]]) for v in d.context[row])
     graph["venue"].x, graph["batting_team"].x, graph["bowling_team"].x = venue, batting, bowling
@@ -697,7 +766,7 @@ def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int
          ("bowler_identity", bowling))
     ):  # fmt: skip
         graph[kind].x = torch.tensor([[int(ids[slot])]])
-        graph[kind].team_id = team
+        graph[kind].team_id = player_teams(graph[kind].x, team, unknown_player_team)
         graph[kind].role_id = roles
     ctx = torch.from_numpy(d.ctx[flat]).view(1, -1)
     for kind, cols in FEATURE_SLICES.items():
@@ -722,7 +791,11 @@ def fill_graph(graph: HeteroData, d: Deliveries, flat: int, balls: int, row: int
 
 
 def batch_graphs(
-    d: Deliveries, samples: np.ndarray, history: int, baseline: np.ndarray
+    d: Deliveries,
+    samples: np.ndarray,
+    history: int,
+    baseline: np.ndarray,
+    unknown_player_team: bool = False,
 ) -> HeteroData:
     """The graphs of `samples` batched, as PyG's Batch of `CricketGraphs.graph` holds them."""
     n = len(samples)
@@ -742,7 +815,9 @@ def batch_graphs(
         (("striker_identity", 1), ("nonstriker_identity", 1), ("bowler_identity", 2))
     ):
         graph[kind].x = ids[:, slot : slot + 1]
-        graph[kind].team_id = context[:, team : team + 1]
+        graph[kind].team_id = player_teams(
+            graph[kind].x, context[:, team : team + 1], unknown_player_team
+        )
         graph[kind].role_id = roles
     ctx = torch.from_numpy(d.ctx[flats])
     for kind, cols in FEATURE_SLICES.items():

@@ -61,8 +61,16 @@ def _batter(stats: dict, name: str, last: dict, n: int) -> list[float]:
     ]  # fmt: skip
 
 
-def innings_context(rec: dict[str, Any], innings_num: int, target: int | None) -> np.ndarray:
-    """The 59 context features before every delivery (n, CTX_DIM), in FEATURE_DIMS order."""
+def innings_context(
+    rec: dict[str, Any],
+    innings_num: int,
+    target: int | None,
+    bowling_types: dict[str, str] | None = None,
+) -> np.ndarray:
+    """The 59 context features before every delivery (n, CTX_DIM), in FEATURE_DIMS order.
+    `bowling_types`: a bowler's 'pace' or 'spin' (the original's LLM classification, in an
+    imported vocabulary); any other, or none, is unknown: neither, as the original offline."""
+    bowling_types = bowling_types or {}
     batter, partner, bowler = rec["batter"], rec["non_striker"], rec["bowler"]
     runs_batter, runs_total, flags = rec["runs_batter"], rec["runs_total"], rec["flags"]
     n_wickets = rec["n_wickets"]
@@ -106,7 +114,9 @@ def innings_context(rec: dict[str, Any], innings_num: int, target: int | None) -
         if balls:
             threat = min(taken / (balls / 6.0) * 0.5 + max(1.0 - economy / 10.0, 0.0) * 0.5, 1.0)
         row += [min(balls / 24.0, 1.0), min(conceded / 50.0, 1.0), min(taken / 5.0, 1.0)]
-        row += [min(economy / 15.0, 1.0), dots / balls if balls else 0.0, threat, 0.0, 0.0]
+        kind = bowling_types.get(bowler[i], "unknown")
+        row += [min(economy / 15.0, 1.0), dots / balls if balls else 0.0, threat]
+        row += [float(kind == "pace"), float(kind == "spin")]
         p_runs, p_balls = pairs.get(frozenset((batter[i], partner[i])), (0, 0))
         p_rate = p_runs / (p_balls / 6.0) if p_balls else 0.0
         row += [min(p_runs / 100.0, 1.0), min(p_balls / 60.0, 1.0), min(p_rate / 10.0, 1.0)]

@@ -22,19 +22,32 @@ from accel_common.runtime import train_in_python
 from accel_common.settings import flag, read_config_file
 
 # what an argument left out takes: the original's preset (its API's defaults: lr 1e-3, batch 64,
-# 500 epochs, cutoff 6, 25 neighbours, width 256, ...), not the CPU-sized command-line defaults
-ORIGINAL_PRESET = Path(recipe.__file__).parent / "crystal" / "configs" / "original.yaml"
+# 500 epochs, cutoff 6, 25 neighbours, width 256, ...), not the CPU-sized command-line defaults;
+# its model_name picks the network's defaults as the original's config classes do
+CONFIGS = Path(recipe.__file__).parent / "crystal" / "configs"
+PRESETS = {
+    "iComformer": CONFIGS / "original.yaml",
+    "eComformer": CONFIGS / "original_ecomformer.yaml",
+}
 
 
-def original_defaults() -> dict[str, Any]:
+def original_defaults(model_name: str = "iComformer") -> dict[str, Any]:
     names = [f.name for f in fields(recipe.CrystalSettings)] + [f.name for f in fields(TrainArgs)]
-    return read_config_file(ORIGINAL_PRESET, names)
+    return read_config_file(preset(model_name), names)
+
+
+def preset(model_name: str) -> Path:
+    """The original's preset for its `model_name`; another name stops the call by name."""
+    if model_name not in PRESETS:
+        raise ConfigError(
+            f"model_name={model_name!r}: not available here; give one of {', '.join(PRESETS)}"
+        )
+    return PRESETS[model_name]
 
 
 # The original's arguments that have no counterpart here, with the one value each may take:
-# this recipe is iComformer regression on the lattice-aware graph with the CGCNN atom features.
+# this recipe is regression on the lattice-aware graph with the CGCNN atom features.
 FIXED_IN_THIS_RECIPE: dict[str, Any] = {
-    "model_name": "iComformer",
     "atom_features": "cgcnn",
     "use_lattice": True,
     "use_angle": False,
@@ -57,7 +70,7 @@ def original_only_settings(options: dict[str, Any]) -> dict[str, Any]:
             )
         elif value != FIXED_IN_THIS_RECIPE[name]:
             raise ConfigError(
-                f"{name}={value!r}: not available here (this recipe trains iComformer "
+                f"{name}={value!r}: not available here (this recipe trains ComFormer "
                 f"regression on the lattice-aware graph); leave {name} out"
             )
     return settings
@@ -108,6 +121,7 @@ def train_from_extxyz(
     random_seed: int | None = None,
     cache_graphs: bool | None = None,
     graph_cache_dir: str | Path | None = None,
+    model_name: str = "iComformer",
     distributed: bool = False,
     num_processes: int = 1,
     extra_args: tuple[str, ...] = (),
@@ -119,12 +133,13 @@ def train_from_extxyz(
     The original's arguments are the recipe's settings: `learning_rate` -> --lr, `batch_size`
     -> --bs, `n_epochs` -> --epochs, `num_workers` -> --workers (graph building and data
     loading), `random_seed` -> --seed, the others (and `weight_decay`) by their own names;
-    `index` may be an int, a slice or ASE's string. Its model choices (`model_name`,
-    `atom_features`, `use_lattice`, `use_angle`, `classification`) are accepted at the values
-    this recipe is and refused otherwise. An argument left out (None) takes the original's default,
-    from recipes/crystal/configs/original.yaml (the original's network at full size, lr 1e-3,
-    batch 64, 500 epochs, 25 neighbours from 6 angstrom); every value is checked here, before
-    anything is launched.
+    `index` may be an int, a slice or ASE's string. `model_name` is "iComformer" or
+    "eComformer"; its other model choices (`atom_features`, `use_lattice`, `use_angle`,
+    `classification`) are accepted at the values this recipe is and refused otherwise. An
+    argument left out (None) takes the original's default, from the model's preset,
+    recipes/crystal/configs/original.yaml or original_ecomformer.yaml (the original's network
+    at full size, lr 1e-3, batch 64, 500 epochs, 25 neighbours from 6 angstrom); every value is
+    checked here, before anything is launched.
 
     With `num_processes=1` the recipe runs in this process; with N (or `distributed=True`: every
     GPU) it runs on N processes through `accelerate launch` (GPUs when there are, else CPU
@@ -155,9 +170,10 @@ def train_from_extxyz(
     }
     values = {name: value for name, value in values.items() if value is not None}
     # the original's defaults under what is given; `extra_args` win over both
-    args, _ = recipe.train.resolve(**(original_defaults() | values))  # every check, now
+    defaults = original_defaults(model_name)
+    args, _ = recipe.train.resolve(**(defaults | values))  # every check, now
     num_processes = processes_for(num_processes, distributed)
-    argv = ["--config", str(ORIGINAL_PRESET), *as_flags(values), *extra_args]
+    argv = ["--config", str(preset(model_name)), *as_flags(values), *extra_args]
     script = Path(recipe.__file__)
     return train_in_python(recipe.train, argv, args.output_dir, num_processes, script=script)
 

@@ -20,27 +20,33 @@ from safetensors.torch import load_file
 
 from accel_common.checkpoint import read_recipe_export, require_same_tensors, strip_wrapper_prefixes
 from accel_common.errors import CheckpointError
+from recipes.crystal.model import VARIANTS, build_network
 
 ORIGINAL = "comformer"
 CONFIG = "config.json"  # the original's training config, beside best_model.pt
 
 
-def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, int]:
-    """The iComformer sizes a state dict was made with, read from its tensors' shapes."""
+def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, Any]:
+    """The network a state dict was made with, iComformer or eComformer (it has `equi_update`),
+    and its sizes, read from its tensors' shapes."""
+    model = "eComformer" if any(k.startswith("equi_update.") for k in state) else "iComformer"
     try:
         width = state["atom_embedding.weight"].shape[0]
         layers = len({k.split(".")[1] for k in state if k.startswith("att_layers.")})
-        return {
+        sizes = {
+            "model": model,
             "width": width,
             "layers": layers,
             "heads": state["att_layers.0.lin_key.weight"].shape[0] // width,
             "rbf_bins": state["rbf.1.weight"].shape[1],
-            "angle_bins": state["rbf_angle.1.weight"].shape[1],
             "fc_features": state["fc.0.weight"].shape[0],
         }
+        if model == "iComformer":  # eComformer has no angle RBF: its size is the config's
+            sizes["angle_bins"] = state["rbf_angle.1.weight"].shape[1]
+        return sizes
     except (KeyError, IndexError) as err:
         raise CheckpointError(
-            f"{source}: not an iComformer state dict (no {err}); eComformer and other "
+            f"{source}: not an iComformer or eComformer state dict (no {err}); other "
             "architectures are not built by this recipe"
         ) from None
 
@@ -57,8 +63,13 @@ def _original_config(source: Path) -> dict[str, Any]:
 
 def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Path) -> None:
     """The original's config must describe the network the tensors are."""
-    if model.get("name", "iComformer") != "iComformer":
-        raise CheckpointError(f"{path}: model {model['name']!r}; this recipe builds iComformer")
+    name = model.get("name", "iComformer")
+    if name not in VARIANTS:
+        raise CheckpointError(f"{path}: model {name!r}; this recipe builds {', '.join(VARIANTS)}")
+    if name != sizes["model"]:
+        raise CheckpointError(
+            f"{path}: model {name!r} but the checkpoint's tensors are {sizes['model']}'s"
+        )
     fixed = {"atom_input_features": 92, "output_features": 1, "classification": False}
     fixed |= {"link": "identity", "zero_inflated": False}
     for key, value in fixed.items():
@@ -68,7 +79,7 @@ def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Pat
     names |= {"edge_features": "rbf_bins", "triplet_input_features": "angle_bins"}
     names |= {"fc_features": "fc_features"}
     for key, ours in names.items():
-        if key in model and model[key] != sizes[ours]:
+        if key in model and ours in sizes and model[key] != sizes[ours]:
             raise CheckpointError(
                 f"{path}: model {key} {model[key]} but the checkpoint's tensors have {sizes[ours]}"
             )
@@ -77,7 +88,6 @@ def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Pat
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A ComFormer `best_model.pt` as this recipe's state dict and export config; the graph
     settings, target and its mean/std come from the `config.json` beside it when there is one."""
-    from recipes.crystal.model import Comformer
     from recipes.train_crystal import CrystalSettings
 
     source = Path(source)
@@ -93,10 +103,14 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     original = _original_config(source)
     if "model" in original:
         _check_model_section(original["model"], sizes, source.parent / CONFIG)
-    model = Comformer(**sizes)
-    require_same_tensors(state, model.state_dict(), f"{source}: not this recipe's iComformer")
+        if "triplet_input_features" in original["model"]:  # eComformer's, unused but kept
+            sizes.setdefault("angle_bins", original["model"]["triplet_input_features"])
+    sizes.setdefault("angle_bins", 256)  # the original's default
+    model = build_network(**sizes)
+    kind = sizes["model"]
+    require_same_tensors(state, model.state_dict(), f"{source}: not this recipe's {kind}")
     model.load_state_dict(state, strict=True)
-    settings = {"model": "iComformer", **sizes}
+    settings = dict(sizes)
     for ours, theirs in (("cutoff", "cutoff"), ("max_neighbors", "max_neighbors")):
         if theirs in original:
             settings[ours] = original[theirs]
@@ -112,15 +126,16 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as `best_model.pt` (`{"model": state_dict}`) and the `config.json`
     beside it that the original's `ComformerPredictor.from_checkpoint` reads."""
     config = read_recipe_export(Path(model_dir), "crystal")
-    if config.get("model", "iComformer") != "iComformer":
-        raise CheckpointError(f"{model_dir}: model {config['model']}; only iComformer converts")
+    name = config.get("model", "iComformer")
+    if name not in VARIANTS:
+        raise CheckpointError(f"{model_dir}: model {name}; only {', '.join(VARIANTS)} convert")
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     state = {re.sub(r"^_orig_mod\.", "", k): v for k, v in state.items()}
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"model": state}, target)
     model = {
-        "name": "iComformer",
+        "name": name,
         "conv_layers": config["layers"],
         "edge_layers": 1,
         "atom_input_features": 92,

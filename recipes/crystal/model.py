@@ -1,4 +1,5 @@
-"""The crystal recipe's network: ComFormer's iComformer (Yan et al., ICLR 2024), layer for layer.
+"""The crystal recipe's networks: ComFormer's iComformer and eComformer (Yan et al., ICLR 2024),
+layer for layer.
 
 As jwchen25/comformer @7241ae8 builds it (comformer/models/comformer.py 148-229, transformer.py
 15-185, utils.py 9-45), with its module names, so that its `best_model.pt` state dict loads here
@@ -17,6 +18,13 @@ key for key (166 tensors at its default config, 4,966,497 parameters):
   BatchNorm-ed gate, residual, softplus. It also carries the original's unused `lemb` and
   `lin_edge_len`, so that the parameter count and the keys are the original's;
 - mean over atoms -> `fc` (Linear, SiLU) -> `fc_out` (Linear -> 1).
+
+eComformer (comformer.py 71-145, transformer.py 188-268) shares the atom features, `rbf`,
+the `ComformerConv`s and the head; after the first convolution, instead of the edge update, its
+`equi_update` (`ComformerConvEqui`): the nodes narrowed to 64 scalars, two e3nn tensor products
+with the edge vector's spherical harmonics (l = 0, 1, 2; weights per edge from an MLP of the
+edge's RBF features; mean over each atom's edges, 64x0e -> 64x0e + 8x1o + 8x2e -> 64x0e),
+BatchNorm, a projection back and a skip connection (5,583,809 parameters, 116 tensors).
 
 Every BatchNorm is `BatchNorm`: torch's BatchNorm1d, whose training statistics are those of the
 whole global batch when several processes train (see its docstring), so that 1 and N processes
@@ -41,9 +49,10 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     warnings.simplefilter("ignore", FutureWarning)
     from torch_geometric.data import Data
     from torch_geometric.nn import MessagePassing, global_mean_pool
+    from torch_geometric.utils import scatter
 
 CGCNN_TABLE = Path(__file__).with_name("cgcnn_features.json")
-VARIANTS = ("iComformer",)  # the original's model names this recipe builds
+VARIANTS = ("iComformer", "eComformer")  # the original's model names this recipe builds
 
 
 def cgcnn_features() -> torch.Tensor:
@@ -68,40 +77,52 @@ class RBFExpansion(nn.Module):
 
 
 class BatchNorm(nn.BatchNorm1d):
-    """BatchNorm1d over the global batch. In training with several processes, each channel's
-    count, sum and sum of squared deviations are summed over the processes with autograd-aware
-    all-reduces (torch.distributed.nn), so every process normalises with the statistics of the
-    whole global batch, the gradient flows through them as in one process, and the running
-    statistics (hence evaluation) are the same on every process and equal one process's.
-    torch's SyncBatchNorm does this on GPUs only; this one works on gloo (CPU) too. One
-    process, or evaluation: plain BatchNorm1d, the original's."""
+    """BatchNorm1d over the global batch. In training, each channel's count, sum and sum of
+    squared deviations (accumulated in float64) are summed over the processes with
+    autograd-aware all-reduces (torch.distributed.nn), so every process normalises with the
+    statistics of the whole global batch, the gradient flows through them as in one process,
+    and the running statistics (hence evaluation) are the same on every process and equal one
+    process's. torch's SyncBatchNorm does this on GPUs only; this one works on gloo (CPU) too.
+
+    One process trains with the same formula (no all-reduce), not torch's own batch norm, whose
+    float32 CPU kernels are less exact where a channel's variance is small (as the attention
+    gates' are): on the fixture batch, its outputs are up to 6.8e-5 from float64 against 3.0e-6
+    here, and at 60,000 rows its bias and weight gradients 3e-6 and 5e-4 relative against 4e-8
+    and 6e-6 here (measured); with it, 1 and 2 processes took visibly different steps (a
+    BatchNorm bias 1.4e-2 apart after 20). Evaluation: plain BatchNorm1d with the running
+    statistics, the original's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()):
+        if not self.training:
             return super().forward(x)
-        if dist.get_world_size() == 1:
-            return super().forward(x)
-        with warnings.catch_warnings():  # its deprecation names a private replacement
-            warnings.simplefilter("ignore", FutureWarning)
-            from torch.distributed.nn.functional import all_reduce as reduce
-
-        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                return reduce(tensor)
-
-        count = all_reduce(x.new_tensor([float(x.shape[0])]))
-        mean = all_reduce(x.sum(0)) / count
-        var = all_reduce(((x - mean) ** 2).sum(0)) / count  # biased, as batch norm uses it
+        wide = torch.float64  # torch's CPU batch norm accumulates its statistics in double too
+        count = self._all_reduce(torch.tensor([float(x.shape[0])], dtype=wide, device=x.device))
+        mean = self._all_reduce(x.sum(0, dtype=wide)) / count
+        var = self._all_reduce(((x.to(wide) - mean) ** 2).sum(0)) / count  # biased, as it uses
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 m = self.momentum
                 unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - m).add_(m * mean)
-                self.running_var.mul_(1 - m).add_(m * unbiased)
-        out = (x - mean) * torch.rsqrt(var + self.eps)
-        return out * self.weight + self.bias if self.affine else out
+                self.running_mean.mul_(1 - m).add_(m * mean.to(self.running_mean.dtype))
+                self.running_var.mul_(1 - m).add_(m * unbiased.to(self.running_var.dtype))
+        # normalised in float32 at least (a bf16 input under autocast too, as torch's kernels do)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        out = (x.to(compute) - mean.to(compute)) * torch.rsqrt(var + self.eps).to(compute)
+        if self.affine:
+            out = out * self.weight + self.bias
+        return out.to(x.dtype)
+
+    @staticmethod
+    def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the processes, differentiable; the tensor itself in one process."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return tensor
+        with warnings.catch_warnings():  # its deprecation names a private replacement
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.distributed.nn.functional import all_reduce
+
+            return all_reduce(tensor)
 
 
 def mlp(width: int) -> nn.Sequential:
@@ -198,6 +219,65 @@ def bond_cosine(r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
     return torch.clamp(cosine, -1, 1)
 
 
+class TensorProductConv(nn.Module):
+    """The original's TensorProductConvLayer (transformer.py 188-215): an e3nn fully connected
+    tensor product of the node at `edge_index[1]` with the edge's spherical harmonics, its
+    weights per edge from an MLP of the edge features, averaged over the edges of each node at
+    `edge_index[0]`; with `residual`, the input zero-padded to the output's width is added."""
+
+    def __init__(
+        self, in_irreps: str, sh_irreps: str, out_irreps: str, edge_dim: int, residual: bool
+    ) -> None:
+        super().__init__()
+        from e3nn import o3  # imported here: only eComformer needs it (about 1 s to import)
+
+        self.residual = residual
+        self.tp = o3.FullyConnectedTensorProduct(
+            in_irreps, sh_irreps, out_irreps, shared_weights=False
+        )
+        self.fc = nn.Sequential(
+            nn.Linear(edge_dim, edge_dim), nn.Softplus(), nn.Linear(edge_dim, self.tp.weight_numel)
+        )
+
+    def forward(
+        self, x: torch.Tensor, edge_index: torch.Tensor, edge: torch.Tensor, sh: torch.Tensor
+    ) -> torch.Tensor:
+        source, target = edge_index
+        product = self.tp(x[target], sh, self.fc(edge))
+        out = scatter(product, source, dim=0, dim_size=x.shape[0], reduce="mean")
+        if self.residual:
+            out = out + F.pad(x, (0, out.shape[-1] - x.shape[-1]))
+        return out
+
+
+class ComformerConvEqui(nn.Module):
+    """eComformer's equivariant node update (the original's ComformerConvEqui, transformer.py
+    218-268, at its defaults: 64 scalars, 8 vectors and 8 rank-2 features, residual)."""
+
+    SH = "1x0e + 1x1o + 1x2e"
+
+    def __init__(self, width: int, scalars: int = 64, vectors: int = 8) -> None:
+        super().__init__()
+        hidden = f"{scalars}x0e + {vectors}x1o + {vectors}x2e"
+        self.node_linear = nn.Linear(width, scalars)
+        self.skip_linear = nn.Linear(width, width)
+        self.nlayer_1 = TensorProductConv(f"{scalars}x0e", self.SH, hidden, width, residual=True)
+        self.nlayer_2 = TensorProductConv(hidden, self.SH, f"{scalars}x0e", width, residual=False)
+        self.bn = BatchNorm(scalars)
+        self.node_linear_2 = nn.Linear(scalars, width)
+
+    def forward(
+        self, x: torch.Tensor, edge_index: torch.Tensor, edge: torch.Tensor, vector: torch.Tensor
+    ) -> torch.Tensor:
+        from e3nn import o3
+
+        sh = o3.spherical_harmonics(self.SH, vector, normalize=True, normalization="component")
+        out = self.nlayer_1(self.node_linear(x), edge_index, edge, sh)
+        out = self.nlayer_2(out, edge_index, edge, sh)
+        out = F.softplus(self.node_linear_2(F.softplus(self.bn(out))))
+        return out + self.skip_linear(x)
+
+
 class Comformer(nn.Module):
     """iComformer. `width` is the original's node_features (= its fc input and every
     convolution's width), `rbf_bins` its edge_features, `angle_bins` its
@@ -243,3 +323,51 @@ class Comformer(nn.Module):
                 edge = self.edge_update_layer(edge, nei_len, nei_angle)
         out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
         return out.squeeze(-1)
+
+
+class EComformer(nn.Module):
+    """eComformer, with the original's sizes as Comformer names them (its triplet_input_features
+    is unused there too, so there is no `angle_bins`): convolution 0, `equi_update`, then the
+    other convolutions (the original's forward runs exactly 3), mean over atoms, the head."""
+
+    def __init__(
+        self, width: int, layers: int, heads: int, rbf_bins: int, fc_features: int | None = None
+    ) -> None:
+        super().__init__()
+        fc_features = fc_features or width
+        self.register_buffer("cgcnn", cgcnn_features(), persistent=False)
+        self.atom_embedding = nn.Linear(self.cgcnn.shape[1], width)
+        self.rbf = nn.Sequential(
+            RBFExpansion(-4.0, 0.0, rbf_bins), nn.Linear(rbf_bins, width), nn.Softplus()
+        )
+        self.att_layers = nn.ModuleList(ComformerConv(width, heads) for _ in range(layers))
+        self.equi_update = ComformerConvEqui(width)
+        self.fc = nn.Sequential(nn.Linear(width, fc_features), nn.SiLU())
+        self.fc_out = nn.Linear(fc_features, 1)
+
+    def forward(self, graph: Data) -> torch.Tensor:
+        x = self.atom_embedding(self.cgcnn[graph.z])
+        edge = self.rbf(-0.75 / torch.norm(graph.vector, dim=1))
+        for layer, conv in enumerate(self.att_layers):
+            x = conv(x, graph.edge_index, edge)
+            if layer == 0:
+                x = self.equi_update(x, graph.edge_index, edge, graph.vector)
+        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
+        return out.squeeze(-1)
+
+
+def build_network(
+    model: str,
+    width: int,
+    layers: int,
+    heads: int,
+    rbf_bins: int,
+    angle_bins: int | None = None,
+    fc_features: int | None = None,
+) -> Comformer | EComformer:
+    """The original's network by its name (its `model_name`): iComformer or eComformer."""
+    if model == "eComformer":
+        return EComformer(width, layers, heads, rbf_bins, fc_features)
+    if model == "iComformer":
+        return Comformer(width, layers, heads, rbf_bins, angle_bins, fc_features)
+    raise ValueError(f"model {model!r}: this recipe builds {', '.join(VARIANTS)}")
