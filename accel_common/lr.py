@@ -87,7 +87,9 @@ class Schedule:
     the remaining steps). `decay_every` > 1 advances the decay only every that many steps (one
     epoch's: a torch scheduler stepped after each epoch, as cricketmodel's CosineAnnealingLR).
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
-    per-step factor of exponential decay (1.0 keeps the LR constant after warmup). `onecycle`
+    per-step factor of exponential decay (1.0 keeps the LR constant after warmup).
+    `warmup_start` is the fraction of the peak that warmup rises from (torch's LinearLR
+    start_factor; 0 by default, onecycle's 1/25 when it is 0). `onecycle`
     follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the run when
     `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
     """
@@ -99,6 +101,7 @@ class Schedule:
     gamma: float = 1.0
     hold_steps: int = 0
     decay_every: int = 1
+    warmup_start: float = 0.0
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -123,6 +126,10 @@ class Schedule:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"--gamma must be in (0, 1], got {self.gamma}")
+        if not 0.0 <= self.warmup_start <= 1.0:
+            raise ConfigError(
+                f"the warmup's start factor must be in [0, 1], got {self.warmup_start}"
+            )
 
     def multiplier(self, step: int) -> float:
         """Fraction of the peak LR used for optimizer step `step` (0-based)."""
@@ -131,8 +138,10 @@ class Schedule:
         if decay is Decay.onecycle and warmup == 0:
             warmup = max(1, int(0.3 * self.total_steps))
         if step < warmup:
-            start = 0.04 if decay is Decay.onecycle else 0.0  # OneCycleLR starts at peak / 25
-            return start + (1.0 - start) * (step + 1) / warmup
+            rise_from = self.warmup_start
+            if decay is Decay.onecycle and not rise_from:
+                rise_from = 0.04  # OneCycleLR starts at peak / 25
+            return rise_from + (1.0 - rise_from) * (step + 1) / warmup
         start = warmup + self.hold_steps
         if decay is Decay.constant or step < start:
             return 1.0
@@ -183,6 +192,7 @@ def make_lr_schedule(
     max_steps: int = 0,
     hold_epochs: int = 0,
     decay_per_epoch: bool = False,
+    warmup_start: float = 0.0,
 ) -> LRSchedule:
     """Count the run's optimizer steps, scale `lr` to the global batch, build the schedule.
 
@@ -219,6 +229,7 @@ def make_lr_schedule(
         gamma=gamma,
         hold_steps=hold_steps,
         decay_every=epoch_steps if decay_per_epoch else 1,
+        warmup_start=warmup_start,
     )
     description = describe_lr(
         peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay,

@@ -265,8 +265,10 @@ class TrainArgs(Settings):
         optimizer: torch.optim.Optimizer,
         plan: BatchPlan,
         steps_per_epoch: int,
+        warmup_start: float = 0.0,
     ) -> LRSchedule:
-        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
+        """--lr scaled to the global batch, warmup (rising from `warmup_start` x the peak) and
+        decay (lr.make_lr_schedule)."""
         return make_lr_schedule(
             accelerator,
             optimizer,
@@ -283,6 +285,7 @@ class TrainArgs(Settings):
             max_steps=self.max_steps,
             hold_epochs=self.hold_epochs,
             decay_per_epoch=self.decay_per_epoch,
+            warmup_start=warmup_start,
         )
 
     def make_loop(

@@ -30,6 +30,24 @@ def test_warmup_then_cosine_to_floor():
     assert schedule.multiplier(110) == pytest.approx(0.1)
 
 
+def test_warmup_from_a_start_factor_follows_torchs_linear_lr():
+    """pcdiff warms up with LinearLR(start_factor=0.01): the schedule rises from that fraction
+    along LinearLR's line (one step ahead: step k uses LinearLR's factor after k + 1 steps, so no
+    step runs at the bare start factor; 0.01 + 0.99 / W instead), then stays at the peak."""
+    warmup, start = 40, 0.01
+    schedule = Schedule(
+        total_steps=60, warmup_steps=warmup, decay=Decay.constant, warmup_start=start
+    )
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    linear = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=start, total_iters=warmup)
+    reference = []
+    for _ in range(60):
+        linear.step()
+        reference.append(optimizer.param_groups[0]["lr"])
+    assert [schedule.multiplier(s) for s in range(60)] == pytest.approx(reference)
+    assert schedule.multiplier(0) == pytest.approx(start + (1 - start) / warmup)
+
+
 def test_exponential_and_constant():
     exp = Schedule(total_steps=100, warmup_steps=2, decay=Decay.exponential, gamma=0.9)
     assert exp.multiplier(2) == 1.0
@@ -64,7 +82,12 @@ def test_scheduler_counts_optimizer_steps():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"total_steps": 0}, {"total_steps": 5, "warmup_steps": 6}, {"total_steps": 5, "gamma": 0}],
+    [
+        {"total_steps": 0},
+        {"total_steps": 5, "warmup_steps": 6},
+        {"total_steps": 5, "gamma": 0},
+        {"total_steps": 5, "warmup_start": 1.5},
+    ],
 )
 def test_bad_schedules_refused(kwargs):
     with pytest.raises(ConfigError):
