@@ -120,25 +120,13 @@ class Settings:
 
     def as_config(self) -> dict[str, Any]:
         """The settings as plain JSON values (enums by value, paths as strings)."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value.value if isinstance(value, Enum) else value
-            if isinstance(value, Path):
-                out[f.name] = str(value)
-        return out
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
         """The declared defaults as `as_config` writes them: a checkpoint saved before a setting
         existed ran as its default, so a resume compares the missing value to this."""
-        out = {}
-        for f in fields(cls):
-            value = f.default
-            out[f.name] = value.value if isinstance(value, Enum) else value
-            if isinstance(value, Path):
-                out[f.name] = str(value)
-        return out
+        return {f.name: plain(f.default) for f in fields(cls)}
 
     @classmethod
     def from_config(cls: type[S], config: dict[str, Any], **overrides: Any) -> S:
@@ -147,6 +135,13 @@ class Settings:
         hints = cls.hints()
         values = {f.name: config[f.name] for f in fields(cls) if f.name in config} | overrides
         return cls(**{k: convert(hints[k], v) for k, v in values.items()})
+
+
+def plain(value: Any) -> Any:
+    """A setting's value as JSON holds it: an enum by its value, a path as a string."""
+    if isinstance(value, Enum):
+        return value.value
+    return str(value) if isinstance(value, Path) else value
 
 
 def convert(annotation: Any, value: Any) -> Any:
