@@ -373,6 +373,24 @@ def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
         assert global_relative_difference({key: first[key]}, {key: second[key]}) <= 2e-4, key
 
 
+@pytest.mark.dist
+def test_per_process_batch_norm_says_so_and_trains_otherwise(crystal_data, tmp_path):
+    """--no-sync-batchnorm on two processes: the run says that it leaves one process's steps,
+    records the setting, and its BatchNorms really normalise per process (its weights end
+    apart from the synchronised run's: 25 times the 2e-4 the 1-vs-2 test allows, or more)."""
+    args = ["--data", str(crystal_data), *CRYSTAL_TINY, "--bs", "16", "--max-steps", "10"]
+    synced, alone = tmp_path / "synced", tmp_path / "alone"
+    run_recipe([*args, "--output-dir", str(synced)], cwd=tmp_path, script=CRYSTAL, nproc=2)
+    result = run_recipe(
+        [*args, "--no-sync-batchnorm", "--output-dir", str(alone)],
+        cwd=tmp_path, script=CRYSTAL, nproc=2,
+    )  # fmt: skip
+    assert "BatchNorm: each process's own statistics (--no-sync-batchnorm)" in result.stdout
+    assert metrics_log(alone)[0]["config"]["sync_batchnorm"] is False
+    first, second = exported_params(synced), exported_params(alone)
+    assert global_relative_difference(first, second) > 5e-3  # measured 2.3e-2
+
+
 GRADIENT_RANK = """
 import os, sys
 import numpy as np
@@ -942,6 +960,7 @@ torch.manual_seed(0)
 x = torch.randn(10, 4) * 3 + 1
 weight = torch.randn(10, 4)
 norm = BatchNorm(4)
+norm.synchronised = {synchronised}
 with torch.no_grad():
     norm.weight.copy_(torch.tensor([0.5, 1.0, 2.0, -1.0]))
     norm.bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.3]))
@@ -965,12 +984,16 @@ dist.destroy_process_group()
 
 
 @pytest.mark.dist
-def test_batch_norm_uses_the_global_batchs_statistics_on_two_processes(tmp_path):
+@pytest.mark.parametrize("synchronised", [True, False])
+def test_batch_norm_uses_the_global_batchs_statistics_on_two_processes(tmp_path, synchronised):
     """Rows split 6 + 4 over two gloo processes: the outputs, the gradients (of the inputs and
     of the affine parameters) and the running statistics are those of one process with all 10
-    rows (torch's BatchNorm1d), to float rounding."""
+    rows (torch's BatchNorm1d), to float rounding. Not synchronised (--no-sync-batchnorm), each
+    process's are those of torch's BatchNorm1d on its own rows, as under plain DDP."""
     script, out = tmp_path / "rank.py", tmp_path / "out.json"
-    script.write_text(BATCH_NORM_RANK.format(repo=str(REPO), out=str(out)))
+    script.write_text(
+        BATCH_NORM_RANK.format(repo=str(REPO), out=str(out), synchronised=synchronised)
+    )
     result = run_processes(script, [], 2, cwd=tmp_path, env=recipe_env(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr
     got = json.loads(out.read_text())
@@ -982,13 +1005,19 @@ def test_batch_norm_uses_the_global_batchs_statistics_on_two_processes(tmp_path)
     with torch.no_grad():
         norm.weight.copy_(torch.tensor([0.5, 1.0, 2.0, -1.0]))
         norm.bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.3]))
-    expected = norm(x)
+    if synchronised:
+        expected = norm(x)
+    else:  # each process's rows alone; the running statistics are the first process's
+        alone = torch.nn.functional.batch_norm
+        second = alone(x[6:], None, None, norm.weight, norm.bias, training=True)
+        expected = torch.cat([norm(x[:6]), second])
     (expected * weight).sum().backward()
+    state = norm.state_dict()
     assert torch.tensor(got["out"]) == pytest.approx(expected.detach(), abs=1e-5)
     assert torch.tensor(got["x_grad"]) == pytest.approx(x.grad, abs=1e-5)
     assert torch.tensor(got["grads"][0]) == pytest.approx(norm.weight.grad, abs=1e-5)
     assert torch.tensor(got["grads"][1]) == pytest.approx(norm.bias.grad, abs=1e-5)
-    for key, value in norm.state_dict().items():
+    for key, value in state.items():
         assert torch.tensor(got["state"][key]) == pytest.approx(value, abs=1e-6), key
 
 

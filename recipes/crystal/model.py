@@ -90,7 +90,13 @@ class BatchNorm(nn.BatchNorm1d):
     here, and at 60,000 rows its bias and weight gradients 3e-6 and 5e-4 relative against 4e-8
     and 6e-6 here (measured); with it, 1 and 2 processes took visibly different steps (a
     BatchNorm bias 1.4e-2 apart after 20). Evaluation: plain BatchNorm1d with the running
-    statistics, the original's."""
+    statistics, the original's.
+
+    `synchronised = False` (the recipe's --no-sync-batchnorm) skips the all-reduce: each process
+    normalises with its own rows' statistics, as plain DDP does (and the original's `distributed`
+    mode would): N processes then take other steps than one."""
+
+    synchronised: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -120,10 +126,15 @@ class BatchNorm(nn.BatchNorm1d):
             out = out * self.weight + self.bias
         return out.to(x.dtype)
 
-    @staticmethod
-    def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the processes, differentiable; the tensor itself in one process."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the processes, differentiable; the tensor itself in one process (or
+        when not synchronised)."""
+        if not (
+            self.synchronised
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
             return tensor
         with warnings.catch_warnings():  # its deprecation names a private replacement
             warnings.simplefilter("ignore", FutureWarning)
@@ -361,6 +372,13 @@ class EComformer(nn.Module):
                 x = self.equi_update(x, graph.edge_index, edge, graph.vector)
         out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
         return out.squeeze(-1)
+
+
+def synchronise_batchnorm(network: nn.Module, synchronised: bool) -> None:
+    """Every BatchNorm of the network with the global batch's statistics, or each process's."""
+    for module in network.modules():
+        if isinstance(module, BatchNorm):
+            module.synchronised = synchronised
 
 
 def build_network(
