@@ -291,7 +291,7 @@ def bench(
     cpu: bool = typer.Option(False, help="1 and 2 CPU processes even where there are GPUs."),
 ) -> None:
     """Samples/s of every recipe on 1 and 2 CPU processes (1..N GPUs where there are), next to
-    a hand-written DDP loop, all in one interleaved run (about 10 minutes on 2 cores)."""
+    a hand-written DDP loop, all in one interleaved run (about 6 minutes per repeat on 2 cores)."""
     typer.echo(run_benchmark(out, plot, repeats, cpu))
     console.print(f"wrote {out} and {plot}")
 
