@@ -82,7 +82,8 @@ CASES = (
         REPO / "recipes" / "train_template.py", 256, 40, 5, MLP_4M + REFERENCE_OPTIM,
     ),
     Case(
-        "pointcloud", "default (width 16, 16^3 voxels, 512 points)", "pointcloud",
+        "pointcloud", "default (PVCNN2 x0.25, 16^3 / 8^3 / 4^3 voxels, 512 points)",
+        "pointcloud",
         REPO / "recipes" / "train_pointcloud.py", 8, 45, 5, ("--sample-steps", "2"),
     ),
     Case(
