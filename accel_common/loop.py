@@ -326,7 +326,8 @@ class TrainLoop:
         taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
         gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
         Under fp16 the loss scaler makes that decision itself."""
-        if self.sync_timer is not None and not self.sync_timer.tried:
+        if self.sync_timer is not None:
+            self.sync_timer.backward_done()
             self.sync_timer.attach(model)  # times every later step (the first is never logged)
         if not self.accelerator.sync_gradients:
             return

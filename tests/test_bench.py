@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from accel_common.tools import bench
+from tests.conftest import REPO, recipe_env, run_processes
 
 TINY = ("--hidden", "16", "--depth", "1")
 
@@ -93,3 +95,45 @@ def test_steady_rate_drops_the_warm_up_window(tmp_path):
     assert bench.steady_rate(log) == pytest.approx(2 / (1 / 100 + 1 / 50))
     with pytest.raises(bench.RecipeError, match="throughput records"):
         bench.steady_rate(log, skip=3)
+
+
+TIMED_RANK = """
+import json, sys, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+sys.path.insert(0, {repo!r})
+from accel_common.sync_wait import SyncWaitTimer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(8, 1))
+timer = SyncWaitTimer()
+for step in range(6):
+    loss = model(torch.randn(4, 8)).square().mean()
+    if rank == 1:
+        time.sleep({late})  # the slow process: its gradients arrive this much later
+    loss.backward()
+    timer.backward_done()
+    timer.attach(model)  # as TrainLoop: after the first backward, which is not timed
+    timer.take_step()
+with open({out!r} + str(rank), "w") as f:
+    json.dump({{"attached": timer.attached, "waits": timer.waits}}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_the_process_that_waits_for_a_slow_one_measures_the_wait(tmp_path):
+    """Two processes, the second 0.3 s late to every all-reduce: the first measures about 0.3 s
+    of waiting per step, the second (the slow one) only the communication."""
+    late, script, out = 0.3, tmp_path / "rank.py", str(tmp_path / "waits")
+    script.write_text(TIMED_RANK.format(repo=str(REPO), late=late, out=out))
+    result = run_processes(script, [], 2, cwd=tmp_path, env=recipe_env(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, second = (json.loads(Path(out + str(rank)).read_text()) for rank in (0, 1))
+    assert first["attached"] and second["attached"]
+    assert len(first["waits"]) == len(second["waits"]) == 5  # the steps after the attaching one
+    assert all(0.8 * late < wait < 3 * late for wait in first["waits"]), first
+    assert all(wait < 0.5 * late for wait in second["waits"]), second
