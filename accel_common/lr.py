@@ -84,8 +84,9 @@ class Schedule:
     """Warmup, hold, then decay, as a multiplier of the peak LR at each optimizer step.
 
     `hold_steps` keep the peak LR after the warmup before the decay starts (the decay then spans
-    the remaining steps). `decay_every` > 1 advances the decay only every that many steps (one
-    epoch's: a torch scheduler stepped after each epoch, as cricketmodel's CosineAnnealingLR).
+    the remaining steps). `decay_every` > 1 changes the LR, warmup included, only every that many
+    steps (one epoch's: a torch scheduler stepped after each epoch, as cricketmodel's
+    CosineAnnealingLR and pcdiff's LinearLR warmup: in epoch e the warmup is e epochs along).
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
     per-step factor of exponential decay (1.0 keeps the LR constant after warmup).
     `warmup_start` is the fraction of the peak that warmup rises from (torch's LinearLR
@@ -141,6 +142,11 @@ class Schedule:
             rise_from = self.warmup_start
             if decay is Decay.onecycle and not rise_from:
                 rise_from = 0.04  # OneCycleLR starts at peak / 25
+            if self.decay_every > 1:  # a scheduler stepped per epoch: epoch e at e epochs' rise
+                return (
+                    rise_from
+                    + (1.0 - rise_from) * (step // self.decay_every) * self.decay_every / warmup
+                )
             return rise_from + (1.0 - rise_from) * (step + 1) / warmup
         start = warmup + self.hold_steps
         if decay is Decay.constant or step < start:
@@ -198,9 +204,9 @@ def make_lr_schedule(
 
     `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
     `max_steps` > 0 caps the run. `hold_epochs` keep the peak LR after the warmup;
-    `decay_per_epoch` changes the LR only at epoch boundaries. A parameter group with an
-    `lr_scale` entry gets that multiple of the peak LR. The scheduler is registered for
-    checkpointing, not prepared (see the module docstring for why).
+    `decay_per_epoch` changes the LR (warmup and decay) only at epoch boundaries. A parameter
+    group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler is
+    registered for checkpointing, not prepared (see the module docstring for why).
     """
     total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
     if total_steps < 1:

@@ -127,8 +127,8 @@ class TrainArgs(Settings):
     )
     decay_per_epoch: bool = setting(
         False,
-        "Change the LR only at epoch boundaries, as a torch scheduler stepped after each epoch "
-        "(else at every optimizer step).",
+        "Change the LR, warmup and decay, only at epoch boundaries, as a torch scheduler "
+        "stepped after each epoch (else at every optimizer step).",
     )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0

@@ -117,6 +117,34 @@ def test_hold_then_cosine_per_epoch_is_torchs_cosine_stepped_after_each_epoch():
     assert values[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 6 / 7)))  # epoch 12: 6/7
 
 
+def test_per_epoch_warmup_is_pcdiffs_linear_lr_stepped_after_each_epoch():
+    """pcdiff's schedule (train_completion.py): LinearLR(start_factor=0.01, total_iters=W
+    epochs), then ExponentialLR(gamma=1), stepped once per epoch: a staircase. With
+    `decay_every` one epoch's steps the warmup climbs it exactly; here 9 epochs of 5 steps, W 4."""
+    epochs, per_epoch, warmup_epochs, start = 9, 5, 4, 0.01
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    linear = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=start, total_iters=warmup_epochs
+    )
+    constant = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=1.0)
+    sequential = torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [linear, constant], milestones=[warmup_epochs]
+    )
+    expected = []
+    for _ in range(epochs):
+        expected += [optimizer.param_groups[0]["lr"]] * per_epoch
+        optimizer.step()  # no gradient: only the order torch expects
+        sequential.step()
+    schedule = Schedule(
+        total_steps=epochs * per_epoch, warmup_steps=warmup_epochs * per_epoch,
+        decay=Decay.constant, decay_every=per_epoch, warmup_start=start,
+    )  # fmt: skip
+    values = [schedule.multiplier(s) for s in range(epochs * per_epoch)]
+    assert values == pytest.approx(expected, rel=1e-12)
+    assert values[:per_epoch] == [start] * per_epoch  # the first epoch at the start factor
+    assert values[warmup_epochs * per_epoch :] == [1.0] * (epochs - warmup_epochs) * per_epoch
+
+
 def test_hold_after_warmup_and_per_step_decay():
     schedule = Schedule(total_steps=30, warmup_steps=4, decay=Decay.cosine, hold_steps=6)
     values = [schedule.multiplier(s) for s in range(30)]

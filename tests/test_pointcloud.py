@@ -384,6 +384,8 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
     assert plan["parameters"] == parameters() == "27648963"  # the original's PVCNN2
     assert plan["batch"] == "global batch 8 = 8 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 8, linear")
+    # its LinearLR warmup and ExponentialLR(gamma 1) step once per epoch (test_lr: the staircase)
+    assert plan["learning rate"].endswith("28000 warmup steps, then constant per epoch")
     assert plan["epochs"] == "15000"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
