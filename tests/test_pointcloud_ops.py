@@ -4,10 +4,12 @@ original's CUDA kernels (tests/pointcloud_reference.py), on small inputs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from recipes.pointcloud import ops
 from tests import pointcloud_reference as ref
+from tests.pointcloud_kernels import ReferenceKernels, compare_ops
 
 
 def cloud(batch: int, n: int, seed: int) -> torch.Tensor:
@@ -143,3 +145,42 @@ def test_the_ops_carry_gradients_like_the_kernels_backward():
     ops.nearest_neighbor_interpolate(coords, centers, center_features).sum().backward()
     # every point spreads weight 1 over its 3 centres: the gradients sum to the point count
     torch.testing.assert_close(center_features.grad.sum(), torch.tensor(2 * 30.0))
+
+
+TINY_CLOUD = dict(batch=2, points=96, centers=20, radius=0.9, neighbors=8, resolution=4, channels=3)
+
+
+def test_every_op_forward_and_backward_matches_the_kernels_interface():
+    """The harness the GPU suite runs against pcdiff's compiled kernels, here against their
+    brute-force transcriptions: identical indices, floats within 1e-5, backward passes included
+    (the kernels' own scatters, transcribed, against our autograd)."""
+    measured = compare_ops(ReferenceKernels(), "cpu", **TINY_CLOUD)
+    assert measured["fps_identical_samples"] == TINY_CLOUD["centers"]
+    assert measured["ball_query_lists_differing"] == measured["three_nn_points_differing"] == 0
+
+
+class FillWithLastNeighbour(ReferenceKernels):
+    """The original's CPU fallback's ball query (cpu_backend.py), not its kernel's."""
+
+    @staticmethod
+    def ball_query(centers, points, radius, k):
+        found = ReferenceKernels.ball_query(centers, points, radius, k).long()
+        inside = ((centers[:, :, :, None] - points[:, :, None, :]) ** 2).sum(1) < radius**2
+        count = inside.sum(2, keepdim=True).clamp(max=k)
+        last = found.gather(2, (count - 1).clamp(min=0))
+        return torch.where(torch.arange(k) < count, found, last).int()
+
+
+class StartAtTheLastPoint(ReferenceKernels):
+    @staticmethod
+    def furthest_point_sampling(coords, m):
+        flipped = ReferenceKernels.furthest_point_sampling(coords.flip(2), m)
+        return coords.shape[2] - 1 - flipped
+
+
+@pytest.mark.parametrize(
+    "kernels, op", [(FillWithLastNeighbour, "ball query"), (StartAtTheLastPoint, "farthest-point")]
+)
+def test_the_harness_finds_another_semantics(kernels, op):
+    with pytest.raises(AssertionError, match=op):
+        compare_ops(kernels(), "cpu", **TINY_CLOUD)
