@@ -524,13 +524,15 @@ def load_exported(
         state = load_file(str(model_path), device=str(device))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+    misfit = (
+        f"{model_path} does not fit this model (were the width/depth flags the same as in "
+        f"training? see {META_FILE} beside it)"
+    )
+    require_same_tensors(state, model.state_dict(), misfit)  # one line, not torch's list
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(
-            f"{model_path} does not fit this model (were the width/depth flags the same as in "
-            f"training? see {META_FILE} beside it): {err}"
-        ) from err
+        raise CheckpointError(f"{misfit}: {err}") from err
     return read_export_metadata(model_path) if model_path.with_suffix(".json").is_file() else {}
 
 

@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import inference_device, load_exported, read_recipe_export
 from accel_common.console import format_metrics
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
@@ -167,6 +167,7 @@ class PointCloudSettings(Settings):
                 f"points as centres), got {self.num_points}"
             )
         checked_sampler(self.sampler)
+        checked_sample_steps(self.sample_steps, self.sampler, self.timesteps)
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
 
@@ -238,7 +239,7 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
 
     model = build_model(args, settings)
     if settings.init_from:  # before the optimizer and the EMA copy see the weights
-        load_exported(Path(settings.init_from), model, device="cpu")
+        initialise_from(model, Path(settings.init_from))
         accelerator.print(f"initialised from {settings.init_from}")
     ema = (
         torch.optim.swa_utils.AveragedModel(
@@ -293,6 +294,19 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         if epoch % settings.eval_every == 0 or loop.done:
             loop.end_epoch(score())
     return loop.finish(model if ema is None else ema.module)
+
+
+def initialise_from(model: PVCNN2, source: Path) -> None:
+    """`--init-from`: an export's weights, loaded strictly. A pcdiff checkpoint or a missing path
+    is one line naming the flag and what to do (not a safetensors parse error)."""
+    if not source.exists():
+        raise ConfigError(f"--init-from {source}: no such export (a folder, or NAME.safetensors)")
+    if source.is_file() and source.suffix != ".safetensors":
+        raise ConfigError(
+            f"--init-from {source}: give an export (a folder, or NAME.safetensors); a pcdiff "
+            f"checkpoint is converted first: accel-recipes convert {source} OUT --from pcdiff"
+        )
+    load_exported(source, model, device="cpu")
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -393,9 +407,9 @@ def evaluate_export(
         Path("data/example/pointcloud"), "--data", help="SkullBreak-layout folder."
     ),
     split: str = typer.Option("test", help="Which split to score: <data>/<split>.csv."),
-    sample_steps: int = typer.Option(None, help="DDIM steps (default: as in training)."),
+    sample_steps: int = typer.Option(None, min=1, help="DDIM steps (default: as in training)."),
     sampler: str = typer.Option(None, help="ddpm or ddim (default: as in training)."),
-    num_ens: int = typer.Option(None, help="Implants per skull (default: as in training)."),
+    num_ens: int = typer.Option(None, min=1, help="Implants per skull (default: as in training)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
@@ -405,11 +419,11 @@ def evaluate_export(
     pool = implant_pool(skullbreak(data, "train", settings, seed=seed))
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
-    steps = sample_steps or settings.sample_steps
+    sampler = checked_sampler(sampler or settings.sampler)
+    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
     metrics = evaluate(
         accelerator, model, loader, diffusion, steps, torch.Generator().manual_seed(seed), pool,
-        dataset.unit, sampler=checked_sampler(sampler or settings.sampler),
-        num_ens=num_ens or settings.num_ens,
+        dataset.unit, sampler=sampler, num_ens=num_ens or settings.num_ens,
     )  # fmt: skip
     print(format_metrics(metrics))
 
@@ -419,6 +433,17 @@ def checked_sampler(name: str) -> str:
     if name not in ("ddpm", "ddim"):
         raise ConfigError(f"--sampler must be ddpm or ddim, got {name}")
     return name
+
+
+def checked_sample_steps(steps: int, sampler: str, timesteps: int) -> int:
+    """`steps`, unless DDIM is asked for more steps than the model has timesteps: it would
+    repeat timesteps (a network pass each, changing nothing) instead of taking that many."""
+    if sampler == "ddim" and steps > timesteps:
+        raise ConfigError(
+            f"--sample-steps {steps} exceeds the model's --timesteps {timesteps}: DDIM takes at "
+            f"most one step per timestep; give at most {timesteps}"
+        )
+    return steps
 
 
 def skull_condition(
@@ -440,20 +465,24 @@ def complete(
     out: Path = typer.Option(..., help="Where to write the generated implant .npy."),
     png: Path = typer.Option(None, help="Also write a picture of skull + implant."),
     sampler: str = typer.Option(None, help="ddpm (all T steps) or ddim (default: the export's)."),
-    sample_steps: int = typer.Option(None, help="DDIM steps (default: the export's)."),
+    sample_steps: int = typer.Option(None, min=1, help="DDIM steps (default: the export's)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Generate the implant for one defective skull with an exported model, on one device."""
+    if out.suffix != ".npy":  # np.save would write OUT.npy, past the check that OUT is new
+        raise DataError(f"--out {out}: give a file name ending in .npy")
     require_new_file(out)
+    if png is not None:
+        require_new_file(png, flag="--png")
     device = inference_device()
     model, settings = load_model(model_dir, device)
     sampler = checked_sampler(sampler or settings.sampler)
+    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
     points = load_points(skull)
     generator = torch.Generator().manual_seed(seed)
     num_skull_points = settings.num_points - settings.num_nn
     condition, center, scale = skull_condition(points, num_skull_points, generator)
     diffusion = Diffusion(settings.timesteps, device)
-    steps = sample_steps or settings.sample_steps
     generated = diffusion.sample(
         model, condition.to(device), settings.num_nn, steps, generator, sampler
     )
