@@ -182,3 +182,43 @@ def test_convert_says_what_the_checkpoint_does_not_record(tmp_path):
     assert "--num_points 512 --num_nn 64 --width_mult 0.25 --vox_res_mult 0.5" in result.output
     assert "--time_num 100 --beta_start 0.001 --beta_end 0.2" in result.output  # as diffusion.py
     assert "--radius-mult 4.0, --num-neighbors 32, --num-points 512" in result.output
+
+
+def test_convert_refuses_paths_it_cannot_use_in_one_line(tmp_path):
+    original_checkpoint(tmp_path / "ckpt.pth")
+    runner = CliRunner()
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "ckpt.pth"), str(mine), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 2 and "is a file; give a folder" in result.output, result.output
+    assert mine.read_text() == "mine"
+    # --to takes this recipe's export, not a pcdiff checkpoint
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "ckpt.pth"), str(tmp_path / "x.pth"), "--to", "pcdiff"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "not an export of the pointcloud recipe" in result.output
+    export = tmp_path / "export"
+    assert (
+        runner.invoke(
+            app, ["convert", str(tmp_path / "ckpt.pth"), str(export), "--from", "pcdiff"]
+        ).exit_code
+        == 0
+    )
+    result = runner.invoke(app, ["convert", str(export), str(mine / "x.pth"), "--to", "pcdiff"])
+    assert result.exit_code == 2 and f"cannot write {mine / 'x.pth'}" in result.output, (
+        result.output
+    )
+    assert mine.read_text() == "mine"
+
+
+def test_a_checkpoint_at_a_width_pvcnn2_cannot_build_is_refused(tmp_path):
+    original_checkpoint(tmp_path / "ckpt.pth")
+    checkpoint = torch.load(tmp_path / "ckpt.pth", weights_only=True)
+    key = "model._orig_mod.sa_layers.0.0.voxel_layers.0.weight"
+    checkpoint["model_state"][key] = torch.zeros(12, *checkpoint["model_state"][key].shape[1:])
+    torch.save(checkpoint, tmp_path / "odd.pth")
+    with pytest.raises(CheckpointError, match=r"odd\.pth: not PVCNN2 at a size it builds: .*12"):
+        convert.import_checkpoint(tmp_path / "odd.pth")

@@ -18,8 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from accel_common.checkpoint import load_exported, read_recipe_export, require_same_tensors
-from accel_common.errors import CheckpointError
+from accel_common.checkpoint import (
+    export_paths,
+    load_exported,
+    read_recipe_export,
+    require_same_tensors,
+)
+from accel_common.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from recipes.train_pointcloud import PointCloudSettings
@@ -107,6 +112,10 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     state = read_state(Path(source))
     settings = settings_for(state)
+    try:  # a width whose channels GroupNorm cannot split in 8 groups
+        settings.validate()
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: not PVCNN2 at a size it builds: {err}") from None
     expected = network(settings).state_dict()
     require_same_tensors(state, expected, f"{source}: not PVCNN2 at these sizes")
     return {k: v.to(expected[k].dtype).contiguous() for k, v in state.items()}, settings.as_config()
@@ -118,13 +127,24 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     as test_completion.py and the trainer with --disable_compile build it)."""
     from recipes.train_pointcloud import PointCloudSettings, network
 
+    weights, _ = export_paths(model_dir)
+    if not weights.is_file():
+        raise CheckpointError(
+            f"{model_dir}: not an export of the pointcloud recipe (no {weights}); --to pcdiff "
+            "takes the model folder training writes (OUTPUT/model)"
+        )
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, "pointcloud"))
     model = network(settings)
     load_exported(model_dir, model)
     state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, target)
+    partial = target.with_name(target.name + ".tmp")
+    try:  # via a temporary name: a failed write leaves a checkpoint already there unchanged
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, partial)
+        partial.replace(target)
+    except (OSError, RuntimeError) as err:  # torch.save reports an unwritable path as RuntimeError
+        raise CheckpointError(f"cannot write {target}: {str(err).splitlines()[0]}") from None
     describe_for_original(settings)
     return target
 
