@@ -42,7 +42,12 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import inference_device, load_exported, read_recipe_export
+from accel_common.checkpoint import (
+    export_paths,
+    inference_device,
+    load_exported,
+    read_recipe_export,
+)
 from accel_common.console import format_metrics
 from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
@@ -210,6 +215,20 @@ def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) 
     )
 
 
+def csv_folder(data: Path, flag: str, split: str) -> Path:
+    """The SkullBreak folder `data` names: itself, or the folder of its <split>.csv (the original
+    passes its train.csv). Another CSV is refused: the split read is always <split>.csv beside it,
+    so the file given would be silently replaced."""
+    if data.suffix != ".csv":
+        return data
+    if data.name != f"{split}.csv":
+        raise ConfigError(
+            f"{flag} {data}: the recipe reads train.csv and test.csv in one SkullBreak folder; "
+            f"give that folder, or name the file {split}.csv"
+        )
+    return data.parent
+
+
 @train_command(
     PointCloudSettings,
     build_model=build_model,
@@ -224,8 +243,8 @@ def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) 
 )
 def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
-    if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
-        args.data = args.data.parent
+    if args.data is not None:  # the original passes train.csv
+        args.data = csv_folder(args.data, "--data/--path", "train")
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     train_set = skullbreak(data_dir, "train", settings, seed=args.seed)
@@ -393,6 +412,10 @@ def evaluate(
 def load_model(model_dir: Path, device: torch.device) -> tuple[PVCNN2, PointCloudSettings]:
     """An exported model on `device`, and the settings it was trained with."""
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, RECIPE))
+    try:  # a model.json edited by hand would fail deep inside the network
+        settings.validate()
+    except ConfigError as err:
+        raise ConfigError(f"{export_paths(model_dir)[1]}: {err}") from None
     model = network(settings)
     load_exported(model_dir, model, device="cpu")
     return model.to(device).eval(), settings
@@ -413,6 +436,7 @@ def evaluate_export(
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
+    data = csv_folder(data, "--data", split)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model, settings = load_model(model_dir, accelerator.device)
     dataset = skullbreak(data, split, settings, seed=seed)
@@ -479,6 +503,8 @@ def complete(
     sampler = checked_sampler(sampler or settings.sampler)
     steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
     points = load_points(skull)
+    if np.ptp(points, axis=0).max() == 0:  # normalising by its extent would divide by zero
+        raise DataError(f"--skull {skull}: its points all coincide; give a skull's surface points")
     generator = torch.Generator().manual_seed(seed)
     num_skull_points = settings.num_points - settings.num_nn
     condition, center, scale = skull_condition(points, num_skull_points, generator)

@@ -632,3 +632,38 @@ def test_init_from_names_the_flag_and_what_it_takes(tmp_path):
     recipe.initialise_from(recipe.network(recipe.PointCloudSettings(
         num_points=256, num_nn=32, vox_res_mult=0.125, num_neighbors=8, embed_dim=16
     )), tmp_path / "export")  # fmt: skip
+
+
+def test_a_csv_other_than_the_splits_is_refused_not_replaced(tmp_path):
+    """The original trains on the CSV --path names; the recipe reads train.csv beside it, so
+    another name would train on a file the user did not give."""
+    assert recipe.csv_folder(tmp_path / "train.csv", "--data", "train") == tmp_path
+    assert recipe.csv_folder(tmp_path, "--data", "train") == tmp_path
+    with pytest.raises(ConfigError, match=r"--data .*train_small\.csv: .*train\.csv"):
+        recipe.csv_folder(tmp_path / "train_small.csv", "--data", "train")
+    tiny_export(tmp_path / "model")
+    data = write_dataset(tmp_path / "data", train_skulls=1, test_skulls=1, points_per_skull=300)
+    args = ["--model", str(tmp_path / "model"), "--data", str(data / "train.csv")]
+    result = CliRunner().invoke(command_app(recipe.evaluate_export), args)
+    assert result.exit_code == 2 and "name the file test.csv" in result.output, result.output
+
+
+@pytest.mark.parametrize("points", [np.ones((1, 3)), np.ones((40, 3))])
+def test_complete_refuses_a_skull_whose_points_coincide(tmp_path, points):
+    """Its bounding box has no extent: normalising divides by zero (it crashed in voxelisation)."""
+    args = complete_args(tmp_path, "--out", str(tmp_path / "implant.npy"))
+    np.save(tmp_path / "skull.npy", points.astype(np.float32))
+    result = CliRunner().invoke(command_app(recipe.complete), args)
+    assert result.exit_code == 2, result.output
+    assert "skull.npy: its points all coincide" in result.output
+    assert not (tmp_path / "implant.npy").exists()
+
+
+def test_an_export_with_an_impossible_setting_names_its_json(tmp_path):
+    tiny_export(tmp_path / "model")
+    meta = tmp_path / "model" / "model.json"
+    document = json.loads(meta.read_text())
+    document["config"]["vox_res_mult"] = 0.01  # edited by hand: the 8^3 grid vanishes
+    meta.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match=r"model\.json: --vox-res-mult 0\.01"):
+        recipe.load_model(tmp_path / "model", torch.device("cpu"))
