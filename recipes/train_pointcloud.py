@@ -318,12 +318,16 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
 def initialise_from(model: PVCNN2, source: Path) -> None:
     """`--init-from`: an export's weights, loaded strictly. A pcdiff checkpoint or a missing path
     is one line naming the flag and what to do (not a safetensors parse error)."""
-    if not source.exists():
-        raise ConfigError(f"--init-from {source}: no such export (a folder, or NAME.safetensors)")
     if source.is_file() and source.suffix != ".safetensors":
         raise ConfigError(
             f"--init-from {source}: give an export (a folder, or NAME.safetensors); a pcdiff "
             f"checkpoint is converted first: accel-recipes convert {source} OUT --from pcdiff"
+        )
+    weights, _ = export_paths(source)
+    if not weights.is_file():
+        raise ConfigError(
+            f"--init-from {source}: no export there (no {weights}); give the model folder a "
+            "training run wrote (OUTPUT/model), or its NAME.safetensors"
         )
     load_exported(source, model, device="cpu")
 
@@ -495,9 +499,11 @@ def complete(
     """Generate the implant for one defective skull with an exported model, on one device."""
     if out.suffix != ".npy":  # np.save would write OUT.npy, past the check that OUT is new
         raise DataError(f"--out {out}: give a file name ending in .npy")
-    require_new_file(out)
-    if png is not None:
-        require_new_file(png, flag="--png")
+    if png is not None and png.resolve() == out.resolve():
+        raise DataError(f"--png: give another file than --out {out} (the picture would replace it)")
+    for path, flag in ((out, "--out"), (png, "--png")):  # before sampling, not after it
+        if path is not None:
+            new_file_in_folder(path, flag)
     device = inference_device()
     model, settings = load_model(model_dir, device)
     sampler = checked_sampler(sampler or settings.sampler)
@@ -513,12 +519,24 @@ def complete(
         model, condition.to(device), settings.num_nn, steps, generator, sampler
     )
     implant = generated[0].cpu().numpy() * scale + center
-    out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, implant.astype(np.float32))
     print(f"wrote {out}: {len(implant)} implant points")
     if png is not None:
         render_point_clouds(png, [(points, (170, 170, 170)), (implant, (220, 60, 40))])
         print(f"wrote {png}")
+
+
+def new_file_in_folder(path: Path, flag: str) -> None:
+    """An output file of `complete` that is not there yet, with its folder made: checked before
+    the sampling, so a bad path fails in one line instead of after the work."""
+    require_new_file(path, flag)
+    existing = next(parent for parent in path.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise DataError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"{flag} {path}: cannot create its folder ({err.strerror})") from None
 
 
 def prepare(

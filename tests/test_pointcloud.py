@@ -604,6 +604,27 @@ def test_complete_refuses_what_it_would_silently_change(tmp_path, monkeypatch, f
     assert not list(tmp_path.glob("implant*"))
 
 
+def test_complete_writes_no_file_over_another_and_makes_their_folders(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    out = tmp_path / "implant.npy"
+    cases = [
+        (["--out", str(out), "--png", str(out)], "--png: give another file than --out"),
+        (["--out", str(mine / "implant.npy")], f"implant.npy: {mine} is a file, not a folder"),
+        (["--out", str(out), "--png", str(mine / "v.png")], f"v.png: {mine} is a file, not a"),
+    ]
+    for flags, message in cases:
+        result = CliRunner().invoke(command_app(recipe.complete), complete_args(tmp_path, *flags))
+        assert result.exit_code == 2, result.output
+        assert message in result.output and not out.exists(), result.output
+    assert mine.read_text() == "mine"
+    png = tmp_path / "new" / "views" / "view.png"
+    args = complete_args(tmp_path, "--out", str(out), "--png", str(png), "--sample-steps", "2")
+    result = CliRunner().invoke(command_app(recipe.complete), args)
+    assert result.exit_code == 0, result.output
+    assert np.load(out).shape == (32, 3) and png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_complete_keeps_an_existing_picture(tmp_path):
     png = tmp_path / "view.png"
     png.write_bytes(b"mine")
@@ -620,8 +641,12 @@ def test_init_from_names_the_flag_and_what_it_takes(tmp_path):
     torch.save({"model_state": {f"model.{k}": v for k, v in model.state_dict().items()}}, pcdiff)
     with pytest.raises(ConfigError, match=r"--init-from .*model_best\.pth: .*--from pcdiff"):
         recipe.initialise_from(model, pcdiff)
-    with pytest.raises(ConfigError, match=r"--init-from .*missing: no such export"):
+    with pytest.raises(ConfigError, match=r"--init-from .*missing: no export there"):
         recipe.initialise_from(model, tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"--init-from .*data: no export there"):
+        recipe.initialise_from(
+            model, write_dataset(tmp_path / "data", train_skulls=1, test_skulls=1)
+        )
     wider = recipe.network(recipe.PointCloudSettings(num_points=256, num_nn=32, width_mult=0.5))
     with pytest.raises(CheckpointError) as refused:
         recipe.initialise_from(wider, tmp_path / "export")
