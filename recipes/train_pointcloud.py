@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -258,8 +259,10 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
 
     model = build_model(args, settings)
     if settings.init_from:  # before the optimizer and the EMA copy see the weights
-        initialise_from(model, Path(settings.init_from))
-        accelerator.print(f"initialised from {settings.init_from}")
+        recorded = initialise_from(model, Path(settings.init_from))
+        accelerator.print(
+            f"initialised from {settings.init_from}{unshaped_differences(recorded, settings)}"
+        )
     ema = (
         torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)
@@ -315,9 +318,10 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
     return loop.finish(model if ema is None else ema.module)
 
 
-def initialise_from(model: PVCNN2, source: Path) -> None:
-    """`--init-from`: an export's weights, loaded strictly. A pcdiff checkpoint or a missing path
-    is one line naming the flag and what to do (not a safetensors parse error)."""
+def initialise_from(model: PVCNN2, source: Path) -> dict[str, Any]:
+    """`--init-from`: an export's weights, loaded strictly; returns its JSON. A pcdiff checkpoint
+    or a missing path is one line naming the flag and what to do (not a safetensors parse
+    error)."""
     if source.is_file() and source.suffix != ".safetensors":
         raise ConfigError(
             f"--init-from {source}: give an export (a folder, or NAME.safetensors); a pcdiff "
@@ -329,7 +333,28 @@ def initialise_from(model: PVCNN2, source: Path) -> None:
             f"--init-from {source}: no export there (no {weights}); give the model folder a "
             "training run wrote (OUTPUT/model), or its NAME.safetensors"
         )
-    load_exported(source, model, device="cpu")
+    return load_exported(source, model, device="cpu")
+
+
+# settings that change what PVCNN2 computes but no tensor's shape: a strict load cannot see them
+UNSHAPED = ("num_points", "vox_res_mult", "radius_mult", "num_neighbors")
+
+
+def unshaped_differences(recorded: dict[str, Any], settings: PointCloudSettings) -> str:
+    """A note naming the UNSHAPED settings this run changes from the export it starts from
+    (empty if none): fine-tuning at other voxel grids or neighbourhoods is allowed, not silent."""
+    config = recorded.get("config") or {}
+    changed = [
+        f"--{name.replace('_', '-')} {config[name]} (this run: {getattr(settings, name)})"
+        for name in UNSHAPED
+        if name in config and config[name] != getattr(settings, name)
+    ]
+    if not changed:
+        return ""
+    return (
+        f"; note: it was trained with {', '.join(changed)}: these change no weight's shape, "
+        "but what the network computes"
+    )
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality

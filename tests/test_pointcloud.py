@@ -692,3 +692,19 @@ def test_an_export_with_an_impossible_setting_names_its_json(tmp_path):
     meta.write_text(json.dumps(document))
     with pytest.raises(ConfigError, match=r"model\.json: --vox-res-mult 0\.01"):
         recipe.load_model(tmp_path / "model", torch.device("cpu"))
+
+
+def test_init_from_says_which_shape_free_settings_differ_from_the_exports(tmp_path):
+    """Voxel grids, radii, neighbours and centres change no tensor, so a strict load accepts an
+    export trained at others: the run would fine-tune another function without a word."""
+    model = tiny_export(tmp_path / "export")
+    recorded = recipe.initialise_from(model, tmp_path / "export")
+    same = recipe.PointCloudSettings.from_config(recorded["config"])
+    assert recipe.unshaped_differences(recorded, same) == ""
+    other = recipe.PointCloudSettings.from_config(recorded["config"], vox_res_mult=0.5)
+    other.num_neighbors = 32
+    note = recipe.unshaped_differences(recorded, other)
+    assert (
+        "--vox-res-mult 0.125 (this run: 0.5)" in note
+        and "--num-neighbors 8 (this run: 32)" in note
+    )
