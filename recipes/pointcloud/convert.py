@@ -51,20 +51,20 @@ def read_state(source: Path) -> dict[str, torch.Tensor]:
         loaded = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{source}: no such file") from None
-    except pickle.UnpicklingError as err:  # an object weights_only refuses (torch names it)
+    except Exception as err:  # an object weights_only refuses, or not a torch.save file
         refused = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = f"a pickled {refused.group(1)} object" if refused else "pickled non-tensor objects"
+        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
+            raise CheckpointError(
+                f"{source}: holds a pickled {refused.group(1)} object, which is not unpickled "
+                "here (weights_only: unpickling can run code). If you trust the file, save the "
+                f"weights alone and convert that: torch.save({{'model_state': torch.load("
+                f"'{source}', weights_only=False)['model_state']}}, 'weights.pth')"
+            ) from None
+        # torch's own text is a paragraph (the unpickler's) or a sentence (the zip reader's)
+        detail = str(err).split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
+        first = detail.splitlines()[0] if detail else err.__class__.__name__
         raise CheckpointError(
-            f"{source}: holds {what}, which is not unpickled here (weights_only: unpickling can "
-            "run code). If you trust the file, save the weights alone and convert that: "
-            f"torch.save({{'model_state': torch.load('{source}', weights_only=False)"
-            "['model_state']}, 'weights.pth')"
-        ) from None
-    except Exception as err:  # not a torch.save file, or a truncated one
-        first = str(err).split(". ")[0].splitlines()[0] if str(err).strip() else ""
-        raise CheckpointError(
-            f"{source}: not a torch checkpoint, or a damaged one ({err.__class__.__name__}: "
-            f"{first})"
+            f"{source}: not a torch checkpoint, or a damaged one ({first})"
         ) from None
     state = loaded.get("model_state", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -97,12 +97,6 @@ def settings_for(state: dict[str, torch.Tensor]) -> PointCloudSettings:
     preset["width_mult"] = first.shape[0] / 32
     preset["embed_dim"] = embed.shape[0]
     preset["attention"] = "global_att.q.weight" in state
-    print(
-        f"note: a pcdiff checkpoint does not record --vox_res_mult; assumed vox_res_mult "
-        f"{float(preset['vox_res_mult'])} (its default): for one trained with another, set "
-        "config.vox_res_mult in the export's model.json",
-        file=sys.stderr,
-    )
     return PointCloudSettings.from_config(preset)
 
 
@@ -118,6 +112,12 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         raise CheckpointError(f"{source}: not PVCNN2 at a size it builds: {err}") from None
     expected = network(settings).state_dict()
     require_same_tensors(state, expected, f"{source}: not PVCNN2 at these sizes")
+    print(
+        f"note: a pcdiff checkpoint does not record --vox_res_mult; assumed vox_res_mult "
+        f"{settings.vox_res_mult} (its default): for one trained with another, set "
+        "config.vox_res_mult in the export's model.json",
+        file=sys.stderr,
+    )
     return {k: v.to(expected[k].dtype).contiguous() for k, v in state.items()}, settings.as_config()
 
 
