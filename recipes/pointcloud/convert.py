@@ -62,7 +62,7 @@ def read_state(source: Path) -> dict[str, torch.Tensor]:
             ) from None
         # torch's own text is a paragraph (the unpickler's) or a sentence (the zip reader's)
         detail = str(err).split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
-        first = detail.splitlines()[0] if detail else err.__class__.__name__
+        first = f"{err.__class__.__name__}: {detail.splitlines()[0] if detail else ''}"
         raise CheckpointError(
             f"{source}: not a torch checkpoint, or a damaged one ({first})"
         ) from None
