@@ -212,6 +212,11 @@ def test_convert_refuses_paths_it_cannot_use_in_one_line(tmp_path):
         result.output
     )
     assert mine.read_text() == "mine"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = runner.invoke(app, ["convert", str(export), str(folder), "--to", "pcdiff", "--force"])
+    assert result.exit_code == 2 and f"{folder} is a folder" in result.output, result.output
+    assert folder.is_dir() and not list(tmp_path.glob("*.tmp"))  # nothing half-written is left
 
 
 def test_a_checkpoint_at_a_width_pvcnn2_cannot_build_is_refused(tmp_path):

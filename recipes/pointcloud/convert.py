@@ -9,6 +9,7 @@ are this recipe's PVCNN2's own, one to one.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import sys
@@ -138,12 +139,18 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     load_exported(model_dir, model)
     state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     target = Path(target)
+    if target.is_dir():
+        raise CheckpointError(
+            f"{target} is a folder; --to pcdiff writes a file, e.g. model_best.pth"
+        )
     partial = target.with_name(target.name + ".tmp")
     try:  # via a temporary name: a failed write leaves a checkpoint already there unchanged
         target.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, partial)
         partial.replace(target)
     except (OSError, RuntimeError) as err:  # torch.save reports an unwritable path as RuntimeError
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write {target}: {str(err).splitlines()[0]}") from None
     describe_for_original(settings)
     return target
