@@ -396,6 +396,20 @@ def export_paths(target: Path) -> tuple[Path, Path]:
     return target / MODEL_FILE, target / META_FILE
 
 
+def require_export_target(target: Path, force: bool) -> Path:
+    """The weights file an export to `target` writes, checked before anything is read: not under
+    a file, and not over an export unless `force`."""
+    model_path, _ = export_paths(target)
+    if model_path.parent.exists() and not model_path.parent.is_dir():
+        raise CheckpointError(
+            f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
+            "NAME.safetensors path"
+        )
+    if model_path.exists() and not force:
+        raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
+    return model_path
+
+
 def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
     """Write the weights and their JSON (see `export_paths`), each via a temporary name."""
     model_path, meta_path = export_paths(target)
@@ -524,13 +538,15 @@ def load_exported(
         state = load_file(str(model_path), device=str(device))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+    misfit = (
+        f"{model_path} does not fit this model (were the width/depth flags the same as in "
+        f"training? see {META_FILE} beside it)"
+    )
+    require_same_tensors(state, model.state_dict(), misfit)  # one line, not torch's list
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(
-            f"{model_path} does not fit this model (were the width/depth flags the same as in "
-            f"training? see {META_FILE} beside it): {err}"
-        ) from err
+        raise CheckpointError(f"{misfit}: {err}") from err
     return read_export_metadata(model_path) if model_path.with_suffix(".json").is_file() else {}
 
 
@@ -694,14 +710,7 @@ def convert_checkpoint(
 ) -> Path:
     """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
     is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json)."""
-    model_path, _ = export_paths(target)
-    if model_path.parent.exists() and not model_path.parent.is_dir():
-        raise CheckpointError(
-            f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
-            "NAME.safetensors path"
-        )
-    if model_path.exists() and not force:
-        raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
+    require_export_target(target, force)
     state = read_state_dict(source, model_index)
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
     return write_export(state, target, metadata)

@@ -183,10 +183,11 @@ def require_writable_output_dir(output_dir: Path) -> None:
         ) from None
 
 
-def require_new_file(out: Path) -> None:
-    """A single-device command's --out: a result already there is never overwritten."""
+def require_new_file(out: Path, flag: str = "--out") -> None:
+    """A single-device command's --out (or another output `flag`): a result already there is
+    never overwritten."""
     if out.exists():
-        raise DataError(f"{out} exists; choose another --out (nothing was overwritten)")
+        raise DataError(f"{flag} {out} exists; choose another {flag} (nothing was overwritten)")
 
 
 def require_requested_devices(cpu: bool) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +43,14 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import inference_device, load_exported, read_recipe_export
+from accel_common.checkpoint import (
+    export_paths,
+    inference_device,
+    load_exported,
+    read_recipe_export,
+)
 from accel_common.console import format_metrics
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, DataError
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
@@ -167,6 +173,7 @@ class PointCloudSettings(Settings):
                 f"points as centres), got {self.num_points}"
             )
         checked_sampler(self.sampler)
+        checked_sample_steps(self.sample_steps, self.sampler, self.timesteps)
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
 
@@ -209,6 +216,20 @@ def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) 
     )
 
 
+def csv_folder(data: Path, flag: str, split: str) -> Path:
+    """The SkullBreak folder `data` names: itself, or the folder of its <split>.csv (the original
+    passes its train.csv). Another CSV is refused: the split read is always <split>.csv beside it,
+    so the file given would be silently replaced."""
+    if data.suffix != ".csv":
+        return data
+    if data.name != f"{split}.csv":
+        raise ConfigError(
+            f"{flag} {data}: the recipe reads train.csv and test.csv in one SkullBreak folder; "
+            f"give that folder, or name the file {split}.csv"
+        )
+    return data.parent
+
+
 @train_command(
     PointCloudSettings,
     build_model=build_model,
@@ -223,8 +244,8 @@ def skullbreak(root: Path, split: str, settings: PointCloudSettings, seed: int) 
 )
 def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
-    if args.data is not None and args.data.suffix == ".csv":  # the original passes train.csv
-        args.data = args.data.parent
+    if args.data is not None:  # the original passes train.csv
+        args.data = csv_folder(args.data, "--data/--path", "train")
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     train_set = skullbreak(data_dir, "train", settings, seed=args.seed)
@@ -238,8 +259,10 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
 
     model = build_model(args, settings)
     if settings.init_from:  # before the optimizer and the EMA copy see the weights
-        load_exported(Path(settings.init_from), model, device="cpu")
-        accelerator.print(f"initialised from {settings.init_from}")
+        recorded = initialise_from(model, Path(settings.init_from))
+        accelerator.print(
+            f"initialised from {settings.init_from}{unshaped_differences(recorded, settings)}"
+        )
     ema = (
         torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)
@@ -293,6 +316,45 @@ def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
         if epoch % settings.eval_every == 0 or loop.done:
             loop.end_epoch(score())
     return loop.finish(model if ema is None else ema.module)
+
+
+def initialise_from(model: PVCNN2, source: Path) -> dict[str, Any]:
+    """`--init-from`: an export's weights, loaded strictly; returns its JSON. A pcdiff checkpoint
+    or a missing path is one line naming the flag and what to do (not a safetensors parse
+    error)."""
+    if source.is_file() and source.suffix != ".safetensors":
+        raise ConfigError(
+            f"--init-from {source}: give an export (a folder, or NAME.safetensors); a pcdiff "
+            f"checkpoint is converted first: accel-recipes convert {source} OUT --from pcdiff"
+        )
+    weights, _ = export_paths(source)
+    if not weights.is_file():
+        raise ConfigError(
+            f"--init-from {source}: no export there (no {weights}); give the model folder a "
+            "training run wrote (OUTPUT/model), or its NAME.safetensors"
+        )
+    return load_exported(source, model, device="cpu")
+
+
+# settings that change what PVCNN2 computes but no tensor's shape: a strict load cannot see them
+UNSHAPED = ("num_points", "vox_res_mult", "radius_mult", "num_neighbors")
+
+
+def unshaped_differences(recorded: dict[str, Any], settings: PointCloudSettings) -> str:
+    """A note naming the UNSHAPED settings this run changes from the export it starts from
+    (empty if none): fine-tuning at other voxel grids or neighbourhoods is allowed, not silent."""
+    config = recorded.get("config") or {}
+    changed = [
+        f"--{name.replace('_', '-')} {config[name]} (this run: {getattr(settings, name)})"
+        for name in UNSHAPED
+        if name in config and config[name] != getattr(settings, name)
+    ]
+    if not changed:
+        return ""
+    return (
+        f"; note: it was trained with {', '.join(changed)}: these change no weight's shape, "
+        "but what the network computes"
+    )
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -379,6 +441,10 @@ def evaluate(
 def load_model(model_dir: Path, device: torch.device) -> tuple[PVCNN2, PointCloudSettings]:
     """An exported model on `device`, and the settings it was trained with."""
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, RECIPE))
+    try:  # a model.json edited by hand would fail deep inside the network
+        settings.validate()
+    except ConfigError as err:
+        raise ConfigError(f"{export_paths(model_dir)[1]}: {err}") from None
     model = network(settings)
     load_exported(model_dir, model, device="cpu")
     return model.to(device).eval(), settings
@@ -393,23 +459,24 @@ def evaluate_export(
         Path("data/example/pointcloud"), "--data", help="SkullBreak-layout folder."
     ),
     split: str = typer.Option("test", help="Which split to score: <data>/<split>.csv."),
-    sample_steps: int = typer.Option(None, help="DDIM steps (default: as in training)."),
+    sample_steps: int = typer.Option(None, min=1, help="DDIM steps (default: as in training)."),
     sampler: str = typer.Option(None, help="ddpm or ddim (default: as in training)."),
-    num_ens: int = typer.Option(None, help="Implants per skull (default: as in training)."),
+    num_ens: int = typer.Option(None, min=1, help="Implants per skull (default: as in training)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
+    data = csv_folder(data, "--data", split)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model, settings = load_model(model_dir, accelerator.device)
     dataset = skullbreak(data, split, settings, seed=seed)
     pool = implant_pool(skullbreak(data, "train", settings, seed=seed))
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
-    steps = sample_steps or settings.sample_steps
+    sampler = checked_sampler(sampler or settings.sampler)
+    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
     metrics = evaluate(
         accelerator, model, loader, diffusion, steps, torch.Generator().manual_seed(seed), pool,
-        dataset.unit, sampler=checked_sampler(sampler or settings.sampler),
-        num_ens=num_ens or settings.num_ens,
+        dataset.unit, sampler=sampler, num_ens=num_ens or settings.num_ens,
     )  # fmt: skip
     print(format_metrics(metrics))
 
@@ -419,6 +486,17 @@ def checked_sampler(name: str) -> str:
     if name not in ("ddpm", "ddim"):
         raise ConfigError(f"--sampler must be ddpm or ddim, got {name}")
     return name
+
+
+def checked_sample_steps(steps: int, sampler: str, timesteps: int) -> int:
+    """`steps`, unless DDIM is asked for more steps than the model has timesteps: it would
+    repeat timesteps (a network pass each, changing nothing) instead of taking that many."""
+    if sampler == "ddim" and steps > timesteps:
+        raise ConfigError(
+            f"--sample-steps {steps} exceeds the model's --timesteps {timesteps}: DDIM takes at "
+            f"most one step per timestep; give at most {timesteps}"
+        )
+    return steps
 
 
 def skull_condition(
@@ -440,30 +518,50 @@ def complete(
     out: Path = typer.Option(..., help="Where to write the generated implant .npy."),
     png: Path = typer.Option(None, help="Also write a picture of skull + implant."),
     sampler: str = typer.Option(None, help="ddpm (all T steps) or ddim (default: the export's)."),
-    sample_steps: int = typer.Option(None, help="DDIM steps (default: the export's)."),
+    sample_steps: int = typer.Option(None, min=1, help="DDIM steps (default: the export's)."),
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Generate the implant for one defective skull with an exported model, on one device."""
-    require_new_file(out)
+    if out.suffix != ".npy":  # np.save would write OUT.npy, past the check that OUT is new
+        raise DataError(f"--out {out}: give a file name ending in .npy")
+    if png is not None and png.resolve() == out.resolve():
+        raise DataError(f"--png: give another file than --out {out} (the picture would replace it)")
+    for path, flag in ((out, "--out"), (png, "--png")):  # before sampling, not after it
+        if path is not None:
+            new_file_in_folder(path, flag)
     device = inference_device()
     model, settings = load_model(model_dir, device)
     sampler = checked_sampler(sampler or settings.sampler)
+    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
     points = load_points(skull)
+    if np.ptp(points, axis=0).max() == 0:  # normalising by its extent would divide by zero
+        raise DataError(f"--skull {skull}: its points all coincide; give a skull's surface points")
     generator = torch.Generator().manual_seed(seed)
     num_skull_points = settings.num_points - settings.num_nn
     condition, center, scale = skull_condition(points, num_skull_points, generator)
     diffusion = Diffusion(settings.timesteps, device)
-    steps = sample_steps or settings.sample_steps
     generated = diffusion.sample(
         model, condition.to(device), settings.num_nn, steps, generator, sampler
     )
     implant = generated[0].cpu().numpy() * scale + center
-    out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, implant.astype(np.float32))
     print(f"wrote {out}: {len(implant)} implant points")
     if png is not None:
         render_point_clouds(png, [(points, (170, 170, 170)), (implant, (220, 60, 40))])
         print(f"wrote {png}")
+
+
+def new_file_in_folder(path: Path, flag: str) -> None:
+    """An output file of `complete` that is not there yet, with its folder made: checked before
+    the sampling, so a bad path fails in one line instead of after the work."""
+    require_new_file(path, flag)
+    existing = next(parent for parent in path.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise DataError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"{flag} {path}: cannot create its folder ({err.strerror})") from None
 
 
 def prepare(

@@ -132,3 +132,46 @@ def test_plan_names_ref_lr_for_a_bad_ref_lr(value):
 def test_plan_measure_checks_ref_lr_before_measuring(tmp_path):
     line = one_error_line(invoke("plan", "--measure", "template", "--ref-lr", "nan"))
     assert line.startswith("error: --ref-lr must be a positive number, got nan")
+
+
+def pcdiff_checkpoint(path: Path, **extra: object) -> Path:
+    """A checkpoint as pcdiff's trainer saves it, of a small PVCNN2 (random weights)."""
+    import torch
+
+    from recipes.pointcloud.model import PVCNN2
+
+    model = PVCNN2(num_points=192, width_multiplier=0.25, embed_dim=16)
+    state = {f"model._orig_mod.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"epoch": 1, "model_state": state, "loss": 0.5, **extra}, path)
+    return path
+
+
+def test_convert_from_pcdiff_refuses_in_one_line(tmp_path):
+    import argparse
+
+    import torch
+
+    good = pcdiff_checkpoint(tmp_path / "model_best.pth")
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint\n")
+    pickled = pcdiff_checkpoint(tmp_path / "args.pth", args=argparse.Namespace(lr=2e-4))
+    narrow = tmp_path / "narrow.pth"
+    checkpoint = torch.load(good, weights_only=True)
+    checkpoint["model_state"]["model._orig_mod.sa_layers.0.0.voxel_layers.0.weight"] = torch.zeros(
+        12, 3, 3, 3, 3
+    )
+    torch.save(checkpoint, narrow)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine")
+    cases = [
+        (text, tmp_path / "a", "not a torch checkpoint"),
+        (pickled, tmp_path / "b", "holds a pickled argparse.Namespace object"),
+        (narrow, tmp_path / "c", "not PVCNN2 at a size it builds"),
+        (good, mine, "is a file; give a folder"),
+    ]
+    for source, out, message in cases:
+        line = one_error_line(invoke("convert", str(source), str(out), "--from", "pcdiff"))
+        assert message in line
+    assert mine.read_text() == "mine"
+    line = one_error_line(invoke("convert", str(good), str(tmp_path / "x.pth"), "--to", "pcdiff"))
+    assert "not an export of the pointcloud recipe" in line

@@ -4,6 +4,7 @@ count, the trainer's checkpoint format, and the forward pass for the same weight
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.checkpoint import load_exported, read_export_metadata, write_export
 from accel_common.errors import CheckpointError
 from accel_common.tools.cli import app
 from recipes.pointcloud import convert
@@ -135,3 +136,94 @@ def test_training_starts_from_a_converted_original_checkpoint(tmp_path, pointclo
     # one step at lr 1e-9 (after the warm-up's first, smaller, step) leaves them all but equal
     for key, value in weights.items():
         torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
+
+
+def test_an_unreadable_checkpoint_is_one_line_saying_what_it_is(tmp_path):
+    weights = original_checkpoint(tmp_path / "ckpt.pth")
+    text = tmp_path / "notes.pth"
+    text.write_text("hello\n")
+    with pytest.raises(CheckpointError, match=r"notes\.pth: not a torch checkpoint, or a damaged"):
+        convert.import_checkpoint(text)
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes((tmp_path / "ckpt.pth").read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"truncated\.pth: not a torch checkpoint, or a dam"):
+        convert.import_checkpoint(truncated)
+    # a trainer that also saves its argparse options: refused, naming the class, with a way out
+    pickled = tmp_path / "with_args.pth"
+    torch.save({"model_state": weights, "args": argparse.Namespace(lr=2e-4)}, pickled)
+    with pytest.raises(CheckpointError) as refused:
+        convert.import_checkpoint(pickled)
+    message = str(refused.value)
+    assert "holds a pickled argparse.Namespace object" in message
+    assert "['model_state']" in message  # how to save the state dict alone
+    assert "\n" not in message and "\x1b" not in message  # no torch paragraph, no terminal codes
+
+
+def test_convert_says_what_the_checkpoint_does_not_record(tmp_path):
+    """pcdiff's checkpoints do not record --vox_res_mult (the import assumes 1), and the
+    original's PVCNN2 fixes radii, neighbours and centres: say so instead of converting silently."""
+    original_checkpoint(tmp_path / "ckpt.pth")
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "ckpt.pth"), str(tmp_path / "export"), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "vox_res_mult 1.0" in result.output
+    settings = PointCloudSettings(num_points=512, num_nn=64, radius_mult=4.0, num_neighbors=32)
+    write_export(
+        network(settings).state_dict(),
+        tmp_path / "trained",
+        {"recipe": "pointcloud", "config": settings.as_config()},
+    )
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "trained"), str(tmp_path / "out.pth"), "--to", "pcdiff"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "--num_points 512 --num_nn 64 --width_mult 0.25 --vox_res_mult 0.5" in result.output
+    assert "--time_num 100 --beta_start 0.001 --beta_end 0.2" in result.output  # as diffusion.py
+    assert "--radius-mult 4.0, --num-neighbors 32, --num-points 512" in result.output
+
+
+def test_convert_refuses_paths_it_cannot_use_in_one_line(tmp_path):
+    original_checkpoint(tmp_path / "ckpt.pth")
+    runner = CliRunner()
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "ckpt.pth"), str(mine), "--from", "pcdiff"]
+    )
+    assert result.exit_code == 2 and "is a file; give a folder" in result.output, result.output
+    assert mine.read_text() == "mine"
+    # --to takes this recipe's export, not a pcdiff checkpoint
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "ckpt.pth"), str(tmp_path / "x.pth"), "--to", "pcdiff"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "not an export of the pointcloud recipe" in result.output
+    export = tmp_path / "export"
+    assert (
+        runner.invoke(
+            app, ["convert", str(tmp_path / "ckpt.pth"), str(export), "--from", "pcdiff"]
+        ).exit_code
+        == 0
+    )
+    result = runner.invoke(app, ["convert", str(export), str(mine / "x.pth"), "--to", "pcdiff"])
+    assert result.exit_code == 2 and f"cannot write {mine / 'x.pth'}" in result.output, (
+        result.output
+    )
+    assert mine.read_text() == "mine"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = runner.invoke(app, ["convert", str(export), str(folder), "--to", "pcdiff", "--force"])
+    assert result.exit_code == 2 and f"{folder} is a folder" in result.output, result.output
+    assert folder.is_dir() and not list(tmp_path.glob("*.tmp"))  # nothing half-written is left
+
+
+def test_a_checkpoint_at_a_width_pvcnn2_cannot_build_is_refused(tmp_path):
+    original_checkpoint(tmp_path / "ckpt.pth")
+    checkpoint = torch.load(tmp_path / "ckpt.pth", weights_only=True)
+    key = "model._orig_mod.sa_layers.0.0.voxel_layers.0.weight"
+    checkpoint["model_state"][key] = torch.zeros(12, *checkpoint["model_state"][key].shape[1:])
+    torch.save(checkpoint, tmp_path / "odd.pth")
+    with pytest.raises(CheckpointError, match=r"odd\.pth: not PVCNN2 at a size it builds: .*12"):
+        convert.import_checkpoint(tmp_path / "odd.pth")

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
-from accel_common.checkpoint import convert_checkpoint, export_paths, write_export
+from accel_common.checkpoint import convert_checkpoint, require_export_target, write_export
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench import run_benchmark
@@ -214,10 +214,8 @@ def convert(
         return
     if from_original:
         recipe, module = converter(from_original)
+        require_export_target(output, force)
         state, config = module.import_checkpoint(source)
-        target, _ = export_paths(output)
-        if target.exists() and not force:
-            raise RecipeError(f"{target} exists; pass --force to overwrite it")
         metadata = {
             "recipe": recipe,
             "config": config,

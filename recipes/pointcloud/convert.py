@@ -9,18 +9,33 @@ are this recipe's PVCNN2's own, one to one.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
 
-from accel_common.checkpoint import load_exported, read_recipe_export, require_same_tensors
-from accel_common.errors import CheckpointError
+from accel_common.checkpoint import (
+    export_paths,
+    load_exported,
+    read_recipe_export,
+    require_same_tensors,
+)
+from accel_common.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from recipes.train_pointcloud import PointCloudSettings
 
 ORIGINAL = "pcdiff"
 PRESET = Path(__file__).parent / "configs" / "original.yaml"
 PREFIXES = ("model.", "module.", "_orig_mod.")
+# what the original's PVCNN2 fixes as class constants (sa_blocks, num_n): its radii, its 128
+# neighbours and its 10240/2560/640/160 centres (this recipe's at --num-points 30720)
+ORIGINAL_FIXED = {"radius_mult": 1.0, "num_neighbors": 128, "num_points": 30720}
 
 
 def strip_prefixes(key: str) -> str:
@@ -37,10 +52,20 @@ def read_state(source: Path) -> dict[str, torch.Tensor]:
         loaded = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{source}: no such file") from None
-    except Exception as err:  # an unreadable file or one that needs arbitrary unpickling
+    except Exception as err:  # an object weights_only refuses, or not a torch.save file
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
+            raise CheckpointError(
+                f"{source}: holds a pickled {refused.group(1)} object, which is not unpickled "
+                "here (weights_only: unpickling can run code). If you trust the file, save the "
+                f"weights alone and convert that: torch.save({{'model_state': torch.load("
+                f"'{source}', weights_only=False)['model_state']}}, 'weights.pth')"
+            ) from None
+        # torch's own text is a paragraph (the unpickler's) or a sentence (the zip reader's)
+        detail = str(err).split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
+        first = f"{err.__class__.__name__}: {detail.splitlines()[0] if detail else ''}"
         raise CheckpointError(
-            f"{source}: not a checkpoint readable with weights_only=True ({err.__class__.__name__}"
-            f": {str(err).splitlines()[0] if str(err) else ''})"
+            f"{source}: not a torch checkpoint, or a damaged one ({first})"
         ) from None
     state = loaded.get("model_state", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -56,7 +81,7 @@ def read_state(source: Path) -> dict[str, torch.Tensor]:
     return cleaned
 
 
-def settings_for(state: dict[str, torch.Tensor]):
+def settings_for(state: dict[str, torch.Tensor]) -> PointCloudSettings:
     """The recipe's settings for the original's network these weights come from: its preset
     (original.yaml), with the width multiplier, embedding size and attention read off the
     tensors (the voxel-resolution multiplier changes no tensor: the preset's 1 is assumed)."""
@@ -82,8 +107,18 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     state = read_state(Path(source))
     settings = settings_for(state)
+    try:  # a width whose channels GroupNorm cannot split in 8 groups
+        settings.validate()
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: not PVCNN2 at a size it builds: {err}") from None
     expected = network(settings).state_dict()
     require_same_tensors(state, expected, f"{source}: not PVCNN2 at these sizes")
+    print(
+        f"note: a pcdiff checkpoint does not record --vox_res_mult; assumed vox_res_mult "
+        f"{settings.vox_res_mult} (its default): for one trained with another, set "
+        "config.vox_res_mult in the export's model.json",
+        file=sys.stderr,
+    )
     return {k: v.to(expected[k].dtype).contiguous() for k, v in state.items()}, settings.as_config()
 
 
@@ -93,11 +128,57 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     as test_completion.py and the trainer with --disable_compile build it)."""
     from recipes.train_pointcloud import PointCloudSettings, network
 
+    weights, _ = export_paths(model_dir)
+    if not weights.is_file():
+        raise CheckpointError(
+            f"{model_dir}: not an export of the pointcloud recipe (no {weights}); --to pcdiff "
+            "takes the model folder training writes (OUTPUT/model)"
+        )
     settings = PointCloudSettings.from_config(read_recipe_export(model_dir, "pointcloud"))
     model = network(settings)
     load_exported(model_dir, model)
     state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, target)
+    if target.is_dir():
+        raise CheckpointError(
+            f"{target} is a folder; --to pcdiff writes a file, e.g. model_best.pth"
+        )
+    partial = target.with_name(target.name + ".tmp")
+    try:  # via a temporary name: a failed write leaves a checkpoint already there unchanged
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, partial)
+        partial.replace(target)
+    except (OSError, RuntimeError) as err:  # torch.save reports an unwritable path as RuntimeError
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {target}: {str(err).splitlines()[0]}") from None
+    describe_for_original(settings)
     return target
+
+
+def describe_for_original(settings: PointCloudSettings) -> None:
+    """Print the original's flags that rebuild this network (its checkpoint records none), and
+    warn where this recipe's settings differ from what the original's PVCNN2 fixes: the weights
+    load there all the same, but compute another function."""
+    flags = (
+        f"--num_points {settings.num_points} --num_nn {settings.num_nn} "
+        f"--width_mult {settings.width_mult} --vox_res_mult {settings.vox_res_mult} "
+        f"--embed_dim {settings.embed_dim} --attention {settings.attention} "
+        f"--time_num {settings.timesteps}"
+    )
+    if settings.timesteps != 1000:  # the recipe scales the linear betas by 1000 / T (diffusion.py)
+        scale = 1000 / settings.timesteps
+        flags += f" --beta_start {1e-4 * scale:g} --beta_end {0.02 * scale:g}"
+    print(f"note: run the original's test_completion.py with {flags}", file=sys.stderr)
+    differing = [
+        f"--{name.replace('_', '-')} {getattr(settings, name)}"
+        for name, fixed in ORIGINAL_FIXED.items()
+        if getattr(settings, name) != fixed
+    ]
+    if differing:
+        print(
+            f"warning: this model was trained with {', '.join(differing)}; the original's PVCNN2 "
+            "fixes radii 0.1-0.8, 128 neighbours and 10240/2560/640/160 centres: it loads these "
+            "weights but computes another function",
+            file=sys.stderr,
+        )
