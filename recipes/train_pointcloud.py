@@ -56,7 +56,7 @@ from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
-from recipes.pointcloud.diffusion import Diffusion
+from recipes.pointcloud.diffusion import Diffusion, checked_sample_steps, checked_sampler
 from recipes.pointcloud.example import write_dataset
 from recipes.pointcloud.model import PVCNN2, predict_noise
 from recipes.pointcloud.prepare import prepare_skullbreak
@@ -473,30 +473,14 @@ def evaluate_export(
     loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     sampler = checked_sampler(sampler or settings.sampler)
-    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
+    steps = checked_sample_steps(
+        sample_steps or settings.sample_steps, sampler, settings.timesteps, sample_steps is not None
+    )
     metrics = evaluate(
         accelerator, model, loader, diffusion, steps, torch.Generator().manual_seed(seed), pool,
         dataset.unit, sampler=sampler, num_ens=num_ens or settings.num_ens,
     )  # fmt: skip
     print(format_metrics(metrics))
-
-
-def checked_sampler(name: str) -> str:
-    """`name` if it is a sampler of Diffusion.sample, else a one-line error naming --sampler."""
-    if name not in ("ddpm", "ddim"):
-        raise ConfigError(f"--sampler must be ddpm or ddim, got {name}")
-    return name
-
-
-def checked_sample_steps(steps: int, sampler: str, timesteps: int) -> int:
-    """`steps`, unless DDIM is asked for more steps than the model has timesteps: it would
-    repeat timesteps (a network pass each, changing nothing) instead of taking that many."""
-    if sampler == "ddim" and steps > timesteps:
-        raise ConfigError(
-            f"--sample-steps {steps} exceeds the model's --timesteps {timesteps}: DDIM takes at "
-            f"most one step per timestep; give at most {timesteps}"
-        )
-    return steps
 
 
 def skull_condition(
@@ -532,7 +516,9 @@ def complete(
     device = inference_device()
     model, settings = load_model(model_dir, device)
     sampler = checked_sampler(sampler or settings.sampler)
-    steps = checked_sample_steps(sample_steps or settings.sample_steps, sampler, settings.timesteps)
+    steps = checked_sample_steps(
+        sample_steps or settings.sample_steps, sampler, settings.timesteps, sample_steps is not None
+    )
     points = load_points(skull)
     if np.ptp(points, axis=0).max() == 0:  # normalising by its extent would divide by zero
         raise DataError(f"--skull {skull}: its points all coincide; give a skull's surface points")

@@ -566,11 +566,12 @@ def command_app(command) -> typer.Typer:
         (["--num-ens", "-1"], "Invalid value for '--num-ens'"),
         (["--sample-steps", "0"], "Invalid value for '--sample-steps'"),
         (["--sample-steps", "101"], "--sample-steps 101 exceeds the model's --timesteps 100"),
+        (["--sampler", "ddpm", "--sample-steps", "10"], "DDPM takes all 100 steps of the model"),
     ],
 )
 def test_evaluate_refuses_sampling_counts_it_would_silently_replace(tmp_path, flags, message):
-    """0 used to fall back to the export's value (`or`), a negative count crashed, and more DDIM
-    steps than timesteps repeated timesteps."""
+    """0 used to fall back to the export's value (`or`), a negative count crashed, more DDIM
+    steps than timesteps repeated timesteps, and DDPM ignored --sample-steps."""
     tiny_export(tmp_path / "model")
     data = write_dataset(tmp_path / "data", train_skulls=1, test_skulls=1, points_per_skull=300)
     args = ["--model", str(tmp_path / "model"), "--data", str(data), *flags]
@@ -592,6 +593,7 @@ def complete_args(tmp_path, *flags) -> list[str]:
         (["--sample-steps", "0"], "Invalid value for '--sample-steps'"),
         (["--sample-steps", "500"], "--sample-steps 500 exceeds the model's --timesteps 100"),
         (["--out", "implant"], "--out implant: give a file name ending in .npy"),
+        (["--sampler", "ddpm", "--sample-steps", "10"], "DDPM takes all 100 steps of the model"),
     ],
 )
 def test_complete_refuses_what_it_would_silently_change(tmp_path, monkeypatch, flags, message):

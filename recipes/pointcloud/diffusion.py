@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accel_common.errors import ConfigError
 from recipes.pointcloud.model import predict_noise
 
 
@@ -65,3 +66,27 @@ class Diffusion:
             a_next = self.alphas_cumprod[t_next] if t_next >= 0 else torch.ones_like(a_bar)
             x = a_next.sqrt() * x0 + (1 - a_next).sqrt() * eps
         return x
+
+
+def checked_sampler(name: str) -> str:
+    """`name` if it is a sampler of Diffusion.sample, else a one-line error naming --sampler."""
+    if name not in ("ddpm", "ddim"):
+        raise ConfigError(f"--sampler must be ddpm or ddim, got {name}")
+    return name
+
+
+def checked_sample_steps(steps: int, sampler: str, timesteps: int, given: bool = False) -> int:
+    """`steps`, unless DDIM is asked for more steps than the model has timesteps (it would
+    repeat timesteps, a network pass each, changing nothing), or a command is `given`
+    --sample-steps with DDPM, which takes all T steps whatever the flag says."""
+    if given and sampler == "ddpm":
+        raise ConfigError(
+            f"--sample-steps {steps}: DDPM takes all {timesteps} steps of the model; drop the "
+            "flag, or add --sampler ddim"
+        )
+    if sampler == "ddim" and steps > timesteps:
+        raise ConfigError(
+            f"--sample-steps {steps} exceeds the model's --timesteps {timesteps}: DDIM takes at "
+            f"most one step per timestep; give at most {timesteps}"
+        )
+    return steps
