@@ -505,13 +505,13 @@ def read_export_metadata(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path}: cannot read the export's metadata ({err})") from err
 
 
-def read_recipe_export(model_dir: Path, recipe: str) -> dict[str, Any]:
+def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> dict[str, Any]:
     """The training config of an export made by `recipe`: what its commands need to rebuild the
     model. An export of another recipe, a converted checkpoint (no config) or a missing folder
-    is a clear error instead of a KeyError."""
+    is a clear error naming `flag` (the argument that named the folder) instead of a KeyError."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
-        raise CheckpointError(f"--model {model_dir}: no such folder (training writes OUTPUT/model)")
+        raise CheckpointError(f"{flag} {model_dir}: no such folder (training writes OUTPUT/model)")
     meta = read_export_metadata(model_dir)
     if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
         return meta["config"]
@@ -522,7 +522,7 @@ def read_recipe_export(model_dir: Path, recipe: str) -> dict[str, Any]:
         origin = f"exported by the {meta.get('recipe')!r} recipe ({settings})"
     raise CheckpointError(
         f"{model_dir} was {origin}; it records no {recipe} settings to rebuild this recipe's "
-        f"model from. Point --model at the model folder a {recipe} training run exported"
+        f"model from. Point {flag} at the model folder a {recipe} training run exported"
     )
 
 

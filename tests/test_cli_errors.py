@@ -175,3 +175,17 @@ def test_convert_from_pcdiff_refuses_in_one_line(tmp_path):
     assert mine.read_text() == "mine"
     line = one_error_line(invoke("convert", str(good), str(tmp_path / "x.pth"), "--to", "pcdiff"))
     assert "not an export of the pointcloud recipe" in line
+
+
+def test_convert_to_an_original_names_source_for_another_recipes_export(tmp_path):
+    """The shared export reader's message names the argument that gave the folder: convert's
+    SOURCE, not the --model of the recipes' own commands."""
+    import torch
+
+    from accel_common.checkpoint import write_export
+
+    other = tmp_path / "template_model"
+    write_export({"w": torch.zeros(2)}, other, {"recipe": "template", "config": {"hidden": 8}})
+    line = one_error_line(invoke("convert", str(other), str(tmp_path / "x.pth"), "--to", "pcdiff"))
+    assert "exported by the 'template' recipe" in line and "Point SOURCE at" in line, line
+    assert "--model" not in line

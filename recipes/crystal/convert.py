@@ -125,7 +125,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as `best_model.pt` (`{"model": state_dict}`) and the `config.json`
     beside it that the original's `ComformerPredictor.from_checkpoint` reads."""
-    config = read_recipe_export(Path(model_dir), "crystal")
+    config = read_recipe_export(Path(model_dir), "crystal", flag="SOURCE")
     name = config.get("model", "iComformer")
     if name not in VARIANTS:
         raise CheckpointError(f"{model_dir}: model {name}; only {', '.join(VARIANTS)} convert")

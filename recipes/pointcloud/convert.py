@@ -134,7 +134,8 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
             f"{model_dir}: not an export of the pointcloud recipe (no {weights}); --to pcdiff "
             "takes the model folder training writes (OUTPUT/model)"
         )
-    settings = PointCloudSettings.from_config(read_recipe_export(model_dir, "pointcloud"))
+    config = read_recipe_export(model_dir, "pointcloud", flag="SOURCE")
+    settings = PointCloudSettings.from_config(config)
     model = network(settings)
     load_exported(model_dir, model)
     state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}

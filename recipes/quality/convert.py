@@ -81,7 +81,7 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     infer.py, evaluate.py, export.py): 'model' with its keys, 'config', 'eta_logit'. No
     optimizer or scheduler state: its trainer cannot resume from it, only start from it."""
     model_dir, target = Path(model_dir), Path(target)
-    config = read_recipe_export(model_dir, "quality")
+    config = read_recipe_export(model_dir, "quality", flag="SOURCE")
     path = model_dir / "model.safetensors" if model_dir.is_dir() else model_dir
     state = load_file(str(path))
     logits = state.pop(RELIABILITY_KEY, None)
