@@ -184,10 +184,18 @@ def require_writable_output_dir(output_dir: Path) -> None:
 
 
 def require_new_file(out: Path, flag: str = "--out") -> None:
-    """A single-device command's --out (or another output `flag`): a result already there is
-    never overwritten."""
+    """A single-device command's --out (or another output `flag`), checked before the work: a
+    result already there is never overwritten, and its folder is made now, so a path under a
+    file or an unwritable one fails in one line instead of after the work."""
     if out.exists():
         raise DataError(f"{flag} {out} exists; choose another {flag} (nothing was overwritten)")
+    existing = next(parent for parent in out.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise DataError(f"{flag} {out}: {existing} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"{flag} {out}: cannot create its folder ({err.strerror})") from None
 
 
 def require_requested_devices(cpu: bool) -> None:

@@ -253,7 +253,6 @@ def caption(
         ids = greedy_captions(model, pixels.to(device), config["bos"], config["eos"], longest)
         for name, row in zip(names, ids.tolist(), strict=True):
             lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(lines))
     print(f"wrote {out}: {len(lines)} captions")
 

@@ -445,7 +445,6 @@ def predict(
             predictions += model(graph.to(device)).tolist()
     legal = list_column(table, "legal_before")[0][deliveries.flat]
     score = list_column(table, "score")[0][deliveries.flat]
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["innings", "over_ball", "score", "predicted", "actual"])

@@ -333,7 +333,6 @@ def predict(
     with torch.no_grad():
         for graph in loader:
             predictions += (model(graph.to(device)) * config["std"] + config["mean"]).tolist()
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
         has_target = any(t is not None for t in targets)

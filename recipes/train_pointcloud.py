@@ -512,7 +512,7 @@ def complete(
         raise DataError(f"--png: give another file than --out {out} (the picture would replace it)")
     for path, flag in ((out, "--out"), (png, "--png")):  # before sampling, not after it
         if path is not None:
-            new_file_in_folder(path, flag)
+            require_new_file(path, flag)
     device = inference_device()
     model, settings = load_model(model_dir, device)
     sampler = checked_sampler(sampler or settings.sampler)
@@ -535,19 +535,6 @@ def complete(
     if png is not None:
         render_point_clouds(png, [(points, (170, 170, 170)), (implant, (220, 60, 40))])
         print(f"wrote {png}")
-
-
-def new_file_in_folder(path: Path, flag: str) -> None:
-    """An output file of `complete` that is not there yet, with its folder made: checked before
-    the sampling, so a bad path fails in one line instead of after the work."""
-    require_new_file(path, flag)
-    existing = next(parent for parent in path.absolute().parents if parent.exists())
-    if not existing.is_dir():
-        raise DataError(f"{flag} {path}: {existing} is a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"{flag} {path}: cannot create its folder ({err.strerror})") from None
 
 
 def prepare(

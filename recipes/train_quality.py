@@ -529,7 +529,6 @@ def export_onnx(
     model, read, _ = load_scorer(model_dir)
     scorer = OnnxScorer(model).cpu().eval()
     size = read.size
-    out.parent.mkdir(parents=True, exist_ok=True)
     torch.onnx.export(
         scorer,
         (torch.zeros(1, 3, size, size),),
@@ -569,7 +568,6 @@ def score_folder(
     with torch.no_grad():
         values = torch.cat([model(pixels.to(device)).cpu() for pixels in loader])
     scores = dict(zip(names, values.tolist(), strict=True))
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["image", "score"])

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from accel_common import runtime
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, DataError
 from accel_common.tools.doctor import check_config
 from tests.conftest import ACCELERATE_LAUNCH, BIN, REPO, TEMPLATE, free_port, recipe_env
 
@@ -153,3 +153,19 @@ def test_the_doctor_calls_a_blocker_exactly_what_a_launch_refuses(config, monkey
     multi_process = int(settings.get("num_processes", 1)) > 1
     assert blocked == runtime.config_asks_for_gpus(settings)
     assert refused == (blocked and multi_process)
+
+
+def test_an_output_file_is_checked_and_its_folder_made_before_the_work(tmp_path):
+    """Every single-device command's --out: an existing file is refused, a path under a file is
+    one line naming the flag (it used to crash after the work, at the write), and the folder of
+    a new one exists afterwards."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(DataError, match=r"--out .*notes.txt exists"):
+        runtime.require_new_file(mine)
+    with pytest.raises(DataError, match=r"--png .*notes.txt/deeper/view.png: .*is a file"):
+        runtime.require_new_file(mine / "deeper" / "view.png", "--png")
+    assert mine.read_text() == "mine"
+    out = tmp_path / "new" / "folder" / "scores.csv"
+    runtime.require_new_file(out)
+    assert out.parent.is_dir() and not out.exists()
