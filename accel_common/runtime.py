@@ -30,6 +30,7 @@ import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.utils import (
+    DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     KwargsHandler,
@@ -42,6 +43,7 @@ from accel_common.batching import BatchPlan, plan_batch
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, exit_on_error
+from accel_common.sharding import guard_wrap_policy
 from accel_common.tracking import trackers_for
 
 EXAMPLE_DATA_ROOT = Path("data/example")
@@ -109,6 +111,8 @@ def make_accelerator(
         kwargs_handlers=kwargs_handlers,
     )
     require_requested_sharding(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        guard_wrap_policy()  # no ModuleList / ModuleDict as its own unit (accel_common.sharding)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError(
             "fp16 mixed precision (from --mixed-precision or the launch config) does not run on "

@@ -41,6 +41,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 from tokenizers import Tokenizer
 from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
 from accel_common.checkpoint import load_for_inference, read_recipe_export
@@ -50,6 +51,7 @@ from accel_common.losses import GlobalItemMean
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
+from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split
 from recipes.captioning.example import write_dataset
 from recipes.captioning.model import Captioner, greedy_captions
@@ -121,6 +123,7 @@ def evaluate(
     whose greedy caption is exactly right. Sums are gathered per image, so each counts once."""
     model.eval()
     plain = accelerator.unwrap_model(model)
+    early = not forward_is_collective(accelerator)
     rows = []
     for batch in loader:
         pixels, tokens = batch["pixels"], batch["tokens"]
@@ -129,8 +132,13 @@ def evaluate(
         real = labels != PAD_ID
         nll = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none") * real
         correct = (logits.argmax(-1) == labels) & real
-        generated = greedy_captions(plain, pixels, derived["bos"], derived["eos"], tokens.shape[1])
-        generated = F.pad(generated, (0, tokens.shape[1] - generated.shape[1]), value=PAD_ID)
+        length = tokens.shape[1]
+        # sharded weights: every process decodes as many tokens as the longest batch's captions
+        steps = length if early else accelerator.gather(tokens.new_tensor([length])).max().item()
+        generated = greedy_captions(
+            plain, pixels, derived["bos"], derived["eos"], steps, stop_when_done=early
+        )[:, :length]
+        generated = F.pad(generated, (0, length - generated.shape[1]), value=PAD_ID)
         exact = (generated == tokens).all(dim=1)
         per_image = [nll.sum(1), real.sum(1), correct.sum(1), ((labels == majority) & real).sum(1)]
         per_image = torch.stack([*per_image, exact], dim=1).double()
@@ -199,6 +207,8 @@ def train(args: TrainArgs, settings: CaptioningSettings) -> dict[str, float]:
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )
+    for method in ("encode", "decode"):  # greedy decoding's calls gather FSDP's shards too
+        register_fsdp_forward_method(accelerator.unwrap_model(model), method)  # else a no-op
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived

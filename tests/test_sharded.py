@@ -44,6 +44,15 @@ from accel_common.errors import CheckpointError
 from accel_common.tools.cli import app
 from tests.conftest import (
     ACCELERATE_LAUNCH,
+    CAPTIONING,
+    CAPTIONING_TINY,
+    CRICKET,
+    CRICKET_TINY,
+    CRYSTAL,
+    CRYSTAL_TINY,
+    POINTCLOUD,
+    POINTCLOUD_TINY,
+    QUALITY,
     REPO,
     TEMPLATE,
     exported_params,
@@ -76,6 +85,13 @@ def build_with_fsdp(self, *args, **kwargs):
         self.distributed_type = DistributedType.FSDP
         self.fsdp_plugin = FullyShardedDataParallelPlugin()
 AcceleratorState.__init__ = build_with_fsdp
+import torch.distributed.fsdp as fsdp
+shard = fsdp.fully_shard
+def shard_and_say(module, **kwargs):
+    if os.environ.get("RANK") == "0":
+        print(f"fsdp unit: {type(module).__name__}", flush=True)
+    return shard(module, **kwargs)
+fsdp.fully_shard = shard_and_say  # Accelerate imports it when it prepares the model
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -85,32 +101,40 @@ def template_module():
     return importlib.import_module("recipes.train_template")
 
 
-def cpu_fsdp_config(tmp: Path) -> Path:
-    """fsdp_8gpu.yaml on 2 CPU processes, with a wrap threshold that gives the MLP nested units."""
+def cpu_fsdp_config(tmp: Path, min_num_params: int = 1000) -> Path:
+    """fsdp_8gpu.yaml on 2 CPU processes, with a wrap threshold that gives the model nested units
+    (1000: the template's 64x64 layers on their own)."""
     config = yaml.safe_load((CONFIGS / "fsdp_8gpu.yaml").read_text())
     config.update(num_processes=2, use_cpu=True, mixed_precision="no")
-    config["fsdp_config"]["fsdp_min_num_params"] = 1000  # wraps the 64x64 layers on their own
+    config["fsdp_config"]["fsdp_min_num_params"] = min_num_params
     path = tmp / "fsdp_cpu_2proc.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def launch_fsdp(tmp: Path, args: list[str], *, wrapped: bool = True) -> subprocess.CompletedProcess:
-    """The template under the CPU FSDP config; `wrapped` runs it through FSDP_ON_CPU."""
-    script = [str(TEMPLATE)]
+def launch_fsdp(
+    tmp: Path,
+    args: list[str],
+    *,
+    wrapped: bool = True,
+    recipe: Path = TEMPLATE,
+    min_num_params: int = 1000,
+) -> subprocess.CompletedProcess:
+    """`recipe` under the CPU FSDP config; `wrapped` runs it through FSDP_ON_CPU."""
+    script = [str(recipe)]
     if wrapped:
         shim = tmp / "fsdp_on_cpu.py"
         shim.write_text(FSDP_ON_CPU)
-        script = [str(shim), str(TEMPLATE)]
+        script = [str(shim), str(recipe)]
     command = [
         *ACCELERATE_LAUNCH,
-        "--config_file", str(cpu_fsdp_config(tmp)),
+        "--config_file", str(cpu_fsdp_config(tmp, min_num_params)),
         "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(free_port()),
         *script, *args,
     ]  # fmt: skip
     return subprocess.run(
-        command, cwd=tmp, env=recipe_env(tmp), capture_output=True, text=True, timeout=600
+        command, cwd=tmp, env=recipe_env(tmp), capture_output=True, text=True, timeout=240
     )
 
 
@@ -253,6 +277,37 @@ def test_resume_from_a_sharded_checkpoint_ends_where_the_full_run_ends(fsdp, tem
     resumed, full = exported_params(tmp / "resumed"), exported_params(out)
     for key in full:
         assert torch.equal(resumed[key], full[key]), key
+
+
+# recipe -> (script, data fixture, flags of a short run). At fsdp_min_num_params 1000 each model
+# splits into several units, among them the blocks of a ModuleList / ModuleDict, which Accelerate's
+# size policy alone would make units of too (and fully_shard refuse: accel_common.sharding).
+EVERY_RECIPE = {
+    "template": (TEMPLATE, "template_data", []),
+    "pointcloud": (POINTCLOUD, "pointcloud_data", [*POINTCLOUD_TINY, "--sample-steps", "2"]),
+    "quality": (QUALITY, "quality_data", []),
+    "captioning": (CAPTIONING, "captioning_data", CAPTIONING_TINY),
+    "crystal": (CRYSTAL, "crystal_data", CRYSTAL_TINY),
+    "cricket": (CRICKET, "cricket_data", [*CRICKET_TINY, "--sample-every", "8"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EVERY_RECIPE))
+def test_every_recipe_under_fsdp_exports_what_it_exports_under_ddp(name, request, tmp_path):
+    """4 optimizer steps, then each recipe's evaluation (a forward under FSDP is a collective:
+    captioning's greedy decoding must run as many on every process) and the export."""
+    script, data_fixture, flags = EVERY_RECIPE[name]
+    args = ["--data", str(request.getfixturevalue(data_fixture)), *flags, "--bs", "16"]
+    args += ["--max-steps", "4", "--log-every", "1"]
+    run_recipe([*args, "--output-dir", "ddp"], cwd=tmp_path, nproc=2, script=script)
+    result = checked(launch_fsdp(tmp_path, [*args, "--output-dir", "fsdp"], recipe=script))
+    units = [line for line in result.stdout.splitlines() if line.startswith("fsdp unit: ")]
+    assert len(units) >= 3, result.stdout  # the root and at least two blocks of its own
+    assert not [u for u in units if u.endswith(("ModuleList", "ModuleDict"))], units
+    ddp, fsdp = exported_params(tmp_path / "ddp"), exported_params(tmp_path / "fsdp")
+    assert max_relative_difference(ddp, fsdp) <= TOLERANCE
 
 
 @pytest.mark.slow

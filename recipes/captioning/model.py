@@ -95,9 +95,16 @@ class Captioner(nn.Module):
 
 @torch.no_grad()
 def greedy_captions(
-    model: Captioner, pixels: torch.Tensor, bos: int, eos: int, max_tokens: int
+    model: Captioner,
+    pixels: torch.Tensor,
+    bos: int,
+    eos: int,
+    max_tokens: int,
+    stop_when_done: bool = True,
 ) -> torch.Tensor:
-    """Token ids from [BOS] on, the most likely token each step, padded after [EOS]."""
+    """Token ids from [BOS] on, the most likely token each step, padded after [EOS].
+    `stop_when_done=False` decodes all `max_tokens` (more padding, the same captions), for
+    models whose every forward is a collective (accel_common.sharding.forward_is_collective)."""
     image = model.encode(pixels)
     tokens = torch.full((len(pixels), 1), bos, dtype=torch.long, device=pixels.device)
     finished = torch.zeros(len(pixels), dtype=torch.bool, device=pixels.device)
@@ -106,6 +113,6 @@ def greedy_captions(
         following = following.masked_fill(finished, PAD_ID)
         tokens = torch.cat([tokens, following[:, None]], dim=1)
         finished |= following == eos
-        if finished.all():
+        if stop_when_done and finished.all():
             break
     return tokens
