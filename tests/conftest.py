@@ -100,7 +100,8 @@ def run_processes(
 ) -> subprocess.CompletedProcess:
     """`python script args` as one process, or as `nproc` ranks over gloo given the environment
     torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); each process is
-    forked from a server that has imported torch already (tests/forked.py).
+    forked from a server that has imported torch already, or, where CUDA is present, a fresh
+    interpreter (tests/forked.py).
 
     No launcher process: `accelerate launch` is one more Python process importing torch and
     Accelerate per run, and the tests that compare N processes with one do not need it; the
@@ -182,8 +183,17 @@ def metrics_log(output_dir: Path) -> list[dict]:
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest ||a - b|| / ||a|| over the floating-point tensors. Integer and boolean tensors
+    (BatchNorm's `num_batches_tracked`, index buffers) have no norm and no rounding: they must be
+    equal, or the comparison fails naming the tensor."""
     assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
+    differences = [0.0]
+    for name in a:
+        if a[name].is_floating_point() or a[name].is_complex():
+            differences.append(((a[name] - b[name]).norm() / a[name].norm()).item())
+        else:
+            assert torch.equal(a[name], b[name]), f"{name}: {a[name]} != {b[name]}"
+    return max(differences)
 
 
 def global_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
