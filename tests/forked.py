@@ -19,6 +19,7 @@ RECIPE_RUNS=fresh or RECIPE_RUNS=forked in the environment chooses either way an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -106,10 +107,8 @@ class FreshRun:
         return self._process.poll()
 
     def join(self, timeout: float | None = None) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # as Process.join: see exitcode
             self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass  # as Process.join: the caller looks at exitcode
 
     def kill(self) -> None:
         self._process.kill()
