@@ -155,6 +155,33 @@ def run_recipe(
     return result
 
 
+def run_together(jobs: dict[str, tuple[Path, list[str], Path]], timeout: float = 600) -> None:
+    """Independent one-process runs {name: (script, args, cwd)} at the same time (the GPU suite:
+    one GPU has room for several small runs, and start-up is most of each); fails naming the
+    first run that failed, with its output, once all have ended."""
+    logs = Path(tempfile.mkdtemp(prefix="together-"))
+    children = {}
+    for name, (script, args, cwd) in jobs.items():
+        (logs / name).mkdir()
+        children[name] = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs / name)
+    deadline = time.monotonic() + timeout
+    for child in children.values():
+        child.join(max(deadline - time.monotonic(), 0))
+    late = [name for name, child in children.items() if child.exitcode is None]
+    for name in late:
+        children[name].kill()
+        children[name].join()
+    failed = [(name, child.exitcode) for name, child in children.items() if child.exitcode]
+    outputs = {name: (logs / name / "out").read_text() + (logs / name / "err").read_text()
+               for name, _ in failed}  # fmt: skip
+    shutil.rmtree(logs)
+    if late:
+        raise AssertionError(f"runs {late} still running after {timeout} s: killed")
+    if failed:
+        name, code = failed[0]
+        raise AssertionError(f"run {name} failed ({code}):\n{outputs[name]}")
+
+
 def invoke_train(train: Callable[..., Any], args: list[str]) -> Any:
     """A recipe's training command in this process, through Typer's test runner."""
     import typer
