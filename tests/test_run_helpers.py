@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from tests import forked
-from tests.conftest import kill_once_written, max_relative_difference, recipe_env, run_processes
+from tests.conftest import (
+    kill_once_written,
+    max_relative_difference,
+    recipe_env,
+    run_processes,
+    run_together,
+)
 
 # a run that shows what it was started with, and one that leaves a grandchild in its session
 SHOW = """import os, sys
@@ -87,3 +93,11 @@ def test_integer_buffers_are_compared_exactly_and_floats_relatively():
     counted = {**floats, "num_batches_tracked": torch.tensor(8)}
     with pytest.raises(AssertionError, match="num_batches_tracked"):
         max_relative_difference(floats, counted)
+
+
+def test_runs_together_all_end_and_the_failed_one_is_named_with_its_output(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    run_together({"one": (script, ["0"], tmp_path), "two": (script, ["0"], tmp_path)})
+    with pytest.raises(AssertionError, match=r"run bad failed \(5\):\nargv \['5'\]"):
+        run_together({"good": (script, ["0"], tmp_path), "bad": (script, ["5"], tmp_path)})
