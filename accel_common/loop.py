@@ -595,16 +595,18 @@ class TrainLoop:
             self.metrics = read_export_metadata(self.finished_export)["metrics"]
             self.accelerator.end_training()
             return self.metrics
-        self.metrics["train_seconds"] = self.train_seconds
+        # what the whole run counted, in every export: the best epoch's included
+        totals: dict[str, float] = {"train_seconds": self.train_seconds}
         if self.accelerator.scaler is not None:
-            self.metrics["skipped_steps"] = self.progress.skipped_steps
+            totals["skipped_steps"] = self.progress.skipped_steps
         if self.on_nonfinite is OnNonFinite.skip:
-            self.metrics["nonfinite_skipped"] = self.progress.nonfinite_skipped
+            totals["nonfinite_skipped"] = self.progress.nonfinite_skipped
+        self.metrics |= totals
         if not all_finite(self.accelerator, model):
             self._diverged("the weights contain NaN or infinite values")
         self.save()
         if self.monitor and self.progress.best_metrics:
-            self.metrics = {**self.progress.best_metrics, "train_seconds": self.train_seconds}
+            self.metrics = {**self.progress.best_metrics, **totals}
             path = self._export_best()
         else:
             path = self._export(model, self.output_dir / "model", self.metrics)

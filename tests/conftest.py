@@ -100,7 +100,8 @@ def run_processes(
 ) -> subprocess.CompletedProcess:
     """`python script args` as one process, or as `nproc` ranks over gloo given the environment
     torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); each process is
-    forked from a server that has imported torch already (tests/forked.py).
+    forked from a server that has imported torch already, or, where CUDA is present, a fresh
+    interpreter (tests/forked.py).
 
     No launcher process: `accelerate launch` is one more Python process importing torch and
     Accelerate per run, and the tests that compare N processes with one do not need it; the
@@ -154,6 +155,33 @@ def run_recipe(
     return result
 
 
+def run_together(jobs: dict[str, tuple[Path, list[str], Path]], timeout: float = 600) -> None:
+    """Independent one-process runs {name: (script, args, cwd)} at the same time (the GPU suite:
+    one GPU has room for several small runs, and start-up is most of each); fails naming the
+    first run that failed, with its output, once all have ended."""
+    logs = Path(tempfile.mkdtemp(prefix="together-"))
+    children = {}
+    for name, (script, args, cwd) in jobs.items():
+        (logs / name).mkdir()
+        children[name] = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs / name)
+    deadline = time.monotonic() + timeout
+    for child in children.values():
+        child.join(max(deadline - time.monotonic(), 0))
+    late = [name for name, child in children.items() if child.exitcode is None]
+    for name in late:
+        children[name].kill()
+        children[name].join()
+    failed = [(name, child.exitcode) for name, child in children.items() if child.exitcode]
+    outputs = {name: (logs / name / "out").read_text() + (logs / name / "err").read_text()
+               for name, _ in failed}  # fmt: skip
+    shutil.rmtree(logs)
+    if late:
+        raise AssertionError(f"runs {late} still running after {timeout} s: killed")
+    if failed:
+        name, code = failed[0]
+        raise AssertionError(f"run {name} failed ({code}):\n{outputs[name]}")
+
+
 def invoke_train(train: Callable[..., Any], args: list[str]) -> Any:
     """A recipe's training command in this process, through Typer's test runner."""
     import typer
@@ -182,8 +210,17 @@ def metrics_log(output_dir: Path) -> list[dict]:
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest ||a - b|| / ||a|| over the floating-point tensors. Integer and boolean tensors
+    (BatchNorm's `num_batches_tracked`, index buffers) have no norm and no rounding: they must be
+    equal, or the comparison fails naming the tensor."""
     assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
+    differences = [0.0]
+    for name in a:
+        if a[name].is_floating_point() or a[name].is_complex():
+            differences.append(((a[name] - b[name]).norm() / a[name].norm()).item())
+        else:
+            assert torch.equal(a[name], b[name]), f"{name}: {a[name]} != {b[name]}"
+    return max(differences)
 
 
 def global_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

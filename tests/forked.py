@@ -9,14 +9,21 @@ stderr files, and exit code; `sys.modules['__main__']` is the script). Libraries
 environment at import time (datasets, huggingface_hub, wandb, accelerate) are not preloaded, so
 they see the run's own environment. Tests of launchers and signals start real `python` and
 `accelerate launch` processes instead (see conftest.launch_command).
+
+Where CUDA is present (the GPU suite), each run is a fresh `python script args` interpreter
+instead: a child forked from a process whose torch has initialised CUDA dies at its first CUDA
+call (`CUDA error: initialization error`), and with 16 cores the import costs little there.
+RECIPE_RUNS=fresh or RECIPE_RUNS=forked in the environment chooses either way anywhere.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
+import subprocess
 import sys
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -24,6 +31,19 @@ from pathlib import Path
 # torch_geometric too: it imports torch._dynamo, ~3.5 CPU-s more for each graph recipe's run
 PRELOAD = ["torch", "numpy", "torch_geometric"]
 _context: ForkServerContext | None = None
+RUN_MODES = ("fresh", "forked")
+
+
+def fresh_interpreters() -> bool:
+    """Whether runs start as new interpreters: RECIPE_RUNS if set, else where CUDA is present."""
+    mode = os.environ.get("RECIPE_RUNS")
+    if mode is None:
+        import torch
+
+        return torch.cuda.is_available()
+    if mode not in RUN_MODES:
+        raise ValueError(f"RECIPE_RUNS={mode!r}: expected one of {', '.join(RUN_MODES)}")
+    return mode == "fresh"
 
 
 def context() -> ForkServerContext:
@@ -67,6 +87,33 @@ def _run_script(
         sys.stderr.flush()
 
 
+class FreshRun:
+    """`python script args` as a new interpreter, with the forked child's interface."""
+
+    def __init__(
+        self, script: Path, args: list[str], cwd: Path, env: dict[str, str], logs: Path,
+        new_session: bool,
+    ) -> None:  # fmt: skip
+        with open(Path(logs) / "out", "w") as out, open(Path(logs) / "err", "w") as err:
+            self._process = subprocess.Popen(
+                [sys.executable, str(script), *args], cwd=cwd, env=env, stdout=out, stderr=err,
+                stdin=subprocess.DEVNULL, start_new_session=new_session,
+            )  # fmt: skip
+        self.pid = self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; -N when signal N ended it (as multiprocessing reports)."""
+        return self._process.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # as Process.join: see exitcode
+            self._process.wait(timeout)
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 def start(
     script: Path,
     args: list[str],
@@ -78,7 +125,10 @@ def start(
 ):
     """Start one run; `logs` receives `out` and `err`. Returns the child (`.join()`,
     `.exitcode`, `.pid`, `.kill()`); with `new_session`, it leads a session of its own, as
-    `subprocess.Popen(..., start_new_session=True)` would."""
+    `subprocess.Popen(..., start_new_session=True)` would. A fresh interpreter where
+    `fresh_interpreters()`, else forked from the server."""
+    if fresh_interpreters():
+        return FreshRun(script, list(args), cwd, dict(env), logs, new_session)
     child = context().Process(
         target=_run_script,
         args=(str(script), list(args), str(cwd), dict(env), str(logs), new_session),

@@ -20,6 +20,7 @@ from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader
 from tests.conftest import REPO, exported_params, max_relative_difference, run_recipe
+from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
 
 EXAMPLE = REPO / "examples" / "plain_argparse.py"
 
@@ -431,3 +432,9 @@ def test_a_full_disk_during_a_periodic_save_stops_the_run_and_keeps_the_last_che
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_4"]
     monkeypatch.undo()
     assert run(resume="latest")[3].step == 4  # what was complete still loads
+
+
+def test_a_best_epoch_export_under_fp16_records_the_runs_skipped_steps(tmp_path):
+    """cricket's export under fp16 lacked skipped_steps: the best epoch's metrics were taken
+    before the run's totals were added (tests/scaler_check.py, CPU stand-in scaler)."""
+    check_a_best_epoch_export_counts_skipped_steps(tmp_path, gpu=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(skip)
 
 
-# recipe -> (script, data fixture, flags of a short run that logs every 5 steps). Sizes are the
-# CPU tests' small ones: the suite checks the GPU code paths; `make bench-gpu` measures the
+# recipe -> (script, data fixture, its flags besides the tests' step counts). Sizes are the CPU
+# tests' small ones: the suite checks the GPU code paths; `make bench-gpu` measures the
 # originals' sizes.
 RECIPES = {
     "template": (TEMPLATE, "template_data", ["--bs", "64", "--hidden", "256", "--depth", "3"]),
@@ -54,14 +55,17 @@ RECIPES = {
 
 @pytest.fixture
 def record(request: pytest.FixtureRequest):
-    """`record(**numbers)`: keep what a test measured in $GPU_OUT/gpu_suite.jsonl (if set)."""
+    """`record(**numbers)`: keep what a test measured in $GPU_OUT/gpu_suite.jsonl (if set), with
+    the seconds since the test started (the suite's time budget is checked from these)."""
+    started = time.monotonic()
 
     def write(**numbers: object) -> None:
         out = os.environ.get("GPU_OUT")
         if not out:
             return
         Path(out).mkdir(parents=True, exist_ok=True)
-        entry = {"test": request.node.nodeid, **numbers}
+        seconds = round(time.monotonic() - started, 1)
+        entry = {"test": request.node.nodeid, "seconds": seconds, **numbers}
         with (Path(out) / "gpu_suite.jsonl").open("a") as handle:
             handle.write(json.dumps(entry, default=str) + "\n")
 
