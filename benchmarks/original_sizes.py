@@ -4,15 +4,21 @@ the GPU benchmark (on CUDA), so the two measure the same training step.
 
 A workload's step is the recipe's forward pass and loss on random inputs of the original's
 shapes; what the data loader does is left out (see `accel-recipes bench` for whole recipes).
+
+`workloads(smoke=True)` gives each one at a small size (the recipe's CPU defaults, batch 2): the
+GPU benchmark's `--smoke` runs them on the CPU in CI, so no workload breaks unseen between GPU runs.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,37 +44,49 @@ class Workload:
     activations_estimable: bool = True
 
 
-def preset_model(name: str) -> nn.Module:
-    """Recipe `name`'s network at its original preset (recipes/NAME/configs/original.yaml), built
-    by the recipe itself: the sizes live in one place."""
+SMOKE_BATCH = 2  # per-device batch of every workload under --smoke
+
+
+def preset(name: str, smoke: bool = False, **small: Any) -> tuple[ModuleType, TrainArgs, Any]:
+    """Recipe `name`, its shared arguments and its settings: at its original preset
+    (recipes/NAME/configs/original.yaml), or with `smoke` at the recipe's defaults (sized for a
+    CPU) changed by `small`. The recipe resolves them itself: the sizes live in one place."""
     recipe = load_recipe(name)
-    preset = Path(recipe.__file__).parent / name / "configs" / "original.yaml"
+    if smoke:
+        return recipe, *recipe.train.resolve(**small)
+    config = Path(recipe.__file__).parent / name / "configs" / "original.yaml"
     names = [f.name for f in fields(TrainArgs)] + [
         f.name for f in fields(recipe.train.settings_class)
     ]
-    args, settings = recipe.train.resolve(**read_config_file(preset, names))
+    return recipe, *recipe.train.resolve(**read_config_file(config, names))
+
+
+def preset_model(name: str, smoke: bool = False, **small: Any) -> nn.Module:
+    """Recipe `name`'s network as `preset` resolves it, built by the recipe itself."""
+    recipe, args, settings = preset(name, smoke, **small)
     return recipe.build_model(args, settings)
 
 
-def _pointcloud() -> Workload:
-    recipe = load_recipe("pointcloud")
-    points, implant = 30720, 3072
+def _pointcloud(smoke: bool) -> Workload:
+    recipe, _, settings = preset("pointcloud", smoke)
+    points, implant = settings.num_points, settings.num_nn  # original: 30720, 3072
 
     def batch(n: int, device: torch.device) -> tuple:
         skull = torch.randn(n, points - implant, 3, device=device)
         noise = torch.randn(n, implant, 3, device=device)
-        t = torch.randint(0, 1000, (n,), device=device)
+        t = torch.randint(0, settings.timesteps, (n,), device=device)
         return skull, noise, t
 
     def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
         skull, noise, t = inputs  # epsilon prediction on the implant points
         return F.mse_loss(recipe.predict_noise(model, skull, noise, t).float(), noise)
 
+    size = "pcdiff's PVCNN2: 30720 points (3072 implant), embed 64, attention, 32/16/8 voxel grids"
     return Workload(
         "pointcloud",
-        "pcdiff's PVCNN2: 30720 points (3072 implant), embed 64, attention, 32/16/8 voxel grids",
-        8,
-        lambda: preset_model("pointcloud"),
+        f"smoke: the CPU default, {points} points" if smoke else size,
+        SMOKE_BATCH if smoke else 8,
+        lambda: preset_model("pointcloud", smoke),
         batch,
         loss,
         # farthest-point sampling and ball query read point values, which the `meta` device
@@ -77,26 +95,41 @@ def _pointcloud() -> Workload:
     )
 
 
-def _quality() -> Workload:
-    recipe = load_recipe("quality")
+def _quality(smoke: bool) -> Workload:
+    recipe, args, settings = preset("quality", smoke)
+    # as many annotators as the model has reliabilities: build_model's count without --data
+    annotators = len(recipe.ANNOTATORS)
+    size = settings.image_size  # original: 448
+    loss_of = recipe.likelihood(settings.reliability)
 
     def batch(n: int, device: torch.device) -> tuple:
-        images = torch.randn(2 * n, 3, 448, 448, device=device)  # a pair is two images
+        images = torch.randn(2 * n, 3, size, size, device=device)  # a pair is two images
         choice = torch.randint(-1, 2, (n,), device=device)
-        annotator = torch.randint(0, 8, (n,), device=device)
+        annotator = torch.randint(0, annotators, (n,), device=device)
+        annotator[0] = annotators - 1  # the highest id in every batch: a wrong count fails at once
         return images, choice, annotator
 
     def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
-        images, choice, annotator = inputs
-        scores = model(images).float().view(2, -1)
-        eta = torch.sigmoid(model.annotator_logits)[annotator]
-        return recipe.crowd_bt_loss(scores[0] - scores[1], choice, eta, draw_weight=0.1)
+        images, choice, annotator = inputs  # the recipe's step at the preset's reliability
+        s_i, s_j = model(images).float().chunk(2)
+        unwrapped = getattr(model, "module", model)
+        eta = recipe.reliabilities(unwrapped, settings.reliability, settings.fixed_eta)
+        return loss_of(s_i - s_j, choice, eta[annotator], settings.draw_weight)
+
+    def build() -> nn.Module:
+        model = recipe.build_model(args, settings)
+        count = model.annotator_logits.numel()
+        if count != annotators:  # the batch's annotator ids index the model's reliabilities
+            raise ValueError(f"quality: the model has {count} annotators, the batch {annotators}")
+        return model
 
     return Workload(
         "quality",
-        "EfficientNet-B4 at 448 px; a sample is a pair (2 images)",
-        32,
-        lambda: preset_model("quality"),
+        f"smoke: {settings.backbone} at {size} px"
+        if smoke
+        else f"EfficientNet-B4 at {size} px; a sample is a pair (2 images)",
+        SMOKE_BATCH if smoke else 32,
+        build,
         batch,
         loss,
     )
@@ -105,12 +138,19 @@ def _quality() -> Workload:
 CAPTION_VOCAB, CAPTION_TOKENS = 10_000, 32  # a word-level vocabulary of a COCO-sized corpus
 
 
-def _captioning() -> Workload:
+def _captioning(smoke: bool) -> Workload:
     recipe = load_recipe("captioning")
+    vocab, tokens_per_caption = (100, 8) if smoke else (CAPTION_VOCAB, CAPTION_TOKENS)
+    sizes = {"image_size": 224, "patch": 16, "dim": 512, "depth": 6, "decoder_depth": 6}
+    sizes |= {"heads": 8, "max_tokens": tokens_per_caption}
+    if smoke:
+        sizes |= {"image_size": 32, "patch": 8, "dim": 32, "depth": 1, "decoder_depth": 1}
+        sizes |= {"heads": 2}
+    pixels_size = sizes["image_size"]
 
     def batch(n: int, device: torch.device) -> tuple:
-        pixels = torch.randn(n, 3, 224, 224, device=device)
-        tokens = torch.randint(4, CAPTION_VOCAB, (n, CAPTION_TOKENS), device=device)
+        pixels = torch.randn(n, 3, pixels_size, pixels_size, device=device)
+        tokens = torch.randint(4, vocab, (n, tokens_per_caption), device=device)
         return pixels, tokens
 
     def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
@@ -118,14 +158,13 @@ def _captioning() -> Workload:
         summed, count = recipe.next_token_loss(model(pixels, tokens), tokens)
         return summed / count
 
-    sizes = {"image_size": 224, "patch": 16, "dim": 512, "depth": 6, "decoder_depth": 6}
-    sizes |= {"heads": 8, "max_tokens": CAPTION_TOKENS}
     return Workload(
         "captioning",
-        f"224 px, patch 16, width 512, 6 + 6 blocks, 8 heads, {CAPTION_VOCAB} words, "
-        f"{CAPTION_TOKENS} tokens",
-        32,
-        lambda: recipe.Captioner(CAPTION_VOCAB, **sizes),
+        f"{pixels_size} px, patch {sizes['patch']}, width {sizes['dim']}, {sizes['depth']} + "
+        f"{sizes['decoder_depth']} blocks, {sizes['heads']} heads, {vocab} words, "
+        f"{tokens_per_caption} tokens",
+        SMOKE_BATCH if smoke else 32,
+        lambda: recipe.Captioner(vocab, **sizes),
         batch,
         loss,
     )
@@ -134,22 +173,24 @@ def _captioning() -> Workload:
 CRYSTAL_ATOMS, CRYSTAL_NEIGHBORS = 32, 25  # atoms per structure: typical of Materials Project
 
 
-def _crystal() -> Workload:
+def _crystal(smoke: bool) -> Workload:
     from torch_geometric.data import Data
 
+    atoms, neighbors = (4, 3) if smoke else (CRYSTAL_ATOMS, CRYSTAL_NEIGHBORS)
+
     def batch(n: int, device: torch.device) -> Data:
-        nodes = n * CRYSTAL_ATOMS
-        edges = nodes * CRYSTAL_NEIGHBORS
-        target = torch.arange(nodes, device=device).repeat_interleave(CRYSTAL_NEIGHBORS)
-        first = (target // CRYSTAL_ATOMS) * CRYSTAL_ATOMS  # neighbours within the structure
-        source = first + torch.randint(0, CRYSTAL_ATOMS, (edges,), device=device)
+        nodes = n * atoms
+        edges = nodes * neighbors
+        target = torch.arange(nodes, device=device).repeat_interleave(neighbors)
+        first = (target // atoms) * atoms  # neighbours within the structure
+        source = first + torch.randint(0, atoms, (edges,), device=device)
         return Data(
             z=torch.randint(1, 95, (nodes,), device=device),
             edge_index=torch.stack([source, target]),
             distance=torch.empty(edges, device=device).uniform_(1.5, 6.0),
             vector=torch.randn(edges, 3, device=device),
             lattice=torch.randn(n, 3, 3, device=device),
-            batch=torch.arange(n, device=device).repeat_interleave(CRYSTAL_ATOMS),
+            batch=torch.arange(n, device=device).repeat_interleave(atoms),
             y=torch.randn(n, device=device),
             num_nodes=nodes,
         )
@@ -157,18 +198,72 @@ def _crystal() -> Workload:
     def loss(model: nn.Module, graph: Data) -> torch.Tensor:
         return F.mse_loss(model(graph).float(), graph.y)
 
+    size = "the CPU default" if smoke else "iComformer width 256, 4 layers, 256 RBF"
     return Workload(
         "crystal",
-        f"iComformer width 256, 4 layers, 256 RBF, {CRYSTAL_NEIGHBORS} neighbours, "
-        f"{CRYSTAL_ATOMS} atoms per structure",
-        64,
-        lambda: preset_model("crystal"),
+        f"{size}, {neighbors} neighbours, {atoms} atoms per structure",
+        SMOKE_BATCH if smoke else 64,
+        lambda: preset_model("crystal", smoke),
         batch,
         loss,
         meta_ok=False,
     )
 
 
-def workloads() -> list[Workload]:
-    """Every recipe with an original (the template has none)."""
-    return [_pointcloud(), _quality(), _captioning(), _crystal()]
+CRICKET_MATCHES = 5  # simulated matches the graphs are drawn from: ~1,100 deliveries
+
+
+def cricket_graphs(recipe: ModuleType, history: int) -> Any:
+    """The recipe's graphs of simulated deliveries (`accel-recipes make-data cricket`), read,
+    featurised and assembled by its own data path, with at most `history` earlier balls each:
+    a cricket sample's shape is its innings so far, which random tensors cannot give."""
+    recipe.datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, _ = recipe.load_innings(
+            recipe.write_dataset(Path(tmp) / "matches", matches=CRICKET_MATCHES),
+            match_types=list(recipe.DEFAULT_MATCH_TYPES),
+            strict=True,
+            ratios=(0.6, 0.2),
+            split_seed=0,
+            split_by_date=False,
+            min_matches=1,
+            workers=0,
+            cache_dir=Path(tmp) / "cache",
+        )
+        deliveries = recipe.Deliveries(rows)  # arrays in memory: the folder may go
+    keep = np.ones(len(deliveries.y), dtype=bool)  # every split: only the shapes matter
+    baseline = recipe.PhaseBaseline.fit(deliveries.over, deliveries.wickets, deliveries.y)
+    return recipe.CricketGraphs(deliveries, keep, history, baseline)
+
+
+def _cricket(smoke: bool) -> Workload:
+    small = {"hidden": 16, "layers": 1, "heads": 1, "history": 10} if smoke else {}
+    recipe, args, settings = preset("cricket", smoke, **small)
+    graphs: list[Any] = []  # built on the first batch: the memory estimate may not need them
+
+    def batch(n: int, device: torch.device) -> Any:
+        """The first n of one fixed shuffle: a batch of n + 1 is this one and one more."""
+        if not graphs:
+            graphs.append(cricket_graphs(recipe, settings.history))
+        order = np.random.default_rng(0).permutation(len(graphs[0]))
+        return graphs[0].collate(order[:n].tolist()).to(device)
+
+    def loss(model: nn.Module, graph: Any) -> torch.Tensor:
+        return F.smooth_l1_loss(model(graph).float(), graph.y, beta=settings.huber_delta)
+
+    vocab = "the example's vocabulary" if smoke else "the T20 download's vocabulary"
+    return Workload(
+        "cricket",
+        f"CricketHeteroGNN hidden {settings.hidden}, {settings.layers} layers, {settings.heads} "
+        f"heads, up to {settings.history} earlier balls, {vocab}",
+        SMOKE_BATCH if smoke else 64,
+        lambda: recipe.build_model(args, settings),
+        batch,
+        loss,
+        meta_ok=False,  # PyG's pooling reads the batch vector
+    )
+
+
+def workloads(smoke: bool = False) -> list[Workload]:
+    """Every recipe with an original (the template has none); with `smoke`, at a small size."""
+    return [build(smoke) for build in (_pointcloud, _quality, _captioning, _crystal, _cricket)]

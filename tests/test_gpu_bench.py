@@ -1,7 +1,15 @@
-"""The GPU benchmark's parts that run anywhere: the estimate covers every workload it measures,
-its section of docs/BENCHMARKS.md is rewritten in place, and without CUDA it says so."""
+"""The GPU benchmark's parts that run anywhere: its smoke run trains every workload one step on
+the CPU (so none breaks unseen between GPU runs) and fails when one does, the estimate covers
+every workload it measures, its section of docs/BENCHMARKS.md is rewritten in place, and without
+CUDA a real run says so."""
 
 from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +18,9 @@ from accel_common.tools.bench import write_section
 from benchmarks import bench_gpu
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import workloads
+from tests.conftest import REPO, recipe_env
+
+WORKLOADS = {"pointcloud", "quality", "captioning", "crystal", "cricket"}
 
 
 def fake_results() -> dict:
@@ -59,7 +70,61 @@ def test_every_measured_workload_has_an_estimate():
         else:  # PVCNN2's sampling ops need point values: the GPU benchmark measures it
             assert e["total_bytes"] is None, workload.name
         names.add(workload.name)
-    assert names == {"pointcloud", "quality", "captioning", "crystal"}
+    assert names == WORKLOADS
     # the networks are the recipes' own, at their original presets: the originals' counts
     assert parameters["pointcloud"] == 27_648_963 and parameters["crystal"] == 4_966_497
     assert parameters["quality"] - 18_598_217 < 100  # plus one reliability per annotator
+    assert parameters["cricket"] == 18_142_593  # on the T20 download's vocabulary
+
+
+@pytest.mark.slow
+def test_smoke_trains_every_workload_a_step_on_this_device(tmp_path):
+    """The command CI runs for the GPU benchmark: every workload, every precision, one step at
+    a small size; its record goes to --out, docs/BENCHMARKS.md stays as it is."""
+    docs = REPO / "docs" / "BENCHMARKS.md"
+    before = docs.read_text()
+    out = tmp_path / "smoke"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), "--smoke"]
+    done = subprocess.run(
+        [*command, "--out", str(out)], cwd=tmp_path, env=recipe_env(tmp_path),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "gpu_bench.json").read_text())
+    assert record["smoke"] and record["failed"] == {}
+    assert set(record["results"]) == WORKLOADS
+    for name, entry in record["results"].items():
+        for precision in bench_gpu.PRECISIONS:
+            r = entry[precision]
+            assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"]), (name, r)
+            assert math.isfinite(r["loss"]), (name, precision, r)
+    assert "smoke run" in (out / "gpu_bench.md").read_text()
+    assert docs.read_text() == before
+
+
+def broken(message: str) -> object:
+    """A stand-in for a workload's loss that fails as the quality workload did on the H100."""
+
+    def loss(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        raise IndexError(message)
+
+    return loss
+
+
+def test_a_failing_workload_fails_the_smoke_run_and_the_others_still_run(tmp_path, monkeypatch):
+    captioning = next(w for w in workloads(smoke=True) if w.name == "captioning")
+    nan = replace(captioning, name="nan", loss=lambda m, b: captioning.loss(m, b) * math.nan)
+    failing = replace(captioning, name="failing", loss=broken("index 7 is out of bounds"))
+    monkeypatch.setattr(bench_gpu, "workloads", lambda smoke: [failing, captioning, nan])
+    assert bench_gpu.main(["--smoke", "--out", str(tmp_path)]) == 1
+    record = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert set(record["failed"]) == {"failing", "nan"}
+    assert "index 7 is out of bounds" in record["failed"]["failing"]
+    assert "not finite" in record["failed"]["nan"]
+    assert set(record["results"]) == {"captioning"}  # a failure stops no other workload
+
+
+def test_smoke_refuses_to_write_the_docs(tmp_path, capsys):
+    docs = tmp_path / "BENCHMARKS.md"
+    assert bench_gpu.main(["--smoke", "--out", str(tmp_path), "--docs", str(docs)]) == 2
+    assert "--smoke" in capsys.readouterr().err and not docs.exists()
