@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.amp import is_autocast_available
 
 with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
     warnings.simplefilter("ignore", FutureWarning)
@@ -155,7 +157,10 @@ def in_float32(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
     BatchNorm normalises: in bf16 their outputs are rounded to 8 bits of their magnitude, while
     the BatchNorm keeps only the deviation from the channel's mean, up to ~400x smaller here (a
     bias common to every row); see docs/recipes/crystal.md, "bf16"."""
-    with torch.autocast(inputs[0].device.type, enabled=False):
+    device = inputs[0].device.type
+    # a device without autocast (`meta`) has nothing to turn off
+    off = torch.autocast(device, enabled=False) if is_autocast_available(device) else nullcontext()
+    with off:
         return module(*(widened(t) for t in inputs))
 
 
