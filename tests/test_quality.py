@@ -705,3 +705,19 @@ def test_init_from_starts_from_an_imported_checkpoint(imported):
     other = recipe.QualityScorer("test_efficientnet_gn", len(ANNOTATORS), 0.2)
     with pytest.raises(ConfigError, match=r"--init-from .*: not this scorer"):
         start_from(other, imported)
+
+
+def test_reading_a_pair_seeds_the_cpus_generator_only(monkeypatch):
+    """The augmentation's per-item seed goes to the CPU's generator, restored after: a GPU's
+    generator, which dropout there draws from, is left alone (torch.manual_seed reseeded it on
+    every item read in the main process: its dropout masks then depended on the loader's
+    workers)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    vote = quality_data.Vote("a.png", "b.png", 1, "expert_a")
+    pairs = quality_data.Pairs([vote], lambda name: torch.rand(3), ["expert_a"], seed=3)
+    before = torch.get_rng_state()
+    first, again = pairs[0], pairs[0]
+    assert seeded == []
+    assert torch.equal(first[0], again[0]) and not torch.equal(first[0], first[1])
+    assert torch.equal(torch.get_rng_state(), before)

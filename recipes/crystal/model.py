@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.amp import is_autocast_available
 
 with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
     warnings.simplefilter("ignore", FutureWarning)
@@ -143,6 +145,25 @@ class BatchNorm(nn.BatchNorm1d):
             return all_reduce(tensor)
 
 
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in float32 if it is in a narrower float (bf16 or fp16 under autocast); as it
+    is otherwise (float32 and float64 runs are untouched, bit for bit)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def in_float32(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """`module(*inputs)` with autocast off (on the inputs' device type) and inputs `widened`: in
+    float32 under mixed precision, the plain call otherwise. For the Linears whose outputs a
+    BatchNorm normalises: in bf16 their outputs are rounded to 8 bits of their magnitude, while
+    the BatchNorm keeps only the deviation from the channel's mean, up to ~400x smaller here (a
+    bias common to every row); see docs/recipes/crystal.md, "bf16"."""
+    device = inputs[0].device.type
+    # a device without autocast (`meta`) has nothing to turn off
+    off = torch.autocast(device, enabled=False) if is_autocast_available(device) else nullcontext()
+    with off:
+        return module(*(widened(t) for t in inputs))
+
+
 def mlp(width: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(3 * width, width), nn.SiLU(), nn.Linear(width, width))
 
@@ -172,8 +193,12 @@ class ComformerConv(MessagePassing):
         query = self.lin_query(x).view(-1, h, c)
         key = self.lin_key(x).view(-1, h, c)
         value = self.lin_value(x).view(-1, h, c)
-        out = self.propagate(edge_index, query=query, key=key, value=value, edge_attr=edge)
-        out = self.lin_concate(out.view(-1, h * c))
+        # gathered per edge and summed per node in float32 under mixed precision: on CUDA
+        # both sums (the messages at i, and in backward the gradients of each node's query,
+        # key and value over its edges) are atomic adds, rounded to bf16 at every add
+        q, k, v = widened(query), widened(key), widened(value)
+        out = self.propagate(edge_index, query=q, key=k, value=v, edge_attr=edge)
+        out = in_float32(self.lin_concate, out.view(-1, h * c))
         return F.softplus(x + self.bn(out))
 
     def message(self, query_i, key_i, key_j, value_i, value_j, edge_attr) -> torch.Tensor:
@@ -182,7 +207,8 @@ class ComformerConv(MessagePassing):
         key = self.key_update(torch.cat((key_i, key_j, edge), dim=-1))
         alpha = (query_i * key) / math.sqrt(c)
         out = self.lin_msg_update(torch.cat((value_i, value_j, edge), dim=-1))
-        return out * torch.sigmoid(self.bn_att(alpha.view(-1, c)).view(-1, h, c))
+        gate = torch.sigmoid(widened(self.bn_att(alpha.view(-1, c)))).view(-1, h, c)
+        return widened(out) * gate  # summed in float32 (see forward)
 
 
 class ComformerConvEdge(nn.Module):
@@ -228,7 +254,7 @@ class ComformerConvEdge(nn.Module):
         alpha = (query_x * key) / math.sqrt(c)
         out = self.lin_msg_update(torch.cat((value_x, value_y, edge_xy), dim=-1))
         out = out * torch.sigmoid(self.bn_att(alpha.reshape(-1, c)).view(-1, 3, h, c))
-        out = self.lin_concate(out.reshape(-1, 3, h * c)).sum(dim=1)
+        out = in_float32(self.lin_concate, out.reshape(-1, 3, h * c)).sum(dim=1)
         return F.softplus(edge + self.bn(out))
 
 

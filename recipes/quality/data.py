@@ -331,8 +331,11 @@ class Pairs(Dataset):
 
     The augmentation's draws for an item depend only on (seed, epoch, item), as every random
     sample in this project: the same on 1 or N processes, with any number of loader workers and
-    after a resume. torchvision's transforms draw from the global RNG, so it is seeded per item
-    and restored after (dropout draws from it too)."""
+    after a resume. torchvision's transforms draw from the global CPU generator, so it is seeded
+    per item and restored after (dropout on the CPU draws from it too). Only the CPU's: the
+    `torch.manual_seed` of every device would reseed a GPU's generator, which dropout there draws
+    from, on every item read in the main process (fork_rng(devices=[]) restores only the CPU's),
+    so with 0 and N loader workers a GPU would draw other dropout masks."""
 
     def __init__(self, records: list, read: ImageReader, annotators: list[str], seed: int = 0):
         self.read = read
@@ -349,6 +352,7 @@ class Pairs(Dataset):
     def __getitem__(self, item: int):
         a, b, choice, annotator = self.rows[item]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + item)
+            seed = (self.seed * 1_000_003 + self.epoch) * 1_000_003 + item
+            torch.random.default_generator.manual_seed(seed)
             image_a, image_b = self.read(a), self.read(b)
         return image_a, image_b, torch.tensor(float(choice)), torch.tensor(annotator)
