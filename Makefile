@@ -26,6 +26,9 @@ MASTER_PORT ?= 29500
 # workers continue from the newest complete checkpoint by themselves (docs/multinode.md)
 MAX_RESTARTS ?= 0
 STAMP := $(VENV)/.installed
+# the oldest versions the project keeps (requirements/oldest.txt), in a second environment
+OLDEST_VENV ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
 # the GPU targets write their logs and tables here; SETUP= skips the install step on a machine
 # whose python already holds the packages (then name its folder: BIN=/path/to/venv/bin)
 GPU_OUT ?= runs/gpu
@@ -46,7 +49,7 @@ define launch
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \
-        test test-gpu bench-gpu gpu-pass lint format bench clean check-recipe
+        test test-oldest test-gpu bench-gpu gpu-pass lint format bench clean check-recipe
 
 install: $(STAMP)
 
@@ -56,6 +59,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e ".[all]"
 	touch $(STAMP)
+
+# the same install at the oldest versions we keep (pyproject's floors): make test-oldest
+$(OLDEST_STAMP): pyproject.toml requirements/oldest.txt
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c requirements/oldest.txt torch torchvision
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c requirements/oldest.txt -e ".[all]"
+	touch $(OLDEST_STAMP)
 
 check-recipe:
 	@test -f $(SCRIPT) || { echo "error: RECIPE=$(RECIPE): no file $(SCRIPT); choose one of:" \
@@ -91,6 +102,18 @@ test: install
 	$(BIN)/ruff format --check .
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(TEST_WORKERS) \
 	  --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
+
+# the version-dependent tests (FSDP and sharded checkpoints, resume, mixed precision, convert) at
+# the oldest versions we keep, in OLDEST_VENV; CI runs it after `make test`
+OLDEST_TESTS ?= tests/test_sharded.py tests/test_resume.py tests/test_checkpoint.py \
+  tests/test_cli.py tests/test_captioning.py tests/test_captioning_fp16_log.py tests/test_options.py
+OLDEST_SELECT ?= test_sharded or test_resume or test_checkpoint or test_captioning_fp16_log \
+  or convert or bf16 or fp16 or overflow
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -c 'import torch, accelerate; \
+	  print("oldest: torch", torch.__version__, "accelerate", accelerate.__version__)'
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(OLDEST_VENV)/bin/python -m pytest \
+	  -n $(TEST_WORKERS) --dist loadgroup --durations=5 $(OLDEST_TESTS) -k "$(OLDEST_SELECT)"
 
 # the GPU suite (tests/gpu; skipped where CUDA is absent, so CI never runs it), one recipe per
 # pytest-xdist worker on the one GPU; logs and measured tolerances go to GPU_OUT
