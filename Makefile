@@ -26,11 +26,27 @@ MASTER_PORT ?= 29500
 # workers continue from the newest complete checkpoint by themselves (docs/multinode.md)
 MAX_RESTARTS ?= 0
 STAMP := $(VENV)/.installed
+# the oldest versions the project keeps (requirements/oldest.txt), in a second environment
+OLDEST_VENV ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
 # the GPU targets write their logs and tables here; SETUP= skips the install step on a machine
 # whose python already holds the packages (then name its folder: BIN=/path/to/venv/bin)
 GPU_OUT ?= runs/gpu
 GPU_WORKERS ?= 6
 SETUP ?= install
+# a machine without registry access: WHEELS=DIR (made by `make wheelhouse`) unpacks DIR's wheels
+# into GPU_SITE, ahead of the machine's own Python (PYTHON) on PYTHONPATH; no project install
+WHEELS ?=
+GPU_SITE ?= .gpu-site
+# `make wheelhouse`: where the wheels go, and the GPU machine's Python version
+DIR ?= .whl
+PY ?= 3.12
+# each part of the GPU pass stops after this many seconds (8 minutes in all on one H100, with
+# BENCH_TIMEOUT 120 s; `make bench-gpu` alone times twice the steps within 300 s)
+SUITE_TIMEOUT ?= 270
+KERNELS_TIMEOUT ?= 60
+# pcdiff's pcdiff/ folder, for the comparison with its CUDA kernels (docs/gpu.md)
+PCDIFF_SRC ?=
 
 SCRIPT = recipes/train_$(RECIPE).py
 # runs the launcher so that a failure reads as one line with the worker's exit code (2, 3 or 4)
@@ -46,7 +62,8 @@ define launch
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \
-        test test-gpu bench-gpu gpu-pass lint format bench clean check-recipe
+        test test-oldest test-gpu bench-gpu gpu-pass wheels wheelhouse lint format bench clean \
+        check-recipe
 
 install: $(STAMP)
 
@@ -56,6 +73,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e ".[all]"
 	touch $(STAMP)
+
+# the same install at the oldest versions we keep (pyproject's floors): make test-oldest
+$(OLDEST_STAMP): pyproject.toml requirements/oldest.txt
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c requirements/oldest.txt torch torchvision
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c requirements/oldest.txt -e ".[all]"
+	touch $(OLDEST_STAMP)
 
 check-recipe:
 	@test -f $(SCRIPT) || { echo "error: RECIPE=$(RECIPE): no file $(SCRIPT); choose one of:" \
@@ -92,25 +117,94 @@ test: install
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(TEST_WORKERS) \
 	  --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
+# the version-dependent tests (FSDP and sharded checkpoints, resume, mixed precision, convert) at
+# the oldest versions we keep, in OLDEST_VENV; CI runs it after `make test`
+OLDEST_TESTS ?= tests/test_sharded.py tests/test_resume.py tests/test_checkpoint.py \
+  tests/test_cli.py tests/test_captioning.py tests/test_captioning_fp16_log.py tests/test_options.py
+OLDEST_SELECT ?= test_sharded or test_resume or test_checkpoint or test_captioning_fp16_log \
+  or convert or bf16 or fp16 or overflow
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -c 'import torch, accelerate; \
+	  print("oldest: torch", torch.__version__, "accelerate", accelerate.__version__)'
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(OLDEST_VENV)/bin/python -m pytest \
+	  -n $(TEST_WORKERS) --dist loadgroup --durations=5 $(OLDEST_TESTS) -k "$(OLDEST_SELECT)"
+
+# wheels of what a GPU machine without registry access may lack (requirements/gpu-pass.txt), for
+# its Python (PY=3.12) on x86-64 Linux; carry DIR there and run `make gpu-pass WHEELS=DIR`
+wheelhouse:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(PY) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform any -d $(DIR) -r requirements/gpu-pass.txt
+	@echo "$(DIR): $$(ls $(DIR)/*.whl | wc -l) wheels, $$(du -sh $(DIR) | cut -f1)"
+
+# unpacks WHEELS into GPU_SITE for the machine's own Python, from nothing but that folder
+wheels:
+	@compgen -G "$(WHEELS)/*.whl" >/dev/null || { echo "error: WHEELS=$(WHEELS): no .whl files" \
+	  "there; make them where PyPI is reachable: make wheelhouse DIR=$(WHEELS)" >&2; exit 2; }
+	rm -rf $(GPU_SITE)
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl
+
+# the GPU targets' Python (after `env`): .venv's (SETUP=install), the machine's own with WHEELS=DIR
+ifneq ($(WHEELS),)
+GPU_SETUP := wheels
+GPU_PYTHON := PYTHONPATH=$(abspath $(GPU_SITE)):$(CURDIR) $(PYTHON)
+else
+GPU_SETUP := $(SETUP)
+GPU_PYTHON := $(BIN)/python
+endif
+GPU_ENV := GPU_OUT=$(abspath $(GPU_OUT))
+KERNELS := tests/gpu/test_pointcloud_kernels_on_gpu.py
+# the three parts, each writing only its own files to GPU_OUT (tests/gpu's `record` fixture
+# appends to gpu_suite.jsonl): suite, the pcdiff kernel comparison, the benchmark
+GPU_SUITE = env $(GPU_ENV) $(GPU_PYTHON) -m pytest tests/gpu -m gpu --ignore=$(KERNELS) \
+  -n $(GPU_WORKERS) --dist loadgroup --durations=10 --junitxml=$(GPU_OUT)/gpu_suite.xml
+GPU_KERNELS = env $(GPU_ENV) PCDIFF_SRC=$(PCDIFF_SRC) $(GPU_PYTHON) -m pytest $(KERNELS) -m gpu \
+  -n 0 --junitxml=$(GPU_OUT)/gpu_kernels.xml
+GPU_BENCH = env $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(GPU_OUT) --docs docs/BENCHMARKS.md \
+  $(BENCH_ARGS)
+
+# $(call gpu_part,NAME,SECONDS,COMMAND): COMMAND stopped after SECONDS; one line says how it ended,
+# and a part that failed or timed out is added to $failed (the next part still runs)
+define gpu_part
+echo "== $(1) (at most $(2) s)"; timeout -k 5 $(2) $(3); rc=$$?; \
+	if [ $$rc = 0 ]; then echo "== $(1): passed"; \
+	elif [ $$rc = 124 ] || [ $$rc = 137 ]; then echo "== $(1): TIMED OUT after $(2) s"; \
+	  failed="$$failed $(1)"; \
+	else echo "== $(1): FAILED (exit $$rc)"; failed="$$failed $(1)"; fi
+endef
+
+# $(call gpu_run,PARTS...): the parts in order, all output also in GPU_OUT/<target>.log; the exit
+# code is 0 only if every part passed
+define gpu_run
+mkdir -p $(GPU_OUT)
+set -o pipefail; { failed=""; $(1) \
+	echo "== $@: $${failed:+failed:}$${failed:- every part passed}"; test -z "$$failed"; } 2>&1 \
+	| tee $(GPU_OUT)/$@.log
+endef
+
 # the GPU suite (tests/gpu; skipped where CUDA is absent, so CI never runs it), one recipe per
-# pytest-xdist worker on the one GPU; logs and measured tolerances go to GPU_OUT
-test-gpu: $(SETUP)
-	mkdir -p $(GPU_OUT)
-	set -o pipefail; GPU_OUT=$(abspath $(GPU_OUT)) $(BIN)/python -m pytest tests/gpu -m gpu \
-	  -n $(GPU_WORKERS) --dist loadgroup --durations=10 --junitxml=$(GPU_OUT)/gpu_suite.xml \
-	  2>&1 | tee $(GPU_OUT)/gpu_suite.log
+# pytest-xdist worker on the one GPU, then the comparison with pcdiff's kernels (PCDIFF_SRC)
+test-gpu: $(GPU_SETUP)
+	rm -f $(GPU_OUT)/gpu_suite.* $(GPU_OUT)/gpu_kernels.xml
+	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE)); \
+	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS));)
 
 # samples/s, peak memory and TFLOP/s per recipe at the originals' sizes, fp32/bf16/fp16
-bench-gpu: $(SETUP)
-	mkdir -p $(GPU_OUT)
-	set -o pipefail; $(BIN)/python benchmarks/bench_gpu.py --out $(GPU_OUT) \
-	  --docs docs/BENCHMARKS.md 2>&1 | tee $(GPU_OUT)/gpu_bench.log
+bench-gpu: BENCH_TIMEOUT ?= 300
+bench-gpu: $(GPU_SETUP)
+	rm -f $(GPU_OUT)/gpu_bench.*
+	$(call gpu_run,$(call gpu_part,bench,$(BENCH_TIMEOUT),$(GPU_BENCH));)
 
-# the whole GPU pass in one command (about 10 min on one H100): the suite, then the benchmark
-# even if the suite failed; the exit code is the suite's, else the benchmark's
-gpu-pass: $(SETUP)
-	$(MAKE) --no-print-directory test-gpu SETUP= ; suite=$$?; \
-	$(MAKE) --no-print-directory bench-gpu SETUP= && exit $$suite
+# the whole GPU pass in one command, at most 8 minutes on one H100: suite, benchmark (5 timed
+# steps after 2 warm-up ones, to fit its time), kernel comparison, each run even if one before
+# failed or timed out
+gpu-pass: BENCH_ARGS ?= --steps 5 --warmup 2
+gpu-pass: BENCH_TIMEOUT ?= 120
+gpu-pass: $(GPU_SETUP)
+	rm -f $(GPU_OUT)/gpu_suite.* $(GPU_OUT)/gpu_kernels.xml $(GPU_OUT)/gpu_bench.*
+	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE)); \
+	  $(call gpu_part,bench,$(BENCH_TIMEOUT),$(GPU_BENCH)); \
+	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS));)
 
 lint: install
 	$(BIN)/ruff check .
