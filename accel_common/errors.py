@@ -7,7 +7,10 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import ParamSpec, TypeVar
+
+from accel_common.determinism import refused_op
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -117,6 +120,17 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
                 print(f"preempted (rank {rank}): saved too", file=sys.stderr, flush=True)
             sys.exit(EXIT_PREEMPTED)
         except RuntimeError as err:
+            if (op := refused_op(err)) is not None:
+                if is_main_launch_process():
+                    recipe = Path(sys.argv[0]).stem.removeprefix("train_")
+                    print(
+                        f"error: --deterministic: {op} has no deterministic implementation on "
+                        f"this device, so the {recipe} recipe cannot run deterministically here; "
+                        "run without --deterministic (two runs may then differ in the last bits)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                sys.exit(EXIT_USER_ERROR)
             message = describe_distributed_failure(err, kwargs.get("dist_timeout"))
             if message is None:
                 raise

@@ -148,6 +148,14 @@ class TrainArgs(Settings):
     seed: int = setting(
         0, "Seed for weights, shuffling and noise; the same on every process.", min=0
     )
+    deterministic: bool = setting(
+        False,
+        "Repeat bit for bit on the same hardware and software: deterministic kernels "
+        "(torch.use_deterministic_algorithms), cuDNN without benchmarking, a fixed cuBLAS "
+        "workspace; an op with no deterministic kernel stops the run, naming it. GPU runs are "
+        "slower and otherwise differ in the last bits, which training amplifies. Part of the "
+        "run's identity.",
+    )
     workers: int = setting(
         0, "DataLoader worker processes per training process.", min=0, adjustable=True
     )
@@ -237,6 +245,7 @@ class TrainArgs(Settings):
             report_to=self.report_to,
             dist_timeout=self.dist_timeout,
             seed=self.seed,
+            deterministic=self.deterministic,
             kwargs_handlers=kwargs_handlers,
         )
 

@@ -42,6 +42,7 @@ from accel_common.balance import BalancedBatchSampler
 from accel_common.batching import BatchPlan, plan_batch
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
+from accel_common.determinism import make_deterministic
 from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, exit_on_error
 from accel_common.sharding import guard_wrap_policy
 from accel_common.tracking import trackers_for
@@ -63,6 +64,7 @@ def make_accelerator(
     report_to: str = "none",
     dist_timeout: int = 0,
     seed: int = 0,
+    deterministic: bool = False,
     kwargs_handlers: Iterable[KwargsHandler] = (),
 ) -> tuple[Accelerator, BatchPlan]:
     """Build the Accelerator and the batch plan for this launch's world size.
@@ -77,6 +79,7 @@ def make_accelerator(
     in seconds, a recipe's InitProcessGroupKwargs) go to it directly: Accelerate ignores them once
     the group exists, and InitProcessGroupKwargs.to_kwargs() drops a timeout equal to its own
     default (600 s). `seed` seeds every process alike, so initial weights are the same everywhere.
+    `deterministic` makes every kernel after this call deterministic (accel_common.determinism).
     """
     if dist_timeout < 0:
         raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
@@ -119,6 +122,8 @@ def make_accelerator(
             "the CPU: Accelerate would train in fp32 while reporting fp16. Use --mixed-precision "
             "bf16 or no on the CPU, or launch on a GPU"
         )
+    if deterministic:
+        make_deterministic()
     set_seed(seed)
     return accelerator, plan
 
