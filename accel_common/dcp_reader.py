@@ -1,9 +1,10 @@
-"""Reading FSDP's sharded checkpoints (torch.distributed.checkpoint folders) without unpickling
-arbitrary objects: what `accel-recipes convert` needs to merge them into one safetensors file.
+"""FSDP's sharded checkpoints (torch.distributed.checkpoint folders): their layout, and reading
+them without unpickling arbitrary objects, what `accel-recipes convert` needs to merge them into
+one safetensors file.
 
-Apart from accel_common.checkpoint because importing torch.distributed.checkpoint (and the
-DTensor and sympy machinery behind it) adds ~1.3 s to every process start, and only conversion
-reads these folders; Accelerate's own save_state/load_state import it when FSDP is on.
+torch.distributed.checkpoint (and the DTensor and sympy machinery behind it) is imported only when
+a folder is read: it adds ~1.3 s to every process start, and only conversion reads these folders;
+Accelerate's own save_state/load_state import it when FSDP is on.
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ from __future__ import annotations
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from accel_common.checkpoint import DCP_METADATA, DCP_MODEL_KEY, FSDP_SHARDED_DIR
 from accel_common.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemReader, Metadata
+
+# What `accelerator.save_state` writes for a model under FSDP's SHARDED_STATE_DICT: a DCP folder
+# whose `.metadata` indexes the per-rank `__R_0.distcp` shards; Accelerate nests the weights under
+# the key "model".
+FSDP_SHARDED_DIR = "pytorch_model_fsdp_{index}"
+DCP_METADATA = ".metadata"
+DCP_MODEL_KEY = "model"
 
 # `.metadata` is a pickle. These are the only globals DCP's own metadata pickles reference (plus
 # torch dtypes); anything else is refused, so reading it cannot run code. pathlib appears because
@@ -60,8 +68,10 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(folder: Path) -> dcp.Metadata:
+def read_dcp_metadata(folder: Path) -> Metadata:
     """The index of a DCP folder (tensor shapes, dtypes, and which shard file holds each chunk)."""
+    import torch.distributed.checkpoint as dcp
+
     path = Path(folder) / DCP_METADATA
     try:
         with path.open("rb") as stream:
@@ -73,19 +83,19 @@ def read_dcp_metadata(folder: Path) -> dcp.Metadata:
     return metadata
 
 
-class _CheckedMetadataReader(dcp.FileSystemReader):
+def _checked_reader(folder: Path, metadata: Metadata) -> FileSystemReader:
     """DCP's file reader, handed the index already read by `read_dcp_metadata`.
 
     FileSystemReader.read_metadata would `pickle.load` the index unchecked; the shards themselves
     are read with torch.load(weights_only=True) by DCP.
     """
+    import torch.distributed.checkpoint as dcp
 
-    def __init__(self, folder: Path, metadata: dcp.Metadata) -> None:
-        super().__init__(folder)
-        self._metadata = metadata
+    class CheckedMetadataReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
-        return self._metadata
+    return CheckedMetadataReader(folder)
 
 
 def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -95,6 +105,9 @@ def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     parameter names come from the index's own key paths, never from splitting on dots.
     Non-tensor entries are skipped: an export holds tensors only.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     folder = Path(folder)
     metadata = read_dcp_metadata(folder)
     paths = metadata.planner_data or {}
@@ -116,7 +129,7 @@ def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():  # single-process on purpose; DCP warns about that
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_CheckedMetadataReader(folder, metadata), no_dist=True)
+            dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
     except (Exception, dcp.CheckpointException) as err:  # DCP wraps shard errors in the latter
         raise CheckpointError(
             f"{folder}: the shard files are missing, corrupt or truncated "

@@ -80,23 +80,25 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
-    META_FILE,
-    MODEL_FILE,
     TrainProgress,
     checkpoint_step,
     describe_differences,
-    export_model,
     list_checkpoints,
     load_checkpoint,
-    read_export_metadata,
     remove_unfinished_saves,
     resolve_resume,
     save_checkpoint,
-    write_export,
 )
 from accel_common.console import format_metrics, print_banner, say
 from accel_common.data.files import folder_fingerprint
 from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
+from accel_common.export import (
+    META_FILE,
+    MODEL_FILE,
+    export_model,
+    read_export_metadata,
+    write_export,
+)
 from accel_common.lr import LRSchedule
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
 from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking

@@ -44,9 +44,9 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import load_for_inference, read_recipe_export
 from accel_common.data.images import image_batches, list_images
 from accel_common.errors import ConfigError
+from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.losses import GlobalItemMean
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe

@@ -46,10 +46,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import load_for_inference, read_recipe_export, require_same_tensors
 from accel_common.console import say
 from accel_common.data.cache import list_column
 from accel_common.errors import ConfigError, DataError
+from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe

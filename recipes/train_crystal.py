@@ -58,9 +58,9 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
-from accel_common.checkpoint import load_exported, load_for_inference, read_recipe_export
 from accel_common.data.cache import list_lengths
 from accel_common.errors import ConfigError, DataError
+from accel_common.export import load_exported, load_for_inference, read_recipe_export
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe

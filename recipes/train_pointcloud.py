@@ -43,14 +43,9 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.checkpoint import (
-    export_paths,
-    inference_device,
-    load_exported,
-    read_recipe_export,
-)
 from accel_common.console import format_metrics
 from accel_common.errors import ConfigError, DataError
+from accel_common.export import export_paths, inference_device, load_exported, read_recipe_export
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import require_new_file, resolve_data, run_recipe

@@ -44,9 +44,9 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_common.checkpoint import load_exported, read_recipe_export
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
+from accel_common.export import load_exported, read_recipe_export
 from accel_common.options import TrainArgs, model_option, train_command
 from accel_common.runtime import resolve_data, run_recipe
 from accel_common.settings import Settings, setting

@@ -28,7 +28,8 @@ from accelerate.utils import GradScalerKwargs
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from accel_common.checkpoint import list_checkpoints, read_export_metadata
+from accel_common.checkpoint import list_checkpoints
+from accel_common.export import read_export_metadata
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader

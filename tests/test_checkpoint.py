@@ -17,20 +17,22 @@ from torch import nn
 from accel_common.batching import plan_batch
 from accel_common.checkpoint import (
     TrainProgress,
-    convert_checkpoint,
     describe_differences,
     list_checkpoints,
     load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from accel_common.convert import convert_checkpoint
+from accel_common.data import files
+from accel_common.errors import CheckpointError
+from accel_common.export import (
     load_exported,
     read_export_metadata,
     read_recipe_export,
-    resolve_resume,
-    save_checkpoint,
     strip_wrapper_prefixes,
     write_export,
 )
-from accel_common.data import files
-from accel_common.errors import CheckpointError
 
 
 class Net(nn.Module):
@@ -492,7 +494,7 @@ def test_a_full_disk_during_an_export_keeps_the_export_before_it(tmp_path, monke
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("accel_common.checkpoint.save_file", full)
+    monkeypatch.setattr("accel_common.export.save_file", full)
     with pytest.raises(CheckpointError, match=r"^no space left on device while writing .*model"):
         write_export(reference_state(), target, {"step": 2})
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # no .tmp left either

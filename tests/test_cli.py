@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from accel_common.checkpoint import load_exported, read_export_metadata
+from accel_common.export import load_exported, read_export_metadata
 from accel_common.tools.cli import app
 from accel_common.tools.example_data import generator, workloads
 from tests.conftest import recipe_env

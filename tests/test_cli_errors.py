@@ -182,7 +182,7 @@ def test_convert_to_an_original_names_source_for_another_recipes_export(tmp_path
     SOURCE, not the --model of the recipes' own commands."""
     import torch
 
-    from accel_common.checkpoint import write_export
+    from accel_common.export import write_export
 
     other = tmp_path / "template_model"
     write_export({"w": torch.zeros(2)}, other, {"recipe": "template", "config": {"hidden": 8}})

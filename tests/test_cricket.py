@@ -504,7 +504,7 @@ def test_an_original_checkpoint_imports_strictly_and_predicts_as_the_original(mo
     expected = torch.tensor(meta["outputs"][model])
     assert ((out - expected).abs() / expected.abs().clamp_min(1e-3)).max() <= 1e-5
     # and back: --to cricketmodel writes what the original loads
-    from accel_common.checkpoint import write_export
+    from accel_common.export import write_export
 
     write_export(state, tmp_path / "export", {"recipe": "cricket", "config": config})
     back = torch.load(export_checkpoint(tmp_path / "export", tmp_path / "back.pt"),

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import recipes.train_crystal as recipe
-from accel_common.checkpoint import inference_device, write_export
 from accel_common.errors import CheckpointError, ConfigError, DataError
+from accel_common.export import inference_device, write_export
 from accel_common.runtime import train_in_python
 from accel_common.tools import cli
 from recipes.crystal import api, convert

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
 import recipes.train_pointcloud as recipe
-from accel_common.checkpoint import write_export
 from accel_common.errors import CheckpointError, ConfigError, DataError, exit_on_error
+from accel_common.export import write_export
 from recipes.pointcloud.data import DEFECTS, SPACING_FILE, SkullBreak
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset

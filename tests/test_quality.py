@@ -537,7 +537,7 @@ def imported(tmp_path) -> Path:
 
 
 def imported_scorer(model_dir: Path) -> recipe.QualityScorer:
-    from accel_common.checkpoint import load_exported
+    from accel_common.export import load_exported
 
     config = json.loads((model_dir / "model.json").read_text())["config"]
     model = recipe.QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])

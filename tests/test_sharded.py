@@ -39,8 +39,9 @@ from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from accel_common.checkpoint import convert_checkpoint, load_exported
+from accel_common.convert import convert_checkpoint
 from accel_common.errors import CheckpointError
+from accel_common.export import load_exported
 from accel_common.tools.cli import app
 from tests.conftest import (
     ACCELERATE_LAUNCH,

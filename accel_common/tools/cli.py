@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BatchPlanError, plan_batch
-from accel_common.checkpoint import convert_checkpoint, require_export_target, write_export
+from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
+from accel_common.export import require_export_target, write_export
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench import run_benchmark
 from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import require_same_tensors
 from accel_common.errors import CheckpointError
+from accel_common.export import require_same_tensors
 from recipes.cricket.data import VOCAB_FILE
 
 ORIGINAL = "cricketmodel"

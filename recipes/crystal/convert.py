@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import read_recipe_export, require_same_tensors, strip_wrapper_prefixes
 from accel_common.errors import CheckpointError
+from accel_common.export import read_recipe_export, require_same_tensors, strip_wrapper_prefixes
 from recipes.crystal.model import VARIANTS, build_network
 
 ORIGINAL = "comformer"

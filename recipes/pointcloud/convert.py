@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from accel_common.checkpoint import (
+from accel_common.errors import CheckpointError, ConfigError
+from accel_common.export import (
     export_paths,
     load_exported,
     read_recipe_export,
     require_same_tensors,
 )
-from accel_common.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from recipes.train_pointcloud import PointCloudSettings

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import read_recipe_export, require_same_tensors
 from accel_common.errors import CheckpointError
+from accel_common.export import read_recipe_export, require_same_tensors
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer
 
 ORIGINAL = "crowd-bt"

@@ -13,8 +13,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from accel_common.checkpoint import MODEL_FILE, read_state_dict
+from accel_common.convert import read_state_dict
 from accel_common.errors import ConfigError
+from accel_common.export import MODEL_FILE
 
 HIDDEN = 512  # model.py 28: hidden_dim; the second layer is hidden_dim // 2
 RELIABILITY_KEY = "annotator_logits"

@@ -1,0 +1,130 @@
+"""Conversion of foreign checkpoints (DDP / torch.compile / Accelerate folders, FSDP's sharded
+DCP folders, plain torch.save files) into the project's export, without ever unpickling arbitrary
+objects: what `accel-recipes convert` and a recipe's `--weights` read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
+from accel_common.errors import CheckpointError
+from accel_common.export import require_export_target, write_export
+
+# Wrappers that training scripts put around a state dict, outermost first.
+STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
+
+# What `accelerator.save_state` writes for a model under FSDP with FULL_STATE_DICT: one
+# torch.save file (SHARDED_STATE_DICT: a DCP folder, see accel_common.dcp_reader).
+FSDP_FULL_FILE = "pytorch_model_fsdp{suffix}.bin"
+
+
+def unwrap_state_dict(obj: Any, source: str) -> dict[str, torch.Tensor]:
+    """Descend through `model_state` / `state_dict` / `model` wrappers to the tensors."""
+    while isinstance(obj, Mapping) and not all(torch.is_tensor(v) for v in obj.values()):
+        key = next((k for k in STATE_DICT_WRAPPERS if isinstance(obj.get(k), Mapping)), None)
+        if key is None:
+            keys = ", ".join(sorted(map(str, obj))[:12])
+            raise CheckpointError(
+                f"{source}: found no model weights; top-level keys are [{keys}] and none of "
+                f"{', '.join(STATE_DICT_WRAPPERS)} holds a state dict"
+            )
+        obj = obj[key]
+    if not isinstance(obj, Mapping) or not obj:
+        raise CheckpointError(f"{source}: contains no tensors")
+    return dict(obj)
+
+
+def _accelerate_folder_weights(folder: Path, model_index: int) -> Path:
+    """The model's weights in a save_state folder: a file, or FSDP's sharded DCP folder."""
+    suffix = "" if model_index == 0 else f"_{model_index}"
+    for name in (
+        f"model{suffix}.safetensors",
+        f"pytorch_model{suffix}.bin",
+        FSDP_FULL_FILE.format(suffix=suffix),
+        FSDP_SHARDED_DIR.format(index=model_index),
+    ):
+        if (folder / name).is_file() or (folder / name / DCP_METADATA).is_file():
+            return folder / name
+    if (folder / "zero_to_fp32.py").is_file() or (folder / f"pytorch_model{suffix}").is_dir():
+        raise CheckpointError(
+            f"{folder} is a DeepSpeed ZeRO checkpoint; merge it with DeepSpeed's own script first "
+            f"(needs `pip install deepspeed`): python {folder}/zero_to_fp32.py {folder} MERGED "
+            f"--tag pytorch_model{suffix} --safe_serialization, then convert "
+            "MERGED/model.safetensors"
+        )
+    raise CheckpointError(
+        f"{folder}: no model{suffix}.safetensors, pytorch_model{suffix}.bin, "
+        f"{FSDP_FULL_FILE.format(suffix=suffix)} or {FSDP_SHARDED_DIR.format(index=model_index)}/ "
+        "in this folder; is it an accelerator.save_state checkpoint?"
+    )
+
+
+def file_kind(path: Path) -> str | None:
+    """'safetensors', 'torch' (a torch.save zip archive or legacy pickle) or None, by content."""
+    with Path(path).open("rb") as handle:
+        head = handle.read(9)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
+        return "safetensors"
+    return None
+
+
+def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """Read weights from a .safetensors/torch.save file, an Accelerate folder or a DCP folder."""
+    source = Path(source)
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file or folder")
+    if source.is_dir() and not (source / DCP_METADATA).is_file():
+        source = _accelerate_folder_weights(source, model_index)
+    if source.is_dir():
+        return read_dcp_model(source)
+    kind = file_kind(source)
+    if kind is None and source.suffix == ".safetensors":
+        kind = "safetensors"  # too short even for a header: reported as truncated below
+    if kind is None:
+        raise CheckpointError(
+            f"{source} is neither a safetensors file nor a PyTorch checkpoint (torch.save writes "
+            "a zip archive or a pickle; this file starts with neither), so nothing was loaded"
+        )
+    if kind == "safetensors":
+        try:
+            return load_file(str(source))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{source} is corrupt or truncated: {err}") from err
+    try:
+        obj = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:
+        if "weights_only" in str(err) or "Unsupported global" in str(err):
+            raise CheckpointError(
+                f"{source} holds pickled Python objects beyond tensors, and loading it would run "
+                "arbitrary code, so it was not loaded. If you trust it, re-save only the weights: "
+                "torch.save(model.state_dict(), 'weights.pt')"
+            ) from err
+        raise CheckpointError(
+            f"{source} is corrupt, truncated or not a PyTorch file: {err}"
+        ) from err
+    return unwrap_state_dict(obj, str(source))
+
+
+def convert_checkpoint(
+    source: Path,
+    target: Path,
+    *,
+    recipe: str = "unknown",
+    model_index: int = 0,
+    force: bool = False,
+) -> Path:
+    """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
+    is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json)."""
+    require_export_target(target, force)
+    state = read_state_dict(source, model_index)
+    metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
+    return write_export(state, target, metadata)

@@ -1,0 +1,274 @@
+"""The export: one safetensors file with clean keys and a JSON beside it, what a run leaves for
+plain PyTorch. Recipes load it on any single device (`load_exported`, `load_for_inference`,
+`read_recipe_export`); the loop and conversion write it (`write_export`). Its strict JSON and
+write-failure messages serve resumable state too.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from accel_common.batching import BatchPlan
+from accel_common.errors import CheckpointError
+
+MODEL_FILE = "model.safetensors"
+META_FILE = "model.json"
+# Prefixes added by DDP / DataParallel (`module.`), torch.compile (`_orig_mod.`) and Lightning-style
+# modules holding a DDP model (`model.module.`), in any nesting.
+WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
+
+
+# what to do after a write failed: on a full disk (or quota), or for another reason
+WRITE_ADVICE = {
+    True: "free space on that disk, or move --output-dir to another one",
+    False: "check that the --output-dir disk is writable and healthy",
+}
+
+
+def disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failure(err: OSError) -> str:
+    """'no space left on device' (or the quota, or the system's own words for another error)."""
+    if err.errno == errno.ENOSPC:
+        return "no space left on device"
+    if err.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    return f"could not write ({err.strerror or err})"
+
+
+def _clean_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # clone() unties shared storage, which safetensors refuses to write.
+    return {key: tensor.detach().cpu().contiguous().clone() for key, tensor in state.items()}
+
+
+def export_paths(target: Path) -> tuple[Path, Path]:
+    """(weights file, metadata JSON) of an export: a folder holds model.safetensors and
+    model.json; a target ending in .safetensors is the weights file, with NAME.json beside it
+    (model.safetensors -> model.json). An existing folder stays a folder whatever its name, so
+    one that an earlier version wrote as OUT.safetensors/ is still read and replaced as such."""
+    target = Path(target)
+    if target.suffix == ".safetensors" and not target.is_dir():
+        return target, target.with_suffix(".json")
+    return target / MODEL_FILE, target / META_FILE
+
+
+def require_export_target(target: Path, force: bool) -> Path:
+    """The weights file an export to `target` writes, checked before anything is read: not under
+    a file, and not over an export unless `force`."""
+    model_path, _ = export_paths(target)
+    if model_path.parent.exists() and not model_path.parent.is_dir():
+        raise CheckpointError(
+            f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
+            "NAME.safetensors path"
+        )
+    if model_path.exists() and not force:
+        raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
+    return model_path
+
+
+def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
+    """Write the weights and their JSON (see `export_paths`), each via a temporary name."""
+    model_path, meta_path = export_paths(target)
+    text = strict_json(metadata, meta_path)  # before anything is written
+    tmp_model = model_path.with_name(model_path.name + ".tmp")
+    tmp_meta = meta_path.with_name(meta_path.name + ".tmp")
+    try:
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
+        tmp_meta.write_text(text)
+        # safetensors writes through a private temporary file (mode 0600): give the export the
+        # permissions any file the user creates gets, so colleagues and serving jobs can read it
+        os.chmod(tmp_model, 0o666 & ~current_umask())
+    except OSError as err:
+        tmp_model.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"{write_failure(err)} while writing the export {model_path}; an export already "
+            f"there is unchanged: {WRITE_ADVICE[disk_full(err)]}, then export again (a training "
+            "run: --resume latest)"
+        ) from None
+    os.replace(tmp_model, model_path)
+    os.replace(tmp_meta, meta_path)
+    return model_path
+
+
+def strict_json(data: Any, path: Path) -> str:
+    """`data` as the JSON text of `path`. NaN and infinity are refused, naming the entry: JSON has
+    no such numbers (Python would write `NaN`, which strict readers reject)."""
+    try:
+        return json.dumps(data, indent=2, default=str, allow_nan=False)
+    except ValueError:
+        bad = "; ".join(f"{key} is {value}" for key, value in non_finite_entries(data))
+        raise CheckpointError(
+            f"{path}: {bad or 'a value is not finite'}; JSON cannot hold it, so nothing was written"
+        ) from None
+
+
+def non_finite_entries(data: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """('metrics.train_loss', nan) for every NaN or infinite float in nested dicts and lists."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [(prefix or "the value", data)]
+    if isinstance(data, Mapping):
+        items = ((f"{prefix}.{key}" if prefix else str(key), v) for key, v in data.items())
+    elif isinstance(data, (list, tuple)):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(data))
+    else:
+        return []
+    return [found for key, value in items for found in non_finite_entries(value, key)]
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def export_model(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    out_dir: Path,
+    *,
+    recipe: str,
+    config: dict[str, Any],
+    plan: BatchPlan,
+    step: int,
+    metrics: dict[str, float],
+) -> Path:
+    """Export the trained model; every process calls this (gathering shards is collective)."""
+    state = accelerator.get_state_dict(model)
+    path = Path(out_dir) / MODEL_FILE
+    if accelerator.is_main_process:
+        metadata = {
+            "recipe": recipe,
+            "config": config,
+            "batch_plan": plan.as_dict(),
+            "step": step,
+            "metrics": metrics,
+        }
+        path = write_export(state, out_dir, metadata)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def read_export_metadata(path: Path) -> dict[str, Any]:
+    """The JSON written beside an export (recipe, config, batch plan, step, metrics)."""
+    path = Path(path)
+    meta_path = path / META_FILE if path.is_dir() else path.with_suffix(".json")
+    try:
+        return json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_path}: cannot read the export's metadata ({err})") from err
+
+
+def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> dict[str, Any]:
+    """The training config of an export made by `recipe`: what its commands need to rebuild the
+    model. An export of another recipe, a converted checkpoint (no config) or a missing folder
+    is a clear error naming `flag` (the argument that named the folder) instead of a KeyError."""
+    model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise CheckpointError(f"{flag} {model_dir}: no such folder (training writes OUTPUT/model)")
+    meta = read_export_metadata(model_dir)
+    if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
+        return meta["config"]
+    if "converted_from" in meta:
+        origin = f"converted by `accel-recipes convert` from {meta['converted_from']}"
+    else:
+        settings = ", ".join(f"{k}={v}" for k, v in list((meta.get("config") or {}).items())[-6:])
+        origin = f"exported by the {meta.get('recipe')!r} recipe ({settings})"
+    raise CheckpointError(
+        f"{model_dir} was {origin}; it records no {recipe} settings to rebuild this recipe's "
+        f"model from. Point {flag} at the model folder a {recipe} training run exported"
+    )
+
+
+def load_exported(
+    path: Path, model: torch.nn.Module, device: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Load an export (its folder or its .safetensors) strictly into `model`; return its JSON."""
+    path = Path(path)
+    model_path = path / MODEL_FILE if path.is_dir() else path
+    if not model_path.is_file():
+        raise CheckpointError(f"no exported model at {model_path}")
+    try:
+        state = load_file(str(model_path), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+    misfit = (
+        f"{model_path} does not fit this model (were the width/depth flags the same as in "
+        f"training? see {META_FILE} beside it)"
+    )
+    require_same_tensors(state, model.state_dict(), misfit)  # one line, not torch's list
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{misfit}: {err}") from err
+    return read_export_metadata(model_path) if model_path.with_suffix(".json").is_file() else {}
+
+
+def inference_device() -> torch.device:
+    """This machine's accelerator (CUDA, MPS, XPU, ...), or the CPU without one."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator()
+    return torch.device("cpu")
+
+
+def load_for_inference(model_dir: Path, model: torch.nn.Module) -> torch.device:
+    """Load an export into `model` and put it in eval mode on `inference_device()`: how every
+    recipe's single-device command (predict, score, caption, ...) starts. Returns the device."""
+    load_exported(model_dir, model)
+    device = inference_device()
+    model.to(device).eval()
+    return device
+
+
+def require_same_tensors(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, Any], where: str
+) -> None:
+    """A strict import's check, before loading: `state` has every tensor `expected` names (a
+    state dict, or shapes), no other, each of the same shape; else one line naming the first
+    mismatch and both shapes (another architecture, or other sizes)."""
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in expected.items()}
+    for key, shape in shapes.items():
+        if key not in state:
+            raise CheckpointError(f"{where}: missing tensor {key} {shape}")
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(
+                f"{where}: {key} has shape {tuple(state[key].shape)} in the checkpoint, {shape} "
+                "in this recipe's network"
+            )
+    unexpected = [k for k in state if k not in shapes]
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(
+            f"{where}: unexpected tensor {name} {tuple(state[name].shape)} (another network?)"
+        )
+
+
+def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove DDP/compile wrapper prefixes in any nesting, and compiled-submodule `_orig_mod.`."""
+    cleaned: dict[str, Any] = {}
+    for key, value in state.items():
+        new = key
+        while prefix := next((p for p in WRAPPER_PREFIXES if new.startswith(p)), None):
+            new = new[len(prefix) :]
+        new = new.replace("._orig_mod.", ".")
+        if new in cleaned:
+            raise CheckpointError(
+                f"removing wrapper prefixes maps two keys onto '{new}' (one of them is '{key}')"
+            )
+        cleaned[new] = value
+    return cleaned
