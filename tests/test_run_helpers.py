@@ -14,13 +14,8 @@ import pytest
 import torch
 
 from tests import forked
-from tests.conftest import (
-    kill_once_written,
-    max_relative_difference,
-    recipe_env,
-    run_processes,
-    run_together,
-)
+from tests.processes import kill_once_written, recipe_env, run_processes, run_together
+from tests.results import max_relative_difference
 
 # a run that shows what it was started with, and one that leaves a grandchild in its session
 SHOW = """import os, sys

@@ -42,7 +42,7 @@ from typer.testing import CliRunner
 from accel_common.checkpoint import convert_checkpoint, load_exported
 from accel_common.errors import CheckpointError
 from accel_common.tools.cli import app
-from tests.conftest import (
+from tests.processes import (
     ACCELERATE_LAUNCH,
     CAPTIONING,
     CAPTIONING_TINY,
@@ -55,13 +55,11 @@ from tests.conftest import (
     QUALITY,
     REPO,
     TEMPLATE,
-    exported_params,
     free_port,
-    max_relative_difference,
-    metrics_log,
     recipe_env,
     run_recipe,
 )
+from tests.results import exported_params, max_relative_difference, metrics_log
 
 CONFIGS = REPO / "accelerate_configs"
 SHARDED_CONFIGS = sorted(CONFIGS.glob("fsdp_*.yaml")) + sorted(CONFIGS.glob("deepspeed_*.yaml"))
