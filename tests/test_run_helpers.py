@@ -1,4 +1,4 @@
-"""The tests' own run helpers (tests/conftest.py, tests/forked.py): both ways of starting a run,
+"""The tests' own run helpers (tests/processes.py, tests/forked.py): both ways of starting a run,
 forked from the server (the CPU suite) and as a fresh interpreter (the GPU suite, where a fork of
 a process that initialised CUDA dies), behave as `python script args`; and the export comparison
 holds integer buffers to equality."""

@@ -4,7 +4,7 @@ forward and backward of each op on one random cloud.
 
 Used on a GPU with the original's own kernels (tests/gpu/test_pointcloud_kernels_on_gpu.py), and
 on the CPU with `ReferenceKernels`, brute-force transcriptions of those kernels, which checks this
-harness itself (tests/test_pointcloud_ops.py).
+harness itself (tests/recipes/pointcloud/test_ops.py).
 
 Index results (farthest-point sampling, ball query, the 3 nearest neighbours) must be equal except
 at float near-ties: the kernels are compiled with nvcc, which fuses a*a + b*b into fused
