@@ -8,7 +8,7 @@ once per pytest worker, and each run is a fresh child forked from it that execut
 stderr files, and exit code; `sys.modules['__main__']` is the script). Libraries that read the
 environment at import time (datasets, huggingface_hub, wandb, accelerate) are not preloaded, so
 they see the run's own environment. Tests of launchers and signals start real `python` and
-`accelerate launch` processes instead (see conftest.launch_command).
+`accelerate launch` processes instead (see processes.launch_command).
 
 Where CUDA is present (the GPU suite), each run is a fresh `python script args` interpreter
 instead: a child forked from a process whose torch has initialised CUDA dies at its first CUDA

@@ -33,7 +33,7 @@ from accel_common.export import read_export_metadata
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader
-from tests.conftest import exported_params, max_relative_difference
+from tests.results import exported_params, max_relative_difference
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3
 Trace = list[tuple[int, bool, float]]  # (optimizer step, weights unchanged, scale after it)

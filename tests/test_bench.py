@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from accel_common.tools import bench
-from tests.conftest import REPO, recipe_env, run_processes
+from tests.processes import REPO, recipe_env, run_processes
 
 TINY = ("--hidden", "16", "--depth", "1")
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from accel_common.export import load_exported, read_export_metadata
 from accel_common.tools.cli import app
 from accel_common.tools.example_data import generator, workloads
-from tests.conftest import recipe_env
+from tests.processes import recipe_env
 
 runner = CliRunner()
 

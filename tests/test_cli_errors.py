@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from tests.conftest import ACCELERATE_LAUNCH, BIN, CPU_2PROC, REPO, TEMPLATE
+from tests.processes import ACCELERATE_LAUNCH, BIN, CPU_2PROC, REPO, TEMPLATE
 
 runner = CliRunner()
 DEEPSPEED_CONFIG = REPO / "accelerate_configs" / "deepspeed_zero2_8gpu.yaml"

@@ -16,7 +16,7 @@ from accel_common.data.files import read_numeric_csv
 from accel_common.data.images import image_batches, list_images, read_images, read_rgb
 from accel_common.errors import DataError, one_line
 from recipes.quality.data import read_truth
-from tests.conftest import POINTCLOUD, TEMPLATE
+from tests.processes import POINTCLOUD, TEMPLATE
 
 
 def load(path):

@@ -16,7 +16,8 @@ import torch
 
 from accel_common.checkpoint import list_checkpoints
 from accel_common.determinism import make_deterministic, refused_op
-from tests.conftest import TEMPLATE, exported_params, run_recipe
+from tests.processes import TEMPLATE, run_recipe
+from tests.results import exported_params
 
 SMALL = ["--bs", "64", "--max-steps", "6", "--save-every", "3", "--log-every", "1"]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import exported_params, max_relative_difference, metrics_log, run_recipe
+from tests.processes import run_recipe
+from tests.results import exported_params, max_relative_difference, metrics_log
 
 pytestmark = pytest.mark.dist
 

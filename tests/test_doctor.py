@@ -18,7 +18,7 @@ from typer.testing import CliRunner, Result
 import accel_common.tools.doctor as doctor_module
 from accel_common.tools.cli import app
 from accel_common.tools.doctor import CPU_CONFIG, recommend
-from tests.conftest import REPO, free_port
+from tests.processes import REPO, free_port
 
 runner = CliRunner()
 CONFIGS = REPO / "accelerate_configs"

@@ -22,7 +22,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from tests.conftest import REPO
+from tests.processes import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SUBCOMMANDS = {"evaluate", "complete", "predict", "score", "caption", "prepare", "compare"}

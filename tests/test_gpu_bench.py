@@ -18,7 +18,7 @@ from accel_common.tools.bench import write_section
 from benchmarks import bench_gpu
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import workloads
-from tests.conftest import REPO, recipe_env
+from tests.processes import REPO, recipe_env
 
 WORKLOADS = {"pointcloud", "quality", "captioning", "crystal", "cricket"}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.processes import REPO
 
 # imported by every Python started with the unpacked wheels on its path: it notes the command
 PROBE = """import os, sys

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from accel_common.tools.bench import load_recipe
-from tests.conftest import dry_run_plan
 from tests.gpu.conftest import RECIPES
 from tests.gpu.test_recipes_on_gpu import COMMON
+from tests.processes import dry_run_plan
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])

@@ -17,14 +17,7 @@ import pytest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import EXIT_PREEMPTED
 from accel_common.tools.launch import Condensed, condense
-from tests.conftest import (
-    ACCELERATE_LAUNCH,
-    BIN,
-    CPU_2PROC,
-    TEMPLATE,
-    free_port,
-    recipe_env,
-)
+from tests.processes import ACCELERATE_LAUNCH, BIN, CPU_2PROC, TEMPLATE, free_port, recipe_env
 
 # what `accelerate launch` printed when rank 0 refused --lr nan (shortened)
 LAUNCHER_STDERR = """\

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import BIN, REPO, free_port, metrics_log, recipe_env
+from tests.processes import BIN, REPO, free_port, recipe_env
+from tests.results import metrics_log
 
 SBATCH_MULTI = REPO / "scripts" / "slurm" / "train_multinode.sbatch"
 SBATCH_1NODE = REPO / "scripts" / "slurm" / "train_1node.sbatch"

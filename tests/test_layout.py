@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import recipe_env
+from tests.processes import recipe_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "accel_common"

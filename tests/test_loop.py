@@ -19,7 +19,8 @@ from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader
-from tests.conftest import REPO, exported_params, max_relative_difference, run_recipe
+from tests.processes import REPO, run_recipe
+from tests.results import exported_params, max_relative_difference
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
 
 EXAMPLE = REPO / "examples" / "plain_argparse.py"
@@ -384,11 +385,12 @@ def test_a_gain_below_min_delta_keeps_the_best_model_but_not_the_patience(run, t
 
 @pytest.mark.dist
 def test_early_stopping_waits_for_min_epochs_and_stops_every_process_at_once(tmp_path):
-    """tests/early_stopping_check.py: the main process's val_mae stops improving after epoch 1,
-    the other rank's never does. Patience 1 with --min-epochs 3 stops after epoch 4 (not 2) on
-    both ranks, with the 1-process run's weights (rel 1e-6: the same global batch of 8) and its
-    LR at every step: 2 epochs held at the peak, then cosine per epoch over the 6-2 left."""
-    script = REPO / "tests" / "early_stopping_check.py"
+    """tests/scripts/early_stopping_check.py: the main process's val_mae stops improving after
+    epoch 1, the other rank's never does. Patience 1 with --min-epochs 3 stops after epoch 4
+    (not 2) on both ranks, with the 1-process run's weights (rel 1e-6: the same global batch of
+    8) and its LR at every step: 2 epochs held at the peak, then cosine per epoch over the 6-2
+    left."""
+    script = REPO / "tests" / "scripts" / "early_stopping_check.py"
     reports, weights = {}, {}
     for nproc in (1, 2):
         out = tmp_path / str(nproc)

@@ -31,17 +31,15 @@ import psutil
 import pytest
 
 from accel_common.errors import describe_distributed_failure, exit_on_error
-from tests.conftest import (
+from tests.processes import (
     ACCELERATE_LAUNCH,
     CPU_2PROC,
     TEMPLATE,
-    exported_params,
     free_port,
-    max_relative_difference,
-    metrics_log,
     recipe_env,
     run_recipe,
 )
+from tests.results import exported_params, max_relative_difference, metrics_log
 
 pytestmark = pytest.mark.dist
 

@@ -1,7 +1,7 @@
 """A NaN loss on ONE of two processes is seen by both at the same optimizer step.
 
-tests/nan_injection.py runs the template recipe with a NaN loss on rank 1 at step 6, and reports
-what each rank did. --log-every is far above the run's length, so detection cannot lean on a
+tests/scripts/nan_injection.py runs the template recipe with a NaN loss on rank 1 at step 6, and
+reports what each rank did. --log-every is far above the run's length, so detection cannot lean on a
 logged (reduced) loss: it is the loop's per-step flag.
 """
 
@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from accel_common.checkpoint import list_checkpoints
-from tests.conftest import REPO, exported_params, launch_command, metrics_log, recipe_env
+from tests.processes import REPO, launch_command, recipe_env
+from tests.results import exported_params, metrics_log
 
 pytestmark = pytest.mark.dist
 
-SCRIPT = REPO / "tests" / "nan_injection.py"
+SCRIPT = REPO / "tests" / "scripts" / "nan_injection.py"
 NAN_STEP = 6
 COMMON = ["--bs", "32", "--max-steps", "12", "--save-every", "5", "--log-every", "1000"]
 

@@ -13,11 +13,8 @@ from typer.testing import CliRunner
 
 from accel_common.errors import ConfigError
 from accel_common.options import TrainArgs
-from accel_common.runtime import (
-    make_accelerator,
-    require_writable_output_dir,
-)
-from tests.conftest import POINTCLOUD, QUALITY, TEMPLATE
+from accel_common.runtime import make_accelerator, require_writable_output_dir
+from tests.processes import POINTCLOUD, QUALITY, TEMPLATE
 
 OUT_OF_RANGE = [
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("weight_decay", -0.1),

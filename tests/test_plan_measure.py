@@ -20,7 +20,7 @@ from accel_common.batching import BatchPlan
 from accel_common.errors import ConfigError
 from accel_common.memory import MemoryFit, memory_flags, parse_max_per_device_bs, present_device
 from accel_common.tools.measure import measure, measure_peak, plan_rows
-from tests.conftest import BIN, recipe_env
+from tests.processes import BIN, recipe_env
 
 FIT_BATCHES, LARGER = [256, 512], 2048  # the largest: the whole training split
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from accel_common.checkpoint import list_checkpoints
-from tests.conftest import TEMPLATE, launch_command, recipe_env
+from tests.processes import TEMPLATE, launch_command, recipe_env
 
 
 @pytest.mark.dist

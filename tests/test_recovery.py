@@ -23,18 +23,17 @@ import pytest
 
 from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import EXIT_PREEMPTED
-from tests.conftest import (
+from tests.processes import (
     ACCELERATE_LAUNCH,
     BIN,
     CPU_2PROC,
     TEMPLATE,
-    exported_params,
     free_port,
     launch_command,
-    metrics_log,
     recipe_env,
     run_recipe,
 )
+from tests.results import exported_params, metrics_log
 
 pytestmark = pytest.mark.dist
 

@@ -23,7 +23,7 @@ from accel_common.errors import EXIT_PREEMPTED
 from accel_common.runtime import train_in_python
 from accel_common.tools.bench import load_recipe
 from tests import forked
-from tests.conftest import (
+from tests.processes import (
     CAPTIONING,
     CAPTIONING_TINY,
     CRICKET,
@@ -34,12 +34,11 @@ from tests.conftest import (
     POINTCLOUD_TINY,
     QUALITY,
     TEMPLATE,
-    exported_params,
     kill_once_written,
-    metrics_log,
     recipe_env,
     run_recipe,
 )
+from tests.results import exported_params, metrics_log
 
 pytestmark = pytest.mark.slow
 

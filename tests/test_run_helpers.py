@@ -1,4 +1,4 @@
-"""The tests' own run helpers (tests/conftest.py, tests/forked.py): both ways of starting a run,
+"""The tests' own run helpers (tests/processes.py, tests/forked.py): both ways of starting a run,
 forked from the server (the CPU suite) and as a fresh interpreter (the GPU suite, where a fork of
 a process that initialised CUDA dies), behave as `python script args`; and the export comparison
 holds integer buffers to equality."""
@@ -14,13 +14,8 @@ import pytest
 import torch
 
 from tests import forked
-from tests.conftest import (
-    kill_once_written,
-    max_relative_difference,
-    recipe_env,
-    run_processes,
-    run_together,
-)
+from tests.processes import kill_once_written, recipe_env, run_processes, run_together
+from tests.results import max_relative_difference
 
 # a run that shows what it was started with, and one that leaves a grandchild in its session
 SHOW = """import os, sys

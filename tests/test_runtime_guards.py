@@ -13,7 +13,7 @@ import yaml
 from accel_common import runtime
 from accel_common.errors import ConfigError, DataError
 from accel_common.tools.doctor import check_config
-from tests.conftest import ACCELERATE_LAUNCH, BIN, REPO, TEMPLATE, free_port, recipe_env
+from tests.processes import ACCELERATE_LAUNCH, BIN, REPO, TEMPLATE, free_port, recipe_env
 
 CONFIGS = REPO / "accelerate_configs"
 no_gpu = pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without GPUs")

@@ -19,7 +19,7 @@ from accel_common.options import TrainArgs
 from accel_common.settings import Settings, setting
 from accel_common.tools import example_data
 from accel_common.tracking import PACKAGES, TRACKERS, parse_report_to
-from tests.conftest import dry_run_plan, invoke_train, run_recipe
+from tests.processes import dry_run_plan, invoke_train, run_recipe
 
 template = importlib.import_module("recipes.train_template")
 invoke = functools.partial(invoke_train, template.train)

@@ -43,7 +43,7 @@ from accel_common.convert import convert_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.export import load_exported
 from accel_common.tools.cli import app
-from tests.conftest import (
+from tests.processes import (
     ACCELERATE_LAUNCH,
     CAPTIONING,
     CAPTIONING_TINY,
@@ -56,13 +56,11 @@ from tests.conftest import (
     QUALITY,
     REPO,
     TEMPLATE,
-    exported_params,
     free_port,
-    max_relative_difference,
-    metrics_log,
     recipe_env,
     run_recipe,
 )
+from tests.results import exported_params, max_relative_difference, metrics_log
 
 CONFIGS = REPO / "accelerate_configs"
 SHARDED_CONFIGS = sorted(CONFIGS.glob("fsdp_*.yaml")) + sorted(CONFIGS.glob("deepspeed_*.yaml"))

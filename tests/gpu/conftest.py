@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (
+from tests.processes import (
     CAPTIONING,
     CAPTIONING_TINY,
     CRICKET,

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from recipes.pointcloud.model import PVCNN2
-from tests.pointcloud_kernels import FLOAT_TOLERANCE, compare_ops
-from tests.pointcloud_reference import fill_weights
-from tests.test_pointcloud_original import FIXTURES, RECORD
+from tests.recipes.pointcloud.test_original import FIXTURES, RECORD
+from tests.reference.pointcloud_kernels import FLOAT_TOLERANCE, compare_ops
+from tests.reference.pointcloud_reference import fill_weights
 
 # (batch, points, centres, radius, neighbours, voxel resolution, channels): the CPU default's
 # first stage (512 points, radius 0.1 x 4, 32 neighbours, 16^3) and the original's (30720

@@ -49,19 +49,17 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_common.checkpoint import list_checkpoints
-from tests.conftest import (
+from tests.gpu.conftest import RECIPES
+from tests.processes import (
     BIN,
     REPO,
-    exported_params,
     free_port,
     kill_once_written,
-    max_relative_difference,
-    metrics_log,
     recipe_env,
     run_recipe,
     run_together,
 )
-from tests.gpu.conftest import RECIPES
+from tests.results import exported_params, max_relative_difference, metrics_log
 
 STEPS, SAVE_EVERY, KILL_AT, LOG_EVERY = 24, 6, 12, 4
 MIXED_LOSS_TOL = 0.10

@@ -18,8 +18,8 @@ from accel_common.tools.cli import app
 from recipes.pointcloud import convert
 from recipes.pointcloud.model import PVCNN2
 from recipes.train_pointcloud import PointCloudSettings, network
-from tests.conftest import POINTCLOUD, REPO, run_recipe
-from tests.pointcloud_reference import fill_weights
+from tests.processes import POINTCLOUD, REPO, run_recipe
+from tests.reference.pointcloud_reference import fill_weights
 
 FIXTURES = REPO / "tests" / "fixtures" / "pointcloud"
 RECORD = json.loads((FIXTURES / "pvcnn2_keys.json").read_text())

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-TEMPLATE = str(Path(__file__).resolve().parents[1] / "recipes" / "train_template.py")
+TEMPLATE = str(Path(__file__).resolve().parents[2] / "recipes" / "train_template.py")
 RANK = int(os.environ.get("RANK", "0"))
 counts: dict[str, float] = {"forward": 0, "updates": 0}
 optimizers: list[torch.optim.Optimizer] = []

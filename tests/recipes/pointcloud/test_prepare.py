@@ -17,7 +17,7 @@ import pytest
 
 from accel_common.errors import DataError
 from recipes.pointcloud.data import DEFECTS, SkullBreak
-from tests.conftest import POINTCLOUD, POINTCLOUD_TINY, run_recipe
+from tests.processes import POINTCLOUD, POINTCLOUD_TINY, run_recipe
 
 # prepare needs the `volumes` extra; the checks of its output use scipy (the `vision` extra).
 # Without them this module skips; test_pointcloud.py checks the error prepare gives then.

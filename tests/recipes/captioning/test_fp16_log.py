@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
 from accel_common.runtime import make_accelerator, make_train_loader
-from tests.conftest import metrics_log
+from tests.results import metrics_log
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """recipes/pointcloud/ops.py against hand-worked cases and brute-force references of the
-original's CUDA kernels (tests/pointcloud_reference.py), on small inputs."""
+original's CUDA kernels (tests/reference/pointcloud_reference.py), on small inputs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from recipes.pointcloud import ops
-from tests import pointcloud_reference as ref
-from tests.pointcloud_kernels import ReferenceKernels, compare_ops
+from tests.reference import pointcloud_reference as ref
+from tests.reference.pointcloud_kernels import ReferenceKernels, compare_ops
 
 
 def cloud(batch: int, n: int, seed: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The captioning recipe: three readers (and `datasets`' imagefolder), learning in bf16, exact token
-means over processes, fp16's loss scaler through the loop, the preprocessing cache, the tokenizer,
-bad input, its settings (--config, --dry-run, the resume check)."""
+"""The captioning recipe's data: three readers (and `datasets`' imagefolder), the held-out split,
+the preparation cache, the tokenizer, and bad metadata named by file and line.
+"""
 
 from __future__ import annotations
 
@@ -13,112 +13,14 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-import torch
-import typer
 from tokenizers import Tokenizer
-from typer.testing import CliRunner
 
-import recipes.train_captioning as recipe
-from accel_common.errors import ConfigError, DataError
+from accel_common.errors import DataError
 from recipes.captioning import data as caption_data
 from recipes.captioning.data import read_split
 from recipes.captioning.example import write_dataset
-from recipes.captioning.model import Captioner
 from recipes.captioning.tokenizer import PAD_ID, train_tokenizer
-from tests.conftest import (
-    CAPTIONING,
-    CAPTIONING_TINY,
-    exported_params,
-    max_relative_difference,
-    metrics_log,
-    run_recipe,
-)
-from tests.scaler_check import check_overflow_is_skipped_and_resumes
-
-
-@pytest.fixture(scope="module")
-def trained(captioning_data, tmp_path_factory) -> Path:
-    """The example at its defaults, fp32 (about 35 s of training on one thread)."""
-    tmp = tmp_path_factory.mktemp("caption-run")
-    args = ["--data", str(captioning_data), "--output-dir", str(tmp / "run")]
-    run_recipe([*args, "--mixed-precision", "no"], cwd=tmp, script=CAPTIONING)
-    return tmp / "run"
-
-
-@pytest.mark.slow
-def test_learns_to_caption_from_pixels(trained):
-    metrics = json.loads((trained / "model" / "model.json").read_text())["metrics"]
-    assert metrics["n"] == 100
-    assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.5, metrics
-    assert metrics["cross_entropy"] < 0.3 * metrics["baseline_uniform_cross_entropy"], metrics
-    assert metrics["exact_caption_share"] > 0.5, metrics
-
-
-@pytest.mark.slow
-def test_bf16_on_the_cpu_learns(captioning_data, tmp_path):
-    """3 epochs only: a CPU without bf16 instructions (this project's CI machine) emulates bf16
-    matrix products, about 3.5x slower than fp32 (docs/recipes/captioning.md). 37 optimizer steps
-    already put token accuracy far above the majority baseline (about 0.63 against 0.165)."""
-    args = ["--data", str(captioning_data), "--output-dir", str(tmp_path / "run"), "--epochs", "3"]
-    run_recipe([*args, "--mixed-precision", "bf16"], cwd=tmp_path, script=CAPTIONING)
-    metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
-    assert metrics["token_accuracy"] > metrics["baseline_majority_token_accuracy"] + 0.3, metrics
-    assert metrics["cross_entropy"] < 0.6 * metrics["baseline_uniform_cross_entropy"], metrics
-    assert metrics_log(tmp_path / "run")[0]["config"]["mixed_precision"] == "bf16"
-
-
-@pytest.mark.slow
-def test_caption_command_writes_one_line_per_image(trained, captioning_data, tmp_path):
-    out = tmp_path / "captions.tsv"
-    args = ["caption", "--model", str(trained / "model"), "--images", str(captioning_data / "test")]
-    run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING)
-    written = dict(line.split("\t") for line in out.read_text().splitlines())
-    truth = dict(read_split(captioning_data, "test")[1])
-    assert written.keys() == truth.keys()
-    assert sum(written[name] == truth[name] for name in truth) > 50  # most are exactly right
-    again = run_recipe([*args, "--out", str(out)], cwd=tmp_path, script=CAPTIONING, check=False)
-    assert again.returncode == 2 and "exists" in again.stderr
-    # in chunks of 7 and at most 3 tokens ([BOS] and two words): the first two words of each
-    short = tmp_path / "short.tsv"
-    model, images = trained / "model", captioning_data / "test"
-    recipe.caption(model, images, short, max_tokens=3, bs=7)
-    cut = dict(line.split("\t") for line in short.read_text().splitlines())
-    assert cut == {name: " ".join(text.split()[:2]) for name, text in written.items()}
-    with pytest.raises(ConfigError, match="--max-tokens 99: the model was trained for at most"):
-        recipe.caption(model, images, tmp_path / "long.tsv", max_tokens=99, bs=7)
-
-
-@pytest.mark.dist
-def test_two_processes_with_accumulation_equal_one_process_over_varying_caption_lengths(
-    captioning_data, tmp_path
-):
-    """Captions hold 6 to 10 tokens, so a per-micro-batch mean would weigh tokens unequally;
-    the global token mean makes 2 processes x 2 micro-batches equal 1 process (fp32, 20 steps;
-    1e-5 leaves room for the order of floating-point sums only)."""
-    base = ["--data", str(captioning_data), *CAPTIONING_TINY, "--bs", "16", "--max-steps", "20"]
-    base += ["--log-every", "1", "--mixed-precision", "no"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_recipe(
-        [*base, "--grad-accum", "1", "--output-dir", str(one)], cwd=tmp_path, script=CAPTIONING
-    )
-    run_recipe(
-        [*base, "--grad-accum", "2", "--output-dir", str(two)],
-        cwd=tmp_path,
-        script=CAPTIONING,
-        nproc=2,
-    )
-    assert metrics_log(two)[0]["config"]["num_processes"] == 2
-    assert max_relative_difference(exported_params(one), exported_params(two)) <= 1e-5
-    # the captions were balanced by token count over the 2 x 2 micro-batches of every step: no
-    # process's tokens more than the longest caption (10 of ~64 per slot) above the mean
-    imbalances = [
-        r["train/rank_imbalance"] for r in metrics_log(two) if "train/rank_imbalance" in r
-    ]
-    assert len(imbalances) == 20 and all(1 <= i <= 1 + 10 / 48 for i in imbalances)
-    final = [
-        json.loads((run / "model" / "model.json").read_text())["metrics"] for run in (one, two)
-    ]
-    assert final[0]["token_accuracy"] == pytest.approx(final[1]["token_accuracy"], abs=1e-9)
+from tests.processes import CAPTIONING, CAPTIONING_TINY, run_recipe
 
 
 def test_the_three_layouts_read_the_same_records(tmp_path):
@@ -340,11 +242,6 @@ def test_the_saved_tokenizer_adds_bos_eos_pads_with_pad_and_maps_unseen_words_to
     assert tokenizer.decode(long.ids, skip_special_tokens=True) == "two small green triangles"
 
 
-def test_an_overflow_is_a_skipped_step_that_leaves_the_weights_and_survives_resume(tmp_path):
-    """On the CPU through the stand-in scaler; tests/gpu runs the same check on CUDA's fp16."""
-    check_overflow_is_skipped_and_resumes(tmp_path, gpu=False)
-
-
 @pytest.mark.slow
 def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
     data = write_dataset(tmp_path / "d", train_images=8, test_images=2)
@@ -357,59 +254,3 @@ def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
         f"error: {metadata}, line 3: image {data / 'test' / 'lost.png'} not found"
     ]
     assert not (tmp_path / "run" / "model").exists()
-
-
-def test_a_config_file_sets_flags_a_flag_overrides_it_and_a_dry_run_writes_nothing(
-    tmp_path, monkeypatch
-):
-    """The --config file's values are used, a flag on the command line wins over the file, and
-    --dry-run prints the plan and that network's parameter count without writing anything (no
-    output folder, no example data)."""
-    monkeypatch.chdir(tmp_path)
-    config = tmp_path / "sizes.yaml"
-    config.write_text("image-size: 64\ndim: 96\nheads: 8\ndecoder-depth: 3\nlr: 3.0e-4\n")
-    app = typer.Typer()
-    app.command()(recipe.train)
-    flags = ["--config", str(config), "--dim", "128", "--dry-run", "--processes", "2"]
-    result = CliRunner().invoke(app, flags)
-    assert result.exit_code == 0, result.output
-    sizes = {"image_size": 64, "patch": 8, "dim": 128, "depth": 2, "decoder_depth": 3}
-    network = Captioner(recipe.EXAMPLE_VOCAB, **sizes, heads=8, max_tokens=24)
-    assert f"  parameters: {sum(p.numel() for p in network.parameters())}\n" in result.output
-    assert "global batch 64 = 8 per device x 2 processes x 4 accumulation steps" in result.output
-    assert "(--lr 0.0003 at --ref-bs 64," in result.output
-    assert list(tmp_path.iterdir()) == [config]
-
-
-def test_the_dry_run_counts_the_vocabulary_of_the_data_else_the_examples(captioning_data, tmp_path):
-    """--dry-run builds the network without preparing the data: the vocabulary (the token
-    embedding and the output layer) is counted from --data's training captions as the run's
-    tokenizer counts it, or is the example's without --data."""
-
-    def vocabulary(**values: object) -> int:
-        with torch.device("meta"):
-            return recipe.build_model(*recipe.train.resolve(**values)).embed.num_embeddings
-
-    assert vocabulary() == vocabulary(data=captioning_data) == recipe.EXAMPLE_VOCAB
-    data = write_dataset(tmp_path / "d", train_images=2, test_images=1)
-    rows = [
-        '{"file_name": "00000.png", "text": "a cat"}',
-        '{"file_name": "00001.png", "text": "a dog"}',
-    ]
-    (data / "train" / "metadata.jsonl").write_text("\n".join(rows) + "\n")
-    assert vocabulary(data=data) == 3 + 4  # a, cat, dog and [PAD] [UNK] [BOS] [EOS]
-
-
-@pytest.mark.slow
-def test_resuming_with_another_number_of_heads_is_refused_naming_the_flag(tmp_path):
-    """--heads changes no parameter's shape, so only the run identity tells that the checkpoint
-    was trained as another network; the refusal is one line naming the flag and both values."""
-    data = write_dataset(tmp_path / "d", train_images=16, test_images=4)
-    args = ["--data", str(data), "--output-dir", str(tmp_path / "run"), *CAPTIONING_TINY]
-    args += ["--bs", "8", "--max-steps", "2"]
-    run_recipe(args, cwd=tmp_path, script=CAPTIONING)
-    again = [*args, "--heads", "2", "--resume", "latest"]
-    result = run_recipe(again, cwd=tmp_path, script=CAPTIONING, check=False)
-    assert result.returncode == 2, result.stderr
-    [line] = result.stderr.strip().splitlines()
-    assert "belongs to another run" in line and "--heads 4 in the checkpoint, 2 now" in line, line

@@ -4,7 +4,7 @@ forward and backward of each op on one random cloud.
 
 Used on a GPU with the original's own kernels (tests/gpu/test_pointcloud_kernels_on_gpu.py), and
 on the CPU with `ReferenceKernels`, brute-force transcriptions of those kernels, which checks this
-harness itself (tests/test_pointcloud_ops.py).
+harness itself (tests/recipes/pointcloud/test_ops.py).
 
 Index results (farthest-point sampling, ball query, the 3 nearest neighbours) must be equal except
 at float near-ties: the kernels are compiled with nvcc, which fuses a*a + b*b into fused
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from recipes.pointcloud import ops
-from tests import pointcloud_reference as ref
+from tests.reference import pointcloud_reference as ref
 
 TIE = 1e-6  # relative gap of two float32 squared distances that a last-bit difference can flip
 FLOAT_TOLERANCE = 1e-5  # relative to the largest magnitude: summation order only
@@ -202,8 +202,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 class ReferenceKernels:
     """The CUDA backend's interface on the brute-force transcriptions of its kernels
-    (tests/pointcloud_reference.py; backward passes as the kernels' scatters, in numpy). CPU,
-    tiny clouds only."""
+    (tests/reference/pointcloud_reference.py; backward passes as the kernels' scatters, in
+    numpy). CPU, tiny clouds only."""
 
     @staticmethod
     def furthest_point_sampling(coords: torch.Tensor, m: int) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""Running recipes in the tests: as real processes (1 process, or 2 CPU processes over gloo;
+forked from a server that imported torch, tests/forked.py), or a recipe's command in this
+process through Typer's test runner; the recipes' paths and the tests' small model sizes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from accel_common.tools.ports import free_port  # re-exported for the tests
+from tests import forked
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "recipes" / "train_template.py"
+POINTCLOUD = REPO / "recipes" / "train_pointcloud.py"
+QUALITY = REPO / "recipes" / "train_quality.py"
+CAPTIONING = REPO / "recipes" / "train_captioning.py"
+CAPTIONING_TINY = ["--dim", "32", "--depth", "1", "--decoder-depth", "1"]
+CRYSTAL = REPO / "recipes" / "train_crystal.py"
+CRYSTAL_TINY = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf-bins", "16"]
+# a point-cloud model small enough for many short runs in the tests
+# (PVCNN2 at its narrowest, 4^3 voxels; dropout off so that 1 and 2 processes compute alike)
+POINTCLOUD_TINY = ["--num-points", "256", "--num-nn", "32", "--vox-res-mult", "0.125"]
+POINTCLOUD_TINY += ["--num-neighbors", "8", "--embed-dim", "16", "--dropout", "0"]
+POINTCLOUD_TINY += ["--head-dropout", "0", "--sampler", "ddim"]
+CRICKET = REPO / "recipes" / "train_cricket.py"
+CRICKET_TINY = ["--hidden", "16", "--heads", "2", "--layers", "2", "--history", "6"]
+CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+BIN = Path(sys.executable).parent
+
+
+def recipe_env(tmp: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        # one thread: the two pytest-xdist workers keep both cores busy, and a second thread
+        # costs more CPU than it saves time (the quality learning run: 44.6 CPU-s on 2, 39.2 on 1)
+        "OMP_NUM_THREADS": "1",
+        # idle OpenMP threads sleep instead of spinning: beside another busy process (a test
+        # running on the other pytest-xdist worker), spinning threads made a 2-thread run 2x
+        # slower; passive, it ran as fast as alone
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HF_HOME": str(tmp / "hf"),
+        "HF_HUB_OFFLINE": "1",  # nothing may wait on the network
+        # the tree under test, ahead of any installed copy of accel_common
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+
+
+# `accelerate launch` as a module: the `accelerate` command imports every subcommand, and its
+# memory estimator brings timm and torchvision (~8 CPU-s per launch instead of ~4)
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
+    """What a user types: `python script` or `accelerate launch` on 2 CPU processes."""
+    if nproc == 1:
+        return [sys.executable, str(script), *args]
+    return [
+        *ACCELERATE_LAUNCH,
+        "--config_file", str(CPU_2PROC),
+        "--num_processes", str(nproc),
+        "--main_process_port", str(free_port()),
+        str(script), *args,
+    ]  # fmt: skip
+
+
+def kill_once_written(script: Path, args: list[str], *, cwd: Path, marker: Path) -> None:
+    """Run `python script args` and SIGKILL it, its whole session, as soon as `marker` exists
+    (a checkpoint's last file): a crash at whatever point the run had reached by then."""
+    logs = Path(tempfile.mkdtemp(prefix="killed-"))
+    child = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs, new_session=True)
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert child.exitcode is None, "the run ended before the test could kill it"
+        assert time.monotonic() < deadline, "no checkpoint appeared in time"
+        time.sleep(0.002)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.join()
+    shutil.rmtree(logs)
+    assert child.exitcode == -signal.SIGKILL
+
+
+def run_processes(
+    script: Path, args: list[str], nproc: int, *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """`python script args` as one process, or as `nproc` ranks over gloo given the environment
+    torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); each process is
+    forked from a server that has imported torch already, or, where CUDA is present, a fresh
+    interpreter (tests/forked.py).
+
+    No launcher process: `accelerate launch` is one more Python process importing torch and
+    Accelerate per run, and the tests that compare N processes with one do not need it; the
+    launchers are tested where they matter (test_launch, test_processes, test_multinode,
+    test_recovery, test_nonfinite, test_sharded), with real `accelerate launch` processes. A rank
+    that fails has the others stopped 15 s later (they would wait in a collective), and its exit
+    code is the run's; stdout and stderr are the ranks' outputs one after the other.
+    """
+    port, logs = str(free_port()), Path(tempfile.mkdtemp(prefix="run-"))
+    children = []
+    for rank in range(nproc):
+        where = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
+        where |= {"LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        (logs / str(rank)).mkdir()
+        rank_env = {**env, **where} if nproc > 1 else env
+        children.append(forked.start(script, args, cwd=cwd, env=rank_env, logs=logs / str(rank)))
+    first_failure, stop_at = None, time.monotonic() + timeout
+    while any(child.exitcode is None for child in children):
+        if first_failure is None and any(child.exitcode for child in children):
+            first_failure = next(child.exitcode for child in children if child.exitcode)
+            stop_at = min(stop_at, time.monotonic() + 15)
+        if time.monotonic() > stop_at:
+            for child in children:
+                child.kill()
+                child.join()
+            if first_failure is None:
+                raise subprocess.TimeoutExpired([str(script), *args], timeout)
+        time.sleep(0.05)
+    if first_failure is None:  # they all ended between two looks
+        first_failure = next((child.exitcode for child in children if child.exitcode), 0)
+    stdout = "".join((logs / str(rank) / "out").read_text() for rank in range(nproc))
+    stderr = "".join((logs / str(rank) / "err").read_text() for rank in range(nproc))
+    shutil.rmtree(logs)
+    return subprocess.CompletedProcess([str(script), *args], first_failure, stdout, stderr)
+
+
+def run_recipe(
+    args: list[str],
+    *,
+    cwd: Path,
+    nproc: int = 1,
+    script: Path = TEMPLATE,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run a recipe as real processes: one, or `nproc` ranks over gloo (see `run_processes`)."""
+    env = recipe_env(cwd)
+    result = run_processes(script, args, nproc, cwd=cwd, env=env, timeout=600)
+    if check and result.returncode != 0:
+        output = f"{result.stdout}\n{result.stderr}"
+        raise AssertionError(f"recipe failed ({result.returncode}):\n{output}")
+    return result
+
+
+def run_together(jobs: dict[str, tuple[Path, list[str], Path]], timeout: float = 600) -> None:
+    """Independent one-process runs {name: (script, args, cwd)} at the same time (the GPU suite:
+    one GPU has room for several small runs, and start-up is most of each); fails naming the
+    first run that failed, with its output, once all have ended."""
+    logs = Path(tempfile.mkdtemp(prefix="together-"))
+    children = {}
+    for name, (script, args, cwd) in jobs.items():
+        (logs / name).mkdir()
+        children[name] = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs / name)
+    deadline = time.monotonic() + timeout
+    for child in children.values():
+        child.join(max(deadline - time.monotonic(), 0))
+    late = [name for name, child in children.items() if child.exitcode is None]
+    for name in late:
+        children[name].kill()
+        children[name].join()
+    failed = [(name, child.exitcode) for name, child in children.items() if child.exitcode]
+    outputs = {name: (logs / name / "out").read_text() + (logs / name / "err").read_text()
+               for name, _ in failed}  # fmt: skip
+    shutil.rmtree(logs)
+    if late:
+        raise AssertionError(f"runs {late} still running after {timeout} s: killed")
+    if failed:
+        name, code = failed[0]
+        raise AssertionError(f"run {name} failed ({code}):\n{outputs[name]}")
+
+
+def invoke_train(train: Callable[..., Any], args: list[str]) -> Any:
+    """A recipe's training command in this process, through Typer's test runner."""
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(train)
+    return CliRunner().invoke(app, args)
+
+
+def dry_run_plan(train: Callable[..., Any], args: list[str]) -> dict[str, str]:
+    """A recipe's `--dry-run` in this process: the `name: value` lines of its plan."""
+    result = invoke_train(train, [*args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("dry run: nothing is trained or written")
+    return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])

@@ -1,0 +1,256 @@
+"""The cricket recipe against the original's code: its checkpoints import strictly and predict as
+it does, its graphs and vocabulary, refusals of other architectures and unsafe pickles.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+import recipes.train_cricket as recipe
+from accel_common.errors import CheckpointError
+from recipes.cricket import data as cricket
+from tests.processes import REPO
+from tests.recipes.cricket.helpers import T20, train_here
+from tests.results import exported_params, global_relative_difference
+
+# --------------------------------------------------------------------------- the original
+
+
+FIXTURES = REPO / "tests" / "fixtures" / "cricket"
+
+
+def original_graphs() -> tuple[dict, list]:
+    """The fixture's graphs as cricketmodel's create_hetero_data built them (README.md there)."""
+    from safetensors.torch import load_file
+    from torch_geometric.data import HeteroData
+
+    meta = json.loads((FIXTURES / "original.json").read_text())
+    graphs = [HeteroData() for _ in meta["samples"]]
+    for key, value in load_file(FIXTURES / "graphs.safetensors").items():
+        k, name, attr = key.split("/")
+        if name == "graph":
+            setattr(graphs[int(k)], attr, value)
+        else:
+            setattr(graphs[int(k)][tuple(name.split("__")) if "__" in name else name], attr, value)
+    return meta, graphs
+
+
+def original_checkpoint(tmp_path: Path, model: str) -> Path:
+    """A checkpoint as cricketmodel's Trainer.save_checkpoint writes it, of the fixture's weights
+    (the fixture is safetensors, the checkpoint a torch.save dict, as the original's)."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / f"{model}.pt"
+    torch.save(
+        {"epoch": 3, "global_step": 120, "optimizer_state_dict": {}, "best_val_loss": 3.2,
+         "model_state_dict": load_file(FIXTURES / f"{model}.safetensors"),
+         "config": {"lr": 1e-3, "weight_decay": 0.01, "huber_delta": 19.65, "patience": 20}},
+        path,
+    )  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("model", ["CricketHeteroGNN", "CricketHeteroGNNFull"])
+def test_an_original_checkpoint_imports_strictly_and_predicts_as_the_original(model, tmp_path):
+    """Weights made by running cricketmodel's code (seeded, hidden 8, 2 layers, 2 heads) import
+    with no missing or unexpected tensor, and on the original's own graphs of 8 deliveries give
+    its outputs (measured: bit-equal on CPU; bound 1e-5 relative)."""
+    from torch_geometric.data import Batch
+
+    from recipes.cricket.convert import export_checkpoint, import_checkpoint
+
+    meta, graphs = original_graphs()
+    state, config = import_checkpoint(original_checkpoint(tmp_path, model))
+    settings = recipe.CricketSettings.from_config(config)
+    assert (settings.model, settings.hidden, settings.layers, settings.heads) == (model, 8, 2, 2)
+    assert settings.huber_delta == 19.65
+    network = recipe.network(settings, config["vocab_sizes"]).eval()
+    network.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        out = network(Batch.from_data_list(graphs))
+    expected = torch.tensor(meta["outputs"][model])
+    assert ((out - expected).abs() / expected.abs().clamp_min(1e-3)).max() <= 1e-5
+    # and back: --to cricketmodel writes what the original loads
+    from accel_common.export import write_export
+
+    write_export(state, tmp_path / "export", {"recipe": "cricket", "config": config})
+    back = torch.load(export_checkpoint(tmp_path / "export", tmp_path / "back.pt"),
+                      weights_only=True)  # fmt: skip
+    assert back["model_state_dict"].keys() == state.keys()
+    assert all(torch.equal(back["model_state_dict"][k], v) for k, v in state.items())
+
+
+def test_another_architecture_is_refused_naming_the_tensor_and_both_shapes(tmp_path):
+    from recipes.cricket.convert import import_checkpoint
+
+    path = original_checkpoint(tmp_path, "CricketHeteroGNN")
+    checkpoint = torch.load(path, weights_only=True)
+    key = "score_head.0.weight"
+    checkpoint["model_state_dict"][key] = torch.zeros(3, 8)
+    torch.save(checkpoint, path)
+    with pytest.raises(CheckpointError, match=r"score_head.0.weight has shape \(3, 8\).*\(4, 8\)"):
+        import_checkpoint(path)
+
+
+def test_the_graphs_of_deliveries_are_the_originals(tmp_path):
+    """The recipe's reader and features on the fixture match, with the original's entity ids,
+    give cricketmodel's graph for each of its 8 deliveries: every node feature, id, edge and
+    edge attribute (floats within 1e-6: the original sums in another order), and its target."""
+    from torch_geometric.data import HeteroData
+
+    meta, graphs = original_graphs()
+    match = FIXTURES / "match.json"
+    registry = json.loads(match.read_text())["info"]["registry"]["people"]
+    mapper = meta["entity_mapper"]
+    vocab = {
+        "players": {registry.get(k, k): v for k, v in mapper["player_to_id"].items()},
+        "venues": mapper["venue_to_id"], "teams": mapper["team_to_id"],
+    }  # fmt: skip
+    _, records = cricket.parse_match(match, T20)
+    table = datasets.Dataset.from_list(
+        [{"file": match.name, "innings": r["innings"], "split": 0}
+         | cricket.innings_features(r, vocab) for r in records if r["status"] == "ok"],
+        features=cricket.FEATURES,
+    )  # fmt: skip
+    d = cricket.Deliveries(table)
+    everything = np.ones(len(d.row), dtype=bool)
+    ours = cricket.CricketGraphs(
+        d, everything, 1000, cricket.PhaseBaseline.fit(d.over, d.wickets, d.y)
+    )
+    starts = np.concatenate([[0], np.cumsum(np.bincount(d.row))])
+    for (innings, ball), theirs in zip(meta["samples"], graphs, strict=True):
+        mine: HeteroData = ours.graph(int(starts[innings] + ball - 1))
+        assert float(d.y[starts[innings] + ball - 1]) == float(theirs.y)
+        assert bool(mine.is_chase) == bool(theirs.is_chase)
+        for kind in theirs.node_types:
+            for attr in theirs[kind].keys():  # noqa: SIM118 (a PyG store)
+                a, b = mine[kind][attr], theirs[kind][attr]
+                assert a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6), (
+                    innings, ball, kind, attr, a, b)  # fmt: skip
+        assert set(mine.edge_types) == set(theirs.edge_types)
+        for edge in theirs.edge_types:
+            for attr in theirs[edge].keys():  # noqa: SIM118 (a PyG store)
+                a, b = mine[edge][attr], theirs[edge][attr]
+                assert a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6), (
+                    innings, ball, edge, attr)  # fmt: skip
+
+
+def convert_original(tmp_path: Path, model: str = "CricketHeteroGNN") -> Path:
+    """`accel-recipes convert --from cricketmodel` of the fixture's checkpoint, with the original's
+    entity_mapper.pkl (made by its EntityMapper, README.md there) beside it."""
+    from typer.testing import CliRunner
+
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path, model)
+    (tmp_path / "entity_mapper.pkl").write_bytes((FIXTURES / "entity_mapper.pkl").read_bytes())
+    out = tmp_path / "converted"
+    result = CliRunner().invoke(app, ["convert", "--from", "cricketmodel", str(source), str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_path):
+    """The converted export carries the original's entity ids (players by name, mapped to this
+    recipe's registry ids per match), so `predict` on the fixture match gives, for its 8
+    deliveries, the outputs cricketmodel's own code gave (to the CSV's 4 decimals); so too with
+    bowling types in its vocabulary, and with every player unknown (its fallback embeddings:
+    team 0, role 0). `--to` writes back the dict EntityMapper.load reads."""
+    meta = json.loads((FIXTURES / "original.json").read_text())
+    export = convert_original(tmp_path)
+    vocab = json.loads((export / cricket.VOCAB_FILE).read_text())
+    mapper = meta["entity_mapper"]
+    assert vocab["players"] == mapper["player_to_id"] and vocab["player_key"] == "name"
+    assert set(vocab["player_roles"].values()) == {"unknown"}  # no ollama: all unknown
+    expected = meta["outputs"]["CricketHeteroGNN"]
+
+    def predicted(model_dir: Path, name: str) -> list[float]:
+        recipe.predict(model_dir=model_dir, match=FIXTURES / "match.json", out=tmp_path / name)
+        rows = list(csv.DictReader((tmp_path / name).open()))
+        first = {
+            i: next(k for k, r in enumerate(rows) if r["innings"] == str(i + 1)) for i in (0, 1)
+        }
+        # a sample's row: its innings' first row + its ball index - 1 (ball 0 is no sample)
+        return [float(rows[first[i] + ball - 1]["predicted"]) for i, ball in meta["samples"]]
+
+    assert predicted(export, "p.csv") == pytest.approx(expected, abs=5e-5)
+    # bowling types (the original's LLM classification) set the bowler's is_pace / is_spin
+    typed = vocab | {"player_bowling_types": meta["bowling_types"]}
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(typed))
+    with_types = meta["outputs_bowling_types"]["CricketHeteroGNN"]
+    assert max(abs(a - b) for a, b in zip(with_types, expected, strict=True)) > 1e-2
+    assert predicted(export, "b.csv") == pytest.approx(with_types, abs=5e-5)
+    # every player unknown: the original's fallback embedding, of team 0 and role 0
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab | {"players": {}}))
+    unknown = meta["outputs_unknown_players"]["CricketHeteroGNN"]
+    assert max(abs(a - b) for a, b in zip(unknown, expected, strict=True)) > 1e-2
+    assert predicted(export, "u.csv") == pytest.approx(unknown, abs=5e-5)
+    # --unknown-player-team gives them this match's team instead: another output
+    metadata = json.loads((export / "model.json").read_text())
+    metadata["config"]["unknown_player_team"] = True
+    (export / "model.json").write_text(json.dumps(metadata))
+    assert predicted(export, "t.csv") != pytest.approx(unknown, abs=1e-3)
+    # and back: the pickle the original's EntityMapper.load reads, with its keys and ids
+    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab))
+    from recipes.cricket.convert import MAPPER_FILE, export_checkpoint, read_mapper
+
+    back = export_checkpoint(export, tmp_path / "back" / "best_model.pt")
+    sizes = {"players": 21, "venues": 1, "teams": 2}
+    assert read_mapper(back.parent / MAPPER_FILE, sizes) == vocab
+    import pickle
+
+    data = pickle.loads((back.parent / MAPPER_FILE).read_bytes())
+    assert data["id_to_player"][1] == next(k for k, v in mapper["player_to_id"].items() if v == 1)
+    assert data["_next_player_id"] == 22
+
+
+def test_a_pickle_that_would_build_anything_but_plain_data_is_refused(tmp_path):
+    import pickle
+    from collections import OrderedDict
+
+    from recipes.cricket.convert import read_mapper
+
+    path = tmp_path / "entity_mapper.pkl"
+    path.write_bytes(pickle.dumps({"player_to_id": OrderedDict(a=1)}))
+    with pytest.raises(CheckpointError, match=r"entity_mapper.pkl: refused to unpickle "
+                       r"collections.OrderedDict;") as err:  # fmt: skip
+        read_mapper(path, {"players": 1, "venues": 0, "teams": 0})
+    assert "\n" not in str(err.value)
+    path.write_bytes(pickle.dumps({"player_to_id": {"a": 1}, "venue_to_id": {}, "team_to_id": {}}))
+    with pytest.raises(
+        CheckpointError, match=r"1 players, but the checkpoint's embedding has rows"
+    ):
+        read_mapper(path, {"players": 5, "venues": 0, "teams": 0})
+
+
+def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_line(
+    cricket_data, tmp_path
+):
+    """--init-from the converted fixture (hidden 8, 2 layers, 2 heads, the original's 21-player
+    vocabulary): one step from its weights ends close to them; --hidden 16 is refused in one line
+    naming the first tensor that differs."""
+    from safetensors.torch import load_file
+
+    export = convert_original(tmp_path)
+    args = ["--data", str(cricket_data), "--graph-cache-dir", str(tmp_path / "cache")]
+    args += ["--history", "6", "--sample-every", "8", "--bs", "16", "--max-steps", "1"]
+    args += ["--layers", "2", "--heads", "2", "--init-from", str(export)]
+    train_here([*args, "--hidden", "8"], tmp_path / "run")
+    start = load_file(FIXTURES / "CricketHeteroGNN.safetensors")
+    trained = exported_params(tmp_path / "run")
+    assert trained.keys() == start.keys()
+    # one AdamW step at lr 2.5e-4 from the original's weights (a fresh start differs by ~1)
+    assert global_relative_difference(start, trained) < 0.01
+    # it keeps the original's vocabulary (by name), for predict and --to cricketmodel
+    vocab = cricket.VOCAB_FILE
+    assert (tmp_path / "run" / "model" / vocab).read_text() == (export / vocab).read_text()
+    with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
+        train_here([*args, "--hidden", "16"], tmp_path / "wrong")
+    assert "\n" not in str(err.value) and "has shape" in str(err.value)

@@ -1,0 +1,64 @@
+"""The cricket recipe's settings: the original's preset, config files under flags, resume
+refusals naming the setting.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import recipes.train_cricket as recipe
+from accel_common.errors import CheckpointError
+from recipes.cricket import example
+from tests.processes import CRICKET_TINY, REPO, dry_run_plan
+from tests.recipes.cricket.helpers import train_here
+
+ORIGINAL = REPO / "recipes" / "cricket" / "configs" / "original.yaml"
+
+
+dry_run = functools.partial(dry_run_plan, recipe.train)
+
+
+def parameters(settings: recipe.CricketSettings, vocab_sizes: dict[str, int]) -> str:
+    return str(sum(p.numel() for p in recipe.network(settings, vocab_sizes).parameters()))
+
+
+def test_the_original_preset_plans_its_run_and_writes_nothing(tmp_path, monkeypatch):
+    """recipes/cricket/configs/original.yaml: lyndonkl/cricketmodel's sizes and hyper-parameters
+    (batch 64, AdamW 1e-3, 100 epochs), its network at the recipe's T20-download vocabulary."""
+    monkeypatch.chdir(tmp_path)
+    plan = dry_run(["--config", str(ORIGINAL)])
+    original = recipe.CricketSettings(hidden=128, layers=3, heads=4, dropout=0.1)
+    assert plan["parameters"] == parameters(original, recipe.T20_DOWNLOAD_VOCAB)
+    # cricketmodel's CricketHeteroGNN at these sizes, measured by running its code
+    assert plan["parameters excluding embeddings"] == "17444737"
+    assert plan["batch"] == "global batch 64 = 64 per device x 1 processes x 1 accumulation steps"
+    assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
+    # trainer.py: no warm-up ramp, 5 epochs at the peak, then cosine stepped after each epoch
+    assert plan["learning rate"].endswith(
+        "0 warmup steps, 5 epochs at the peak, then cosine per epoch"
+    )
+    assert plan["epochs"] == "100"
+    assert list(tmp_path.iterdir()) == []  # no output folder, no example data
+
+
+def test_a_config_file_sets_settings_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("hidden: 32\nheads: 2\nlayers: 1\nepochs: 3\n")
+    plan = dry_run(["--config", str(config), "--hidden", "16"])
+    expected = recipe.CricketSettings(hidden=16, heads=2, layers=1)  # --hidden wins
+    assert plan["parameters"] == parameters(expected, example.example_vocab_sizes())
+    assert plan["epochs"] == "3"
+
+
+def test_resume_with_another_loss_setting_is_refused_naming_it(cricket_data, tmp_path):
+    args = ["--data", str(cricket_data), *CRICKET_TINY, "--bs", "16", "--max-steps", "2"]
+    args += ["--sample-every", "8", "--val-ratio", "0.02", "--test-ratio", "0.02"]
+    args += ["--graph-cache-dir", str(tmp_path / "cache")]
+    train_here(args, tmp_path / "run")
+    with pytest.raises(
+        CheckpointError, match=r"--huber-delta 10.0 in the checkpoint, 5.0 now;"
+    ) as err:
+        train_here([*args, "--resume", "latest", "--huber-delta", "5"], tmp_path / "run")
+    assert "\n" not in str(err.value) and "--hidden" not in str(err.value)  # one line, only it

@@ -1,0 +1,250 @@
+"""The quality recipe against the original's code: preprocessing, checkpoints imported strictly and
+scoring as the original, conversion back, ONNX, gold reliabilities and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import recipes.train_quality as recipe
+from accel_common.errors import CheckpointError, ConfigError
+from recipes.quality import data as quality_data
+from recipes.quality.example import ANNOTATORS
+from tests.processes import REPO
+
+# --------------------------------------------------------------------------- the original's code
+# Fixtures made by running hituldesai03/crowd-bt's own code (tests/fixtures/quality/README.md).
+
+FIXTURES = REPO / "tests" / "fixtures" / "quality"
+IMAGENET = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the original's dataset.py 29-33
+
+
+def original_facts() -> dict:
+    return json.loads((FIXTURES / "original_outputs.json").read_text())
+
+
+def original_checkpoint(path: Path) -> Path:
+    """The dict the original's train.save_checkpoint writes, rebuilt from the fixtures (its
+    optimizer and scheduler state left empty: the import does not read them)."""
+    from safetensors.torch import load_file
+
+    facts = original_facts()
+    checkpoint = {
+        "epoch": facts["epoch"],
+        "model": load_file(str(FIXTURES / "original_model.safetensors")),
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"last_epoch": 1},
+        "metrics": facts["metrics"],
+        "config": facts["config"],
+        "eta_logit": facts["eta_logit"],
+    }
+    assert sorted(checkpoint) == facts["checkpoint_keys"]
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.fixture
+def imported(tmp_path) -> Path:
+    """`accel-recipes convert --from crowd-bt` of the original's checkpoint."""
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    result = CliRunner().invoke(
+        app, ["convert", str(source), str(tmp_path / "model"), "--from", "crowd-bt"]
+    )
+    assert result.exit_code == 0, result.output
+    return tmp_path / "model"
+
+
+def imported_scorer(model_dir: Path) -> recipe.QualityScorer:
+    from accel_common.export import load_exported
+
+    config = json.loads((model_dir / "model.json").read_text())["config"]
+    model = recipe.QualityScorer(config["backbone"], len(config["annotators"]), config["dropout"])
+    load_exported(model_dir, model)  # strict: no missing or unexpected key
+    return model.eval()
+
+
+def test_the_original_preprocessing_is_reproduced():
+    from safetensors.torch import load_file
+
+    expected = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    read = quality_data.ImageReader(FIXTURES / "images", 32, *IMAGENET)
+    ours = torch.stack([read(name) for name in original_facts()["images"]])
+    assert torch.equal(ours, expected)
+
+
+def test_an_original_checkpoint_imports_strictly_and_scores_as_the_original(imported):
+    from safetensors.torch import load_file
+
+    facts = original_facts()
+    model = imported_scorer(imported)
+    state = load_file(str(FIXTURES / "original_model.safetensors"))
+    assert set(model.scorer_state_dict()) == set(state)  # one to one, no renaming
+    assert json.loads((imported / "model.json").read_text())["config"]["backbone"] == (
+        "test_efficientnet"
+    )
+    images = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    with torch.no_grad():
+        scores = model(images)
+    expected = torch.tensor(facts["scores"])
+    assert torch.allclose(scores, expected, rtol=1e-5, atol=0), (scores, expected)
+    # its loss on a fixed batch, in the matching modes: its global eta (the imported logit,
+    # --reliability global) and its per-annotation fixed etas
+    batch = facts["loss_batch"]
+    diff = scores[batch["i"]] - scores[batch["j"]]
+    labels = torch.tensor(batch["labels"])
+    eta = recipe.reliabilities(model, "global", 0.8)[torch.zeros(4, dtype=torch.long)]
+    assert recipe.likelihood("global") is recipe.original_loss
+    loss = recipe.original_loss(diff, labels, eta, 0.5)
+    assert loss.item() == pytest.approx(facts["loss_global_eta"], rel=1e-5)
+    fixed = recipe.original_loss(diff, labels, torch.tensor(batch["annotator_reliability"]), 0.5)
+    assert fixed.item() == pytest.approx(facts["loss_fixed_eta"], rel=1e-5)
+
+
+def test_an_export_converts_back_to_the_original_format(imported, tmp_path):
+    from safetensors.torch import load_file
+
+    from accel_common.tools.cli import app
+
+    target = tmp_path / "crowd_bt.pt"
+    result = CliRunner().invoke(app, ["convert", str(imported), str(target), "--to", "crowd-bt"])
+    assert result.exit_code == 0, result.output
+    checkpoint = torch.load(target, weights_only=True)
+    facts = original_facts()
+    assert checkpoint["config"] == facts["config"]
+    assert checkpoint["eta_logit"] == pytest.approx(facts["eta_logit"])
+    original = load_file(str(FIXTURES / "original_model.safetensors"))
+    assert set(checkpoint["model"]) == set(original)
+    assert all(torch.equal(checkpoint["model"][k], original[k]) for k in original)
+
+
+def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
+    from recipes.quality.convert import import_checkpoint
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    checkpoint = torch.load(source, weights_only=True)
+    right = checkpoint["model"]["head.3.weight"]
+    checkpoint["model"]["head.3.weight"] = torch.zeros(128, 512)
+    torch.save(checkpoint, source)
+    with pytest.raises(
+        CheckpointError,
+        match=r"head\.3\.weight has shape \(128, 512\) in the "
+        r"checkpoint, \(256, 512\) in this recipe.s network",
+    ):
+        import_checkpoint(source)
+    checkpoint["model"]["head.3.weight"] = right
+    del checkpoint["model"]["head.6.bias"]
+    torch.save(checkpoint, source)
+    with pytest.raises(CheckpointError, match=r"missing tensor head\.6\.bias \(1,\)"):
+        import_checkpoint(source)
+    checkpoint["model"]["head.6.bias"] = torch.zeros(1)
+    checkpoint["model"]["head.9.weight"] = torch.zeros(2)
+    torch.save(checkpoint, source)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor head\.9\.weight \(2,\)"):
+        import_checkpoint(source)
+
+
+def test_gold_reliabilities_and_metrics_follow_the_original():
+    """compute_user_reliability (data_loader.py 95-133): accuracy on gold_gold pairs, half a
+    point for a draw between adjacent ranks, 0.5 without gold pairs; the metrics: the 0.1 draw
+    margin, by pair type, against the gold ranking, linear NDCG."""
+    categories = {"a": "POS_5", "b": "sanding_POS_4", "c": "POS_1", "d": "goldensample"}
+    vote = quality_data.Vote
+    records = [
+        vote("a", "b", 1, "good", "gold_gold"),  # right
+        vote("a", "b", 0, "good", "gold_gold"),  # a draw between ranks 5 and 4: half
+        vote("c", "a", 1, "bad", "gold_gold"),  # wrong
+        vote("b", "d", 0, "bad", "gold_gold"),  # a draw against a golden sample: wrong
+        vote("a", "c", 1, "none", "gold_real"),
+    ]
+    etas = quality_data.gold_reliabilities(records, categories)
+    assert etas == {"good": 0.75, "bad": 0.0, "none": 0.5}
+    index = {name: k for k, name in enumerate("abcd")}
+    scores = torch.tensor([5.0, 4.95, 1.0, 100.0])  # a and b within the 0.1 margin
+    assert recipe.margin_accuracy(scores, records, index, 0.1) == pytest.approx(2 / 5)
+    metrics = recipe.evaluate(scores, records, records, index, None, list("abcd"), categories)
+    assert metrics["pair_acc_gold_gold"] == pytest.approx(1 / 2)  # non-draw votes only
+    assert metrics["pair_acc_gold_real"] == 1.0
+    assert metrics["spearman_gold"] == pytest.approx(1.0)
+    assert metrics["ndcg_gold"] == pytest.approx(1.0)
+    # the reverse order: relevances 1, 2, 3 at ranks 1, 2, 3 against the ideal 3, 2, 1
+    log3 = math.log2(3)
+    reverse = recipe.linear_ndcg(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
+    assert reverse == pytest.approx((1 + 2 / log3 + 3 / 2) / (3 + 2 / log3 + 1 / 2))
+
+
+def run_command(command, args: list[str]):
+    app = typer.Typer()
+    app.command()(command)
+    return CliRunner().invoke(app, args)
+
+
+def test_one_image_is_scored_and_two_compared_as_the_original_does(imported):
+    facts = original_facts()
+    first, second = (str(FIXTURES / "images" / name) for name in facts["images"][:2])
+    result = run_command(recipe.compare, ["--model", str(imported), first])
+    assert result.exit_code == 0, result.output
+    score = float(result.output.split("score ")[1])
+    assert score == pytest.approx(facts["scores"][0], rel=1e-5)  # same preprocessing and weights
+    result = run_command(recipe.compare, ["--model", str(imported), first, second])
+    assert result.exit_code == 0, result.output
+    diff = facts["scores"][0] - facts["scores"][1]  # 0.154: above the 0.1 draw margin
+    probability = torch.sigmoid(torch.tensor(diff)).item()
+    assert result.output.splitlines()[-1] == f"{first} is better, probability {probability:.4f}"
+    result = run_command(recipe.compare, ["--model", str(imported), first, second, "--margin", "1"])
+    assert result.output.splitlines()[-1].startswith("draw (|difference| 0.1536 <= 1.0)")
+
+
+def test_the_onnx_export_scores_as_pytorch(imported, tmp_path):
+    """Needs onnx and onnxruntime: pip install 'accel-recipes[onnx]' (skipped without them)."""
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "scorer.onnx"
+    result = run_command(recipe.export_onnx, ["--model", str(imported), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    images = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (scores,) = session.run(None, {"image": images.numpy()})
+    expected = torch.tensor(original_facts()["scores"]).unsqueeze(1)
+    assert torch.allclose(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_starts_from_an_imported_checkpoint(imported):
+    from recipes.quality.model import start_from
+
+    model = recipe.QualityScorer("test_efficientnet", len(ANNOTATORS), 0.2)
+    fresh = model.annotator_logits.detach().clone()
+    start_from(model, imported)
+    reference = imported_scorer(imported)
+    state = reference.scorer_state_dict()
+    assert all(torch.equal(model.scorer_state_dict()[k], state[k]) for k in state)
+    assert torch.equal(model.annotator_logits, fresh)  # one logit there, six here: afresh
+    other = recipe.QualityScorer("test_efficientnet_gn", len(ANNOTATORS), 0.2)
+    with pytest.raises(ConfigError, match=r"--init-from .*: not this scorer"):
+        start_from(other, imported)
+
+
+def test_reading_a_pair_seeds_the_cpus_generator_only(monkeypatch):
+    """The augmentation's per-item seed goes to the CPU's generator, restored after: a GPU's
+    generator, which dropout there draws from, is left alone (torch.manual_seed reseeded it on
+    every item read in the main process: its dropout masks then depended on the loader's
+    workers)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    vote = quality_data.Vote("a.png", "b.png", 1, "expert_a")
+    pairs = quality_data.Pairs([vote], lambda name: torch.rand(3), ["expert_a"], seed=3)
+    before = torch.get_rng_state()
+    first, again = pairs[0], pairs[0]
+    assert seeded == []
+    assert torch.equal(first[0], again[0]) and not torch.equal(first[0], first[1])
+    assert torch.equal(torch.get_rng_state(), before)
