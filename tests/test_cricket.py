@@ -20,8 +20,8 @@ import torch
 from accelerate.state import AcceleratorState
 
 import recipes.train_cricket as recipe
+from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError, DataError
-from accel_common.runtime import train_in_python
 from recipes.cricket import data as cricket
 from recipes.cricket import example
 from tests.conftest import (

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 import recipes.train_crystal as recipe
 from accel_common.checkpoint import inference_device, write_export
+from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError, ConfigError, DataError
-from accel_common.runtime import train_in_python
 from accel_common.tools import cli
 from recipes.crystal import api, convert
 from recipes.crystal.data import (

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from accel_common.batching import plan_batch
 from accel_common.errors import RecipeError
-from accel_common.runtime import config_asks_for_gpus
+from accel_common.launch_guard import config_asks_for_gpus
 from accel_common.tools.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
