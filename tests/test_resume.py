@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from accel_common.checkpoint import list_checkpoints
 from accel_common.entry import train_in_python
 from accel_common.errors import EXIT_PREEMPTED
-from accel_common.tools.bench import load_recipe
+from recipes import load_recipe
 from tests import forked
 from tests.conftest import (
     CAPTIONING,

@@ -12,7 +12,7 @@ import yaml
 
 from accel_common import launch_guard
 from accel_common.errors import ConfigError, DataError
-from accel_common.tools.doctor import check_config
+from accel_common.tools.doctor.config import check_config
 from tests.conftest import ACCELERATE_LAUNCH, BIN, REPO, TEMPLATE, free_port, recipe_env
 
 CONFIGS = REPO / "accelerate_configs"
