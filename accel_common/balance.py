@@ -18,7 +18,7 @@ Every process computes the same assignment from the same costs and shuffle; noth
 communicated. The costs of each process in each step are known here, so the loop logs the
 step's imbalance (max over processes of the cost / mean) without a collective.
 
-Accumulation windows run across epoch ends (runtime.make_accelerator), so windows are counted
+Accumulation windows run across epoch ends (accelerator.make_accelerator), so windows are counted
 from the start of the run: a window cut by an epoch's end is balanced within each part, and no
 item ever moves to another window.
 """

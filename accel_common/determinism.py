@@ -24,9 +24,9 @@ def make_deterministic() -> None:
     """Deterministic kernels or an error, cuDNN without benchmarking, a fixed cuBLAS workspace.
 
     Data-loader workers are seeded already: every training loader has its own generator seeded
-    by --seed (runtime.make_train_loader), from which torch seeds each worker's torch, random and
-    numpy generators. An op that has no deterministic kernel raises instead of running (see
-    `refused_op`)."""
+    by --seed (data.loaders.make_train_loader), from which torch seeds each worker's torch,
+    random and numpy generators. An op that has no deterministic kernel raises instead of running
+    (see `refused_op`)."""
     import torch  # here: accel_common.errors imports this module, and the CLI avoids torch
 
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:

@@ -28,8 +28,9 @@ from accelerate import Accelerator
 from accelerate.utils import KwargsHandler
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common import runtime
+import accel_common.accelerator
 from accel_common.batching import BatchPlan
+from accel_common.data import loaders
 from accel_common.dry_run import print_dry_run
 from accel_common.errors import ConfigError
 from accel_common.loop import OnNonFinite, TrainLoop
@@ -233,8 +234,8 @@ class TrainArgs(Settings):
     def make_accelerator(
         self, kwargs_handlers: Iterable[KwargsHandler] = ()
     ) -> tuple[Accelerator, BatchPlan]:
-        """The Accelerator and batch plan these flags ask for (runtime.make_accelerator)."""
-        return runtime.make_accelerator(
+        """The Accelerator and batch plan these flags ask for (accelerator.make_accelerator)."""
+        return accel_common.accelerator.make_accelerator(
             output_dir=self.output_dir,
             global_batch_size=self.bs,
             per_device_batch_size=self.per_device_bs,
@@ -256,9 +257,9 @@ class TrainArgs(Settings):
         collate_fn: Callable | None = None,
         costs: Sequence[float] | None = None,
     ) -> DataLoader:
-        """The shuffled, drop-last training loader (runtime.make_train_loader); with `costs`
+        """The shuffled, drop-last training loader (data.loaders.make_train_loader); with `costs`
         (one per item), each step's items balanced over processes by cost."""
-        return runtime.make_train_loader(
+        return loaders.make_train_loader(
             dataset,
             plan.per_device_batch_size,
             seed=self.seed,
@@ -339,7 +340,7 @@ class TrainArgs(Settings):
             resume=self.resume,
             overwrite=self.overwrite,
             overwrite_later=self.overwrite_later,
-            data_dir=self.data or runtime.example_data_dir(recipe),
+            data_dir=self.data or loaders.example_data_dir(recipe),
             log_every=self.log_every,
             save_every=self.save_every,
             keep_last=self.keep_last,

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from accel_common.tools.bench import load_recipe
+from recipes import load_recipe
 from recipes.cricket.data import DEFAULT_MATCH_TYPES
 from recipes.cricket.example import write_dataset
 

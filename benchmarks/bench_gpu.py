@@ -40,7 +40,7 @@ from accelerate.state import AcceleratorState
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from accel_common.tools.bench import write_section
+from accel_common.tools.bench.report import write_section
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import Workload, workloads
 

@@ -25,7 +25,8 @@ import ase.io
 import datasets
 import matscipy
 
-from accel_common.tools.bench import load_recipe, write_section
+from accel_common.tools.bench.report import write_section
+from recipes import load_recipe
 from recipes.crystal.example import write_dataset
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,12 +32,12 @@ import typer
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from accel_common.accelerator import make_accelerator
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, Schedule, build_scheduler, make_lr_schedule
-from accel_common.runtime import make_accelerator
-from accel_common.tools.bench import SECTION_START as SCALING_SECTION
-from accel_common.tools.bench import load_recipe
+from accel_common.tools.bench.report import SECTION_START as SCALING_SECTION
+from recipes import load_recipe
 from recipes.train_template import write_dataset
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ from torch import nn
 
 from accel_common.options import TrainArgs
 from accel_common.settings import read_config_file
-from accel_common.tools.bench import load_recipe
+from recipes import load_recipe
 
 
 @dataclass(frozen=True)

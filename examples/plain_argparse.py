@@ -21,10 +21,11 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from accel_common.accelerator import make_accelerator
+from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.losses import GlobalItemMean
 from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 
 
 class VariableLengthItems(Dataset):

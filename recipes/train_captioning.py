@@ -45,11 +45,13 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
 from accel_common.data.images import image_batches, list_images
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError
 from accel_common.export import load_for_inference, read_recipe_export
+from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split

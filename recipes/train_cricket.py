@@ -48,11 +48,13 @@ from torch.utils.data import DataLoader
 
 from accel_common.console import say
 from accel_common.data.cache import list_column
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
+from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,

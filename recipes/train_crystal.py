@@ -59,11 +59,13 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.batching import total_optimizer_steps
 from accel_common.data.cache import list_lengths
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_exported, load_for_inference, read_recipe_export
+from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.crystal.data import (
     TARGET_HELP,

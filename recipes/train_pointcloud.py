@@ -44,11 +44,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accel_common.console import format_metrics
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import export_paths, inference_device, load_exported, read_recipe_export
+from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
 from recipes.pointcloud.diffusion import Diffusion, checked_sample_steps, checked_sampler

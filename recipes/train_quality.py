@@ -51,11 +51,13 @@ from torch.utils.data import DataLoader
 
 from accel_common.console import say
 from accel_common.data.images import list_images
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export
+from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import require_new_file, resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 from recipes.quality.data import (
     GOLD_PAIR,

@@ -46,9 +46,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
+from accel_common.data.loaders import resolve_data
+from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
 from accel_common.options import TrainArgs, model_option, train_command
-from accel_common.runtime import resolve_data, run_recipe
 from accel_common.settings import Settings, setting
 
 RECIPE = "template"

@@ -11,12 +11,13 @@ from accelerate.state import AcceleratorState
 from torch import nn
 from torch.utils.data import BatchSampler, Dataset
 
+from accel_common.accelerator import make_accelerator
 from accel_common.balance import BalancedBatchSampler, balanced_slots, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.data.files import EpochShuffleSampler
+from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 
 
 def atom_counts(n: int, seed: int = 0) -> np.ndarray:

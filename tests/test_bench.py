@@ -8,26 +8,30 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from accel_common.tools import bench
+from accel_common.errors import RecipeError
+from accel_common.tools.bench import measuring, reference, report
+from accel_common.tools.example_data import make_data
+from recipes import load_recipe
 from tests.processes import REPO, recipe_env, run_processes
 
 TINY = ("--hidden", "16", "--depth", "1")
 
 
-def tiny(case: bench.Case) -> bench.Case:
+def tiny(case: measuring.Case) -> measuring.Case:
     return replace(case, model="tiny MLP", per_device_bs=16, max_steps=8, log_every=2, args=TINY)
 
 
 @pytest.mark.dist
 def test_bench_writes_its_section_and_plot(tmp_path):
     """Reference loop and template recipe at 1 and 2 processes, table, section, plot."""
-    cases = [tiny(case) for case in bench.CASES if case.data == "template"]
+    cases = [tiny(case) for case in measuring.CASES if case.data == "template"]
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n## Overhead\n\nkept as it was\n")
     plot = tmp_path / "scaling.png"
 
-    text = bench.run_benchmark(out, plot, repeats=1, cpu=True, cases=cases)
+    text = report.run_benchmark(out, plot, repeats=1, cpu=True, cases=cases)
 
     rows = [line for line in text.splitlines() if line.startswith(("| DDP", "| template"))]
     assert len(rows) == 2
@@ -42,19 +46,19 @@ def test_bench_writes_its_section_and_plot(tmp_path):
         assert 0 < least <= most < float(cells["step ms 2"])
     assert re.search(r"\| template .*\| (met|\*\*missed\*\*.*) \|$", rows[1])
     assert plot.read_bytes().startswith(b"\x89PNG")
-    bench.write_section(out, text)  # a rerun replaces the section instead of adding another
+    report.write_section(out, text)  # a rerun replaces the section instead of adding another
     document = out.read_text()
     assert document.startswith("# Benchmarks\n\n## Overhead\n\nkept as it was\n")
-    assert document.count(bench.SECTION_START) == 1
+    assert document.count(report.SECTION_START) == 1
 
 
 def test_independent_runs_are_a_ceiling_without_a_target():
     """N separate 1-process runs at once: their summed rate is shown, with no target to meet
     (the runs themselves are the template's 1-process runs, exercised above)."""
-    template = tiny(next(case for case in bench.CASES if case.name == "template"))
+    template = tiny(next(case for case in measuring.CASES if case.name == "template"))
     ceiling = replace(template, name="template, independent runs", independent=True)
-    results = [bench.Result(case, {1: [10.0], 2: [19.0]}) for case in (template, ceiling)]
-    rows = bench.table(results, [1, 2])[-2:]
+    results = [measuring.Result(case, {1: [10.0], 2: [19.0]}) for case in (template, ceiling)]
+    rows = report.table(results, [1, 2])[-2:]
     assert rows[0].startswith("| template |") and not rows[0].endswith("| - |")
     assert rows[1].startswith("| template, independent runs |") and rows[1].endswith("| - |")
 
@@ -73,16 +77,16 @@ def test_the_table_shows_imbalance_and_waits_where_logged(tmp_path):
         )  # fmt: skip
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    launch = bench.read_launch(log)
+    launch = measuring.read_launch(log)
     assert launch.rate == pytest.approx(100.0)
     assert launch.step_ms == pytest.approx(320.0)  # 32 samples at 100 samples/s
     assert launch.imbalance == pytest.approx(1.03)
     assert launch.wait_ms == pytest.approx((3.0, 8.0))
-    case = tiny(next(case for case in bench.CASES if case.name == "template"))
-    result = bench.Result(case, {1: [50.0], 2: [100.0]})
-    result.launches = {1: [bench.Launch(50.0)], 2: [launch]}
-    assert bench.table([result], [1, 2])[-1].endswith("| 1.030 | 320.0 | 3.0, 8.0 | met |")
-    assert bench.table([bench.Result(case, {1: [50.0], 2: [100.0]})], [1, 2])[-1].endswith(
+    case = tiny(next(case for case in measuring.CASES if case.name == "template"))
+    result = measuring.Result(case, {1: [50.0], 2: [100.0]})
+    result.launches = {1: [measuring.Launch(50.0)], 2: [launch]}
+    assert report.table([result], [1, 2])[-1].endswith("| 1.030 | 320.0 | 3.0, 8.0 | met |")
+    assert report.table([measuring.Result(case, {1: [50.0], 2: [100.0]})], [1, 2])[-1].endswith(
         "| - | - | - | met |"
     )
 
@@ -92,9 +96,26 @@ def test_steady_rate_drops_the_warm_up_window(tmp_path):
                                   ((5, 10.0), (10, 100.0), (15, 50.0))]  # fmt: skip
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert bench.steady_rate(log) == pytest.approx(2 / (1 / 100 + 1 / 50))
-    with pytest.raises(bench.RecipeError, match="throughput records"):
-        bench.steady_rate(log, skip=3)
+    assert measuring.steady_rate(log) == pytest.approx(2 / (1 / 100 + 1 / 50))
+    with pytest.raises(RecipeError, match="throughput records"):
+        measuring.steady_rate(log, skip=3)
+
+
+def test_the_reference_reads_the_template_data_and_builds_its_model(tmp_path):
+    """The reference loop imports no recipe, so its reader and MLP are held here to the template
+    recipe's: the same tensors from the same CSV, the same initial weights and outputs."""
+    template = load_recipe("template")
+    data = make_data("template", tmp_path / "data", train_size=64)
+    ours, recipes = reference.read_train_split(data).tensors, template.load_split(data, "train")
+    for mine, theirs in zip(ours, recipes.tensors, strict=True):
+        assert torch.equal(mine, theirs)
+    torch.manual_seed(0)
+    mlp = reference.mlp(ours[0].shape[1], 16, 3)
+    torch.manual_seed(0)
+    regressor = template.MLPRegressor(ours[0].shape[1], 16, 3)
+    for mine, theirs in zip(mlp.parameters(), regressor.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(mlp(ours[0]), regressor(ours[0]))
 
 
 TIMED_RANK = """

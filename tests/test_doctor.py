@@ -15,9 +15,9 @@ import pytest
 import torch
 from typer.testing import CliRunner, Result
 
-import accel_common.tools.doctor as doctor_module
 from accel_common.tools.cli import app
-from accel_common.tools.doctor import CPU_CONFIG, recommend
+from accel_common.tools.doctor import comm as comm_check
+from accel_common.tools.doctor.config import CPU_CONFIG, recommend
 from tests.processes import REPO, free_port
 
 runner = CliRunner()
@@ -203,12 +203,12 @@ def test_check_comm_failure_is_caught_and_reported_with_advice():
 
 @pytest.mark.dist
 def test_check_comm_that_runs_past_its_deadline_is_stopped_and_reported(monkeypatch):
-    monkeypatch.setattr(doctor_module, "STARTUP_ALLOWANCE_S", 0.0)  # workers are still importing
+    monkeypatch.setattr(comm_check, "STARTUP_ALLOWANCE_S", 0.0)  # workers are still importing
     # children that other tests of this pytest process left (e.g. a DataLoader's workers) are
     # not check_comm's
     earlier = {c.pid for c in psutil.Process().children()}
     started = time.monotonic()
-    result, problems = doctor_module.check_comm("gloo", 2, (0.25,), 1, timeout_s=1.0)
+    result, problems = comm_check.check_comm("gloo", 2, (0.25,), 1, timeout_s=1.0)
     assert time.monotonic() - started < 30
     assert result["ok"] is False and "timed out" in result["error"]
     assert "--dist-timeout" in problems[0].advice

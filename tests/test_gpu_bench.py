@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from accel_common.tools.bench import write_section
+from accel_common.tools.bench.report import write_section
 from benchmarks import bench_gpu
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import workloads

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_common.tools.bench import load_recipe
+from recipes import load_recipe
 from tests.gpu.conftest import RECIPES
 from tests.gpu.test_recipes_on_gpu import COMMON
 from tests.processes import dry_run_plan

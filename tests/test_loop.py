@@ -14,11 +14,12 @@ from accelerate.state import AcceleratorState
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.accelerator import make_accelerator
 from accel_common.checkpoint import list_checkpoints
+from accel_common.data.loaders import make_train_loader
 from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 from tests.processes import REPO, run_recipe
 from tests.results import exported_params, max_relative_difference
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps

@@ -11,9 +11,10 @@ import typer
 from accelerate.state import AcceleratorState
 from typer.testing import CliRunner
 
+from accel_common.accelerator import make_accelerator
 from accel_common.errors import ConfigError
+from accel_common.launch_guard import require_writable_output_dir
 from accel_common.options import TrainArgs
-from accel_common.runtime import make_accelerator, require_writable_output_dir
 from tests.processes import POINTCLOUD, QUALITY, TEMPLATE
 
 OUT_OF_RANGE = [

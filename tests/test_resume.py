@@ -19,9 +19,9 @@ from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 from accel_common.checkpoint import list_checkpoints
+from accel_common.entry import train_in_python
 from accel_common.errors import EXIT_PREEMPTED
-from accel_common.runtime import train_in_python
-from accel_common.tools.bench import load_recipe
+from recipes import load_recipe
 from tests import forked
 from tests.processes import (
     CAPTIONING,

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from accel_common import runtime
+from accel_common import launch_guard
 from accel_common.errors import ConfigError, DataError
-from accel_common.tools.doctor import check_config
+from accel_common.tools.doctor.config import check_config
 from tests.processes import ACCELERATE_LAUNCH, BIN, REPO, TEMPLATE, free_port, recipe_env
 
 CONFIGS = REPO / "accelerate_configs"
@@ -67,13 +67,17 @@ class FakeLauncher:
 
 def as_worker(monkeypatch, tmp_path: Path, cmdline: list[str], world: int = 2) -> None:
     """This process as rank 0 of a `world`-process launch started by `cmdline`, without GPUs."""
-    monkeypatch.setattr(runtime.psutil, "Process", lambda _pid: FakeLauncher(cmdline, tmp_path))
+    monkeypatch.setattr(
+        launch_guard.psutil, "Process", lambda _pid: FakeLauncher(cmdline, tmp_path)
+    )
     monkeypatch.setattr("torch.accelerator.is_available", lambda: False)
     for key, value in {"WORLD_SIZE": str(world), "LOCAL_RANK": "0", "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     # no default config of the user's own
-    monkeypatch.setattr(runtime, "default_accelerate_config", lambda: str(tmp_path / "none.yaml"))
+    monkeypatch.setattr(
+        launch_guard, "default_accelerate_config", lambda: str(tmp_path / "none.yaml")
+    )
 
 
 ACCELERATE = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
@@ -105,10 +109,10 @@ def test_what_the_launcher_asked_for_is_read_from_its_command_line(
     (tmp_path / "accelerate_configs" / "2gpu.yaml").write_text((CONFIGS / "2gpu.yaml").read_text())
     as_worker(monkeypatch, tmp_path, launcher)
     if refused is None:
-        runtime.require_requested_devices(cpu=True)
+        launch_guard.require_requested_devices(cpu=True)
         return
     with pytest.raises(ConfigError, match=rf"^this launch asks for 2 GPUs \({refused}.*\): none"):
-        runtime.require_requested_devices(cpu=True)
+        launch_guard.require_requested_devices(cpu=True)
 
 
 def test_accelerate_use_cpu_from_the_user_keeps_a_multi_gpu_launch_on_the_cpu(
@@ -117,24 +121,24 @@ def test_accelerate_use_cpu_from_the_user_keeps_a_multi_gpu_launch_on_the_cpu(
     """`ACCELERATE_USE_CPU=true accelerate launch --multi_gpu`: the variable reaches the workers."""
     as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--multi_gpu", *SCRIPT])
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    runtime.require_requested_devices(cpu=True)
+    launch_guard.require_requested_devices(cpu=True)
 
 
 def test_the_default_config_counts_when_no_config_file_is_given(monkeypatch, tmp_path):
     as_worker(monkeypatch, tmp_path, [*ACCELERATE, *SCRIPT])
     default = tmp_path / "default_config.yaml"
     default.write_text((CONFIGS / "2gpu.yaml").read_text())
-    monkeypatch.setattr(runtime, "default_accelerate_config", lambda: str(default))
+    monkeypatch.setattr(launch_guard, "default_accelerate_config", lambda: str(default))
     with pytest.raises(ConfigError, match=r"asks for 2 GPUs \(config default_config.yaml"):
-        runtime.require_requested_devices(cpu=True)
+        launch_guard.require_requested_devices(cpu=True)
 
 
 def test_one_process_and_plain_python_are_never_refused(monkeypatch, tmp_path):
     as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", "8gpu.yaml", *SCRIPT], world=1)
-    runtime.require_requested_devices(cpu=True)
+    launch_guard.require_requested_devices(cpu=True)
     monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    runtime.require_requested_devices(cpu=True)  # no launcher: nothing was asked for
+    launch_guard.require_requested_devices(cpu=True)  # no launcher: nothing was asked for
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -146,12 +150,12 @@ def test_the_doctor_calls_a_blocker_exactly_what_a_launch_refuses(config, monkey
     blocked = any("but none is visible" in p.message for p in problems if p.severity == "blocker")
     as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", str(config), *SCRIPT])
     try:
-        runtime.require_requested_devices(cpu=True)
+        launch_guard.require_requested_devices(cpu=True)
         refused = False
     except ConfigError:
         refused = True
     multi_process = int(settings.get("num_processes", 1)) > 1
-    assert blocked == runtime.config_asks_for_gpus(settings)
+    assert blocked == launch_guard.config_asks_for_gpus(settings)
     assert refused == (blocked and multi_process)
 
 
@@ -162,10 +166,10 @@ def test_an_output_file_is_checked_and_its_folder_made_before_the_work(tmp_path)
     mine = tmp_path / "notes.txt"
     mine.write_text("mine")
     with pytest.raises(DataError, match=r"--out .*notes.txt exists"):
-        runtime.require_new_file(mine)
+        launch_guard.require_new_file(mine)
     with pytest.raises(DataError, match=r"--png .*notes.txt/deeper/view.png: .*is a file"):
-        runtime.require_new_file(mine / "deeper" / "view.png", "--png")
+        launch_guard.require_new_file(mine / "deeper" / "view.png", "--png")
     assert mine.read_text() == "mine"
     out = tmp_path / "new" / "folder" / "scores.csv"
-    runtime.require_new_file(out)
+    launch_guard.require_new_file(out)
     assert out.parent.is_dir() and not out.exists()

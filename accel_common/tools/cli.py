@@ -15,8 +15,10 @@ from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import require_export_target, write_export
 from accel_common.lr import LRScaling, scale_lr
-from accel_common.tools.bench import run_benchmark
-from accel_common.tools.doctor import Backend, DoctorOptions, parse_sizes, run_doctor
+from accel_common.tools.bench.report import run_benchmark
+from accel_common.tools.doctor.base import Backend, DoctorOptions
+from accel_common.tools.doctor.comm import parse_sizes
+from accel_common.tools.doctor.report import run_doctor
 from accel_common.tools.example_data import make_data, workloads
 from accel_common.tools.launch import run as run_launch
 from accel_common.tools.originals import converter

@@ -140,7 +140,7 @@ def preflight(command: Sequence[str]) -> None:
     args = accelerate_launch_args(command)
     if args is None:
         return
-    from accel_common.tools.doctor import load_config, missing_deepspeed  # torch: only here
+    from accel_common.tools.doctor.config import load_config, missing_deepspeed  # torch: here
 
     parsed, path, flag = accelerate_config(args)
     if parsed is None:

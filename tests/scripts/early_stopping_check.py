@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from accel_common.accelerator import make_accelerator
+from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 
 out, epochs, patience, min_epochs = Path(sys.argv[1]), *map(int, sys.argv[2:5])
 accelerator, plan = make_accelerator(output_dir=out, global_batch_size=8, cpu=True)

@@ -16,9 +16,10 @@ from accelerate.state import AcceleratorState
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from accel_common.accelerator import make_accelerator
+from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
-from accel_common.runtime import make_accelerator, make_train_loader
 from tests.results import metrics_log
 
 

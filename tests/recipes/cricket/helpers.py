@@ -10,7 +10,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 import recipes.train_cricket as recipe
-from accel_common.runtime import train_in_python
+from accel_common.entry import train_in_python
 from recipes.cricket import data as cricket
 from tests.processes import CRICKET
 

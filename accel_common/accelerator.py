@@ -1,0 +1,138 @@
+"""The Accelerator and the batch plan a launch trains with (`make_accelerator`).
+
+A module named for the one object it builds, so that a reader looking for where the Accelerator
+is made finds it by name; the checks it runs before and after (devices, sharding, output folder,
+the launcher watchdog) are accel_common.launch_guard's. It takes plain values, so a script with
+its own argparse or Hydra config can call it directly; `accel_common.options.TrainArgs` maps the
+shared recipe flags onto it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    set_seed,
+)
+
+from accel_common.batching import BatchPlan, plan_batch
+from accel_common.determinism import make_deterministic
+from accel_common.errors import ConfigError
+from accel_common.launch_guard import (
+    exit_when_launcher_dies,
+    require_requested_devices,
+    require_requested_sharding,
+    require_writable_output_dir,
+)
+from accel_common.sharding import guard_wrap_policy
+from accel_common.tracking import trackers_for
+
+
+def make_accelerator(
+    *,
+    output_dir: Path,
+    global_batch_size: int | None = None,
+    per_device_batch_size: int | None = None,
+    grad_accum_steps: int = 1,
+    max_per_device_batch_size: int | None = None,
+    mixed_precision: str | None = None,
+    cpu: bool = False,
+    report_to: str = "none",
+    dist_timeout: int = 0,
+    seed: int = 0,
+    deterministic: bool = False,
+    kwargs_handlers: Iterable[KwargsHandler] = (),
+) -> tuple[Accelerator, BatchPlan]:
+    """Build the Accelerator and the batch plan for this launch's world size.
+
+    Give the batch as `global_batch_size` or `per_device_batch_size` (see accel_common.batching).
+    Two settings differ from Accelerate's defaults, both so that the math does not depend on the
+    number of processes: the scheduler is stepped once per optimizer step (see accel_common.lr),
+    and accumulation windows run across epoch ends instead of flushing a short window at the end
+    of each epoch, so every optimizer step sees exactly the global batch.
+
+    The process group is created here, by the first PartialState, so its settings (`dist_timeout`
+    in seconds, a recipe's InitProcessGroupKwargs) go to it directly: Accelerate ignores them once
+    the group exists, and InitProcessGroupKwargs.to_kwargs() drops a timeout equal to its own
+    default (600 s). `seed` seeds every process alike, so initial weights are the same everywhere.
+    `deterministic` makes every kernel after this call deterministic (accel_common.determinism).
+    """
+    if dist_timeout < 0:
+        raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
+    cpu = cpu or not torch.accelerator.is_available()
+    require_requested_devices(cpu)  # before the output folder is created
+    require_writable_output_dir(Path(output_dir))
+    kwargs_handlers = list(kwargs_handlers)
+    init = next((h for h in kwargs_handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    group_kwargs = init.to_kwargs() if init else {}
+    if dist_timeout:
+        group_kwargs["timeout"] = timedelta(seconds=dist_timeout)
+    group_kwargs |= restarted_group_store()
+    world = PartialState(cpu=cpu, **group_kwargs).num_processes
+    exit_when_launcher_dies()
+    plan = plan_batch(
+        world,
+        global_batch_size=global_batch_size,
+        per_device_batch_size=per_device_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        max_per_device_batch_size=max_per_device_batch_size,
+        warn_small=False,  # the banner warns, once, on the main process
+    )
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.grad_accum_steps, sync_with_dataloader=False
+        ),
+        step_scheduler_with_optimizer=False,
+        log_with=trackers_for(report_to, output_dir),
+        project_dir=str(output_dir),
+        kwargs_handlers=kwargs_handlers,
+    )
+    require_requested_sharding(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        guard_wrap_policy()  # no ModuleList / ModuleDict as its own unit (accel_common.sharding)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise ConfigError(
+            "fp16 mixed precision (from --mixed-precision or the launch config) does not run on "
+            "the CPU: Accelerate would train in fp32 while reporting fp16. Use --mixed-precision "
+            "bf16 or no on the CPU, or launch on a GPU"
+        )
+    if deterministic:
+        make_deterministic()
+    set_seed(seed)
+    return accelerator, plan
+
+
+def restarted_group_store() -> dict[str, Any]:
+    """For a worker group that torch elastic restarted: a namespace of its own in the launcher's
+    store, as `init_process_group` arguments ({} on a first start).
+
+    The restarted workers get the same store (MASTER_ADDR:MASTER_PORT, served by the agent) with
+    the keys of the group they replace still in it: without a namespace of their own they read
+    the dead processes' addresses and fail (gloo: "connectFullMesh failed ... Connection
+    refused"). DeepSpeed creates its process group itself and takes no store.
+    """
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    if count in ("", "0") or not agent_store or deepspeed:
+        return {}
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    return {
+        "store": torch.distributed.PrefixStore(f"accel-recipes/restart_{count}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }

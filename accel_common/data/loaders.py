@@ -1,0 +1,80 @@
+"""The training loader and the data folder every recipe needs in the same form.
+
+`make_train_loader` builds the shuffled, drop-last loader whose order depends only on
+(seed, epoch); `resolve_data` gives the user's --data folder or writes the workload's example once.
+Each takes plain values, so a script with its own argparse can call them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, Dataset
+
+from accel_common.balance import BalancedBatchSampler
+from accel_common.batching import BatchPlan
+from accel_common.console import say
+from accel_common.data.files import EpochShuffleSampler
+from accel_common.errors import DataError
+
+EXAMPLE_DATA_ROOT = Path("data/example")
+
+
+def make_train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    workers: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    costs: Sequence[float] | None = None,
+    plan: BatchPlan | None = None,
+) -> DataLoader:
+    """The training DataLoader every recipe needs, before `prepare`; `batch_size` is the plan's
+    per-device batch.
+
+    - drop_last, so every optimizer step sees exactly the global batch;
+    - the shuffle order depends only on (seed, epoch): 1 or N processes see the same global
+      batches, and a resumed run the same order;
+    - its own generator: creating a loader iterator draws a seed, and drawing it from the global
+      RNG would shift dropout masks after a resume (which restores that RNG);
+    - with `costs` (one per item: atoms, edges, tokens) and the `plan`, the items of each
+      optimizer step are spread over processes and accumulation steps so that the costs are
+      balanced (balance.BalancedBatchSampler): the same global batches, less waiting.
+    """
+    sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(seed)
+    common = {"num_workers": workers, "collate_fn": collate_fn, "generator": generator}
+    if costs is None:
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
+    if plan is None or plan.per_device_batch_size != batch_size:
+        raise ValueError("make_train_loader: costs need the plan whose per-device batch this is")
+    batches = BalancedBatchSampler(sampler, costs, plan)
+    return DataLoader(dataset, batch_sampler=batches, **common)
+
+
+def example_data_dir(workload: str) -> Path:
+    """Where a workload's generated example lives when no --data is given."""
+    return EXAMPLE_DATA_ROOT / workload
+
+
+def resolve_data(
+    accelerator: Accelerator, workload: str, data: Path | None, make_example: Callable[[Path], Any]
+) -> Path:
+    """The user's --data folder, or a small example written once by the main process."""
+    if data is not None:
+        if not data.is_dir():
+            raise DataError(f"--data {data}: no such folder")
+        return data
+    target = example_data_dir(workload)
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and not target.exists():
+            say(accelerator, f"no --data given: writing example {workload} data to {target}")
+            tmp = target.with_name(target.name + ".tmp")
+            make_example(tmp)
+            tmp.rename(target)
+    return target

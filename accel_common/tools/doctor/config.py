@@ -1,0 +1,187 @@
+"""The accelerate config against this machine and environment, and the shipped config (with its
+launch line and batch plan) recommended for the devices seen."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from accel_common.batching import plan_batch
+from accel_common.errors import RecipeError
+from accel_common.launch_guard import config_asks_for_gpus
+from accel_common.tools.doctor.base import Problem
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+CONFIG_DIR = REPO_ROOT / "accelerate_configs"
+
+
+DEFAULT_PER_DEVICE_BS = 32
+
+
+GPU_CONFIGS = {1: "1gpu.yaml", 2: "2gpu.yaml", 4: "4gpu.yaml", 8: "8gpu.yaml"}
+
+
+CPU_CONFIG = "cpu_2proc.yaml"
+
+
+def yaml_error(err: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: where, what, and while doing what."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
+
+
+def load_config(path: Path, flag: str = "--config-file") -> dict[str, Any]:
+    """The accelerate config at `path`; a missing or malformed file is a user error (exit 2).
+    `flag` is how the caller's user named it (`accelerate launch` spells it --config_file)."""
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+        raise RecipeError(
+            f"{flag} {path}: no such file; the configs in {CONFIG_DIR.name}/ are: {shipped}"
+        )
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{flag} {path}: {yaml_error(err)}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{flag} {path}: not a text file, so not an accelerate config") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"{flag} {path}: not an accelerate config (no `key: value` lines)")
+    return config
+
+
+def missing_deepspeed(name: str) -> Problem | None:
+    """A blocker when `name` (a config or a flag) asks for DeepSpeed and it is not installed."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return None
+    return Problem(
+        "blocker",
+        f"{name} needs DeepSpeed, which is not installed",
+        "`pip install deepspeed` on every GPU machine",
+    )
+
+
+def check_config(
+    config: dict[str, Any], path: Path, env: dict[str, str], gpus: int, ipv4: list[str]
+) -> tuple[dict[str, Any], list[Problem]]:
+    """Does this config fit this machine and this environment?"""
+    kind = str(config.get("distributed_type", "NO"))
+    total = int(config.get("num_processes", 1))
+    machines = int(config.get("num_machines", 1))
+    use_cpu = bool(config.get("use_cpu", False))
+    per_machine = total // machines
+    summary = {
+        "path": str(path),
+        "distributed_type": kind,
+        "num_processes": total,
+        "num_machines": machines,
+        "processes_per_machine": per_machine,
+        "use_cpu": use_cpu,
+        "mixed_precision": config.get("mixed_precision", "no"),
+    }
+    problems = []
+    if total % machines:
+        problems.append(
+            Problem(
+                "blocker",
+                f"{path.name}: num_processes={total} is not a multiple of num_machines={machines}",
+                "num_processes is the TOTAL over all machines: machines x processes per machine",
+            )
+        )
+    world = env.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) != total:
+        problems.append(
+            Problem(
+                "blocker",
+                f"WORLD_SIZE={world} in the environment, but {path.name} starts num_processes="
+                f"{total} in total ({machines} machine(s) x {per_machine})",
+                "ranks then wait for peers that never join; unset WORLD_SIZE (launchers set it per "
+                "process) or make every node's config and WORLD_SIZE agree: num_processes counts "
+                "all machines together",
+            )
+        )
+    wants_gpus = config_asks_for_gpus(config)  # what a recipe's workers refuse without GPUs
+    hidden = env.get("CUDA_VISIBLE_DEVICES")
+    hint = f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else ""
+    if wants_gpus and gpus == 0:
+        problems.append(
+            Problem(
+                "blocker",
+                f"{path.name} asks for {per_machine} GPU(s) per machine, but none is visible"
+                + hint,
+                f"on a CPU machine use accelerate_configs/{CPU_CONFIG}; otherwise check "
+                "`nvidia-smi` and CUDA_VISIBLE_DEVICES",
+            )
+        )
+    elif wants_gpus and per_machine > gpus:
+        problems.append(
+            Problem(
+                "blocker",
+                f"{path.name} starts {per_machine} processes per machine, but {gpus} GPU(s) are "
+                "visible" + hint,
+                f"pass --num_processes {gpus * machines} to accelerate launch, or use the "
+                "recommended config below",
+            )
+        )
+    if kind == "DEEPSPEED" and (missing := missing_deepspeed(path.name)) is not None:
+        problems.append(missing)
+    if config.get("mixed_precision") == "bf16" and gpus and not torch.cuda.is_bf16_supported():
+        problems.append(
+            Problem(
+                "warning",
+                f"{path.name} uses bf16, which these GPUs do not support",
+                "add --mixed_precision fp16 to accelerate launch",
+            )
+        )
+    head = str(config.get("main_process_ip", ""))
+    if machines > 1 and head in ("", "127.0.0.1", "localhost"):
+        problems.append(
+            Problem(
+                "warning",
+                f"{path.name} is for {machines} machines but main_process_ip is "
+                f"{head or 'unset'}, which other machines cannot reach",
+                "pass --main_process_ip HEAD_NODE_IP on every node (this machine: "
+                f"{', '.join(ipv4) or 'no IPv4 address'})",
+            )
+        )
+    return summary, problems
+
+
+def recommend(gpus: int, mps: bool, bs: int | None, per_device_bs: int | None) -> dict[str, Any]:
+    """The shipped config for the devices seen, the launch line, and the batch plan for it."""
+    if gpus:
+        nearest = min(GPU_CONFIGS, key=lambda n: (abs(n - gpus), n))
+        name, processes = GPU_CONFIGS[nearest], gpus
+        override = f"--num_processes {gpus} " if nearest != gpus else ""
+        reason = f"{gpus} GPU(s) visible" + (
+            f"; no config for {gpus}, so {name} with --num_processes {gpus}" if override else ""
+        )
+    elif mps:
+        name, processes, override = GPU_CONFIGS[1], 1, ""
+        reason = "one Apple GPU (MPS): one process; DDP over MPS brings no speed-up"
+    else:
+        name, processes, override = CPU_CONFIG, 2, ""
+        reason = "no GPU: 2 CPU processes over gloo run the distributed code path"
+    if bs is None and per_device_bs is None:
+        per_device_bs = DEFAULT_PER_DEVICE_BS
+    plan = plan_batch(
+        processes, global_batch_size=bs, per_device_batch_size=per_device_bs, warn_small=False
+    )
+    config = f"{CONFIG_DIR.name}/{name}"
+    return {
+        "config": config,
+        "num_processes": processes,
+        "reason": reason,
+        "command": f"accelerate launch --config_file {config} {override}"
+        f"recipes/train_template.py --bs {plan.global_batch_size}",
+        "batch": plan.as_dict(),
+        "batch_text": plan.describe(),
+    }
