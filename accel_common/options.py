@@ -32,9 +32,11 @@ from accel_common import runtime
 from accel_common.batching import BatchPlan
 from accel_common.dry_run import print_dry_run
 from accel_common.errors import ConfigError
-from accel_common.loop import OnNonFinite, TrainLoop
+from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
 from accel_common.memory import memory_flags, parse_max_per_device_bs
+from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
     Settings,
     base_type,
@@ -320,38 +322,44 @@ class TrainArgs(Settings):
         settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
         epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
         `min_delta`."""
-        own = settings.as_config() if settings is not None else {}
-        adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
-        return TrainLoop(
+        own = [settings] if settings is not None else []
+        run_config = RunConfig(
+            recipe,
+            {**self.as_config(), **merged(own, "as_config"), **(derived or {}), **(config or {})},
+            adjustable=frozenset(self.adjustable().union(*(s.adjustable() for s in own))),
+            derived=frozenset(derived or {}),
+            defaults={**self.default_config(), **merged(own, "default_config")},
+        )
+        stopping = EarlyStopping(monitor, patience, min_epochs, min_delta)
+        policy = LoopPolicy(self.save_policy, self.clip_grad, self.on_nonfinite, stopping)
+        policy.check(accelerator)  # before the run claims its folder
+        run = Run.open(
             accelerator,
             plan,
-            loader,
             schedule,
-            recipe=recipe,
-            config={**self.as_config(), **own, **(derived or {}), **(config or {})},
-            adjustable=frozenset(adjustable),
-            derived=frozenset(derived or {}),
-            defaults={
-                **self.default_config(),
-                **(settings.default_config() if settings is not None else {}),
-            },
+            run_config,
             output_dir=self.output_dir,
-            resume=self.resume,
-            overwrite=self.overwrite,
-            overwrite_later=self.overwrite_later,
             data_dir=self.data or runtime.example_data_dir(recipe),
-            log_every=self.log_every,
-            save_every=self.save_every,
-            keep_last=self.keep_last,
-            clip_grad=self.clip_grad,
-            tracker_project=self.wandb_project,
-            tracker_run_name=self.wandb_name,
-            on_nonfinite=self.on_nonfinite,
-            monitor=monitor,
-            patience=patience,
-            min_epochs=min_epochs,
-            min_delta=min_delta,
+            start=self.start_request,
+            monitored=bool(monitor),
+            tracking=Tracking(self.wandb_project, self.wandb_name),
         )
+        return TrainLoop(accelerator, plan, loader, schedule, run, policy)
+
+    @property
+    def save_policy(self) -> SavePolicy:
+        """--log-every, --save-every, --keep-last."""
+        return SavePolicy(self.log_every, self.save_every, self.keep_last)
+
+    @property
+    def start_request(self) -> StartRequest:
+        """--resume, --overwrite, --overwrite-later."""
+        return StartRequest(self.resume, self.overwrite, self.overwrite_later)
+
+
+def merged(settings: list[Settings], method: str) -> dict[str, Any]:
+    """One dict of every Settings object's `method()` (as_config, default_config)."""
+    return {k: v for s in settings for k, v in getattr(s, method)().items()}
 
 
 def model_option(recipe: str) -> Any:

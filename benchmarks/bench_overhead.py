@@ -35,6 +35,8 @@ from torch.utils.data import DataLoader
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, Schedule, build_scheduler, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 from accel_common.runtime import make_accelerator
 from accel_common.tools.bench import SECTION_START as SCALING_SECTION
 from accel_common.tools.bench import load_recipe
@@ -151,10 +153,12 @@ def helper_cost_us(steps: int = 20_000, repeats: int = 5, log_every: int = 50) -
                 accelerator, optimizer, plan, steps_per_epoch=steps, epochs=1, lr=1e-3,
                 ref_bs=16, decay=Decay.constant,
             )  # fmt: skip
-            loop = TrainLoop(
-                accelerator, plan, EmptyBatches(steps), schedule, recipe="bench", config={},
-                output_dir=out / f"repeat_{repeat}", log_every=log_every,
+            run = Run.open(
+                accelerator, plan, schedule, RunConfig("bench", {}),
+                output_dir=out / f"repeat_{repeat}",
             )  # fmt: skip
+            policy = LoopPolicy(SavePolicy(log_every=log_every))
+            loop = TrainLoop(accelerator, plan, EmptyBatches(steps), schedule, run, policy)
             started = time.perf_counter()
             for _epoch in loop.epochs():
                 for _batch in loop.batches():

@@ -24,6 +24,8 @@ from torch.utils.data import Dataset
 from accel_common.loop import TrainLoop
 from accel_common.losses import GlobalItemMean
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 from accel_common.runtime import make_accelerator, make_train_loader
 
 
@@ -75,10 +77,9 @@ def main() -> None:
         accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=10, lr=args.lr,
         ref_bs=args.bs, decay=Decay.constant, max_steps=args.max_steps,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="plain_argparse", config=vars(args),
-        output_dir=args.output_dir, log_every=1,
-    )  # fmt: skip
+    config = RunConfig("plain_argparse", vars(args))
+    run = Run.open(accelerator, plan, schedule, config, output_dir=args.output_dir)
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(log_every=1)))
     item_mean = GlobalItemMean(accelerator, plan)
     for _epoch in loop.epochs():
         for x, y, mask in loop.batches():

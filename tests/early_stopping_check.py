@@ -20,6 +20,8 @@ from torch.utils.data import TensorDataset
 
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy
+from accel_common.run import Run, RunConfig
 from accel_common.runtime import make_accelerator, make_train_loader
 
 out, epochs, patience, min_epochs = Path(sys.argv[1]), *map(int, sys.argv[2:5])
@@ -35,10 +37,11 @@ schedule = make_lr_schedule(
     accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=epochs, lr=0.05, ref_bs=8,
     decay=Decay.cosine, hold_epochs=2, decay_per_epoch=True,
 )  # fmt: skip
-loop = TrainLoop(
-    accelerator, plan, loader, schedule, recipe="toy", config={"lr": 0.05}, output_dir=out,
-    monitor="val_mae", patience=patience, min_epochs=min_epochs,
-)  # fmt: skip
+run = Run.open(
+    accelerator, plan, schedule, RunConfig("toy", {"lr": 0.05}), output_dir=out, monitored=True
+)
+stopping = EarlyStopping("val_mae", patience=patience, min_epochs=min_epochs)
+loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(early_stopping=stopping))
 ran, lrs = [], []
 for epoch in loop.epochs():
     for xb, yb in loop.batches():

@@ -31,6 +31,8 @@ from torch.utils.data import TensorDataset
 from accel_common.checkpoint import list_checkpoints, read_export_metadata
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.runtime import make_accelerator, make_train_loader
 from tests.conftest import exported_params, max_relative_difference
 
@@ -74,11 +76,13 @@ def scaled_run(
         accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=2, lr=1e-2,
         ref_bs=4, decay=Decay.constant,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out,
-        resume=resume, log_every=100, save_every=5, keep_last=10,
-        monitor="val_mae" if best_epoch else None,
+    monitor = "val_mae" if best_epoch else None
+    run = Run.open(
+        accelerator, plan, schedule, RunConfig("toy", {}), output_dir=out,
+        start=StartRequest(resume), monitored=bool(monitor),
     )  # fmt: skip
+    policy = LoopPolicy(SavePolicy(100, 5, 10), early_stopping=EarlyStopping(monitor))
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, policy)
     trace = []
     for epoch in loop.epochs():
         for x, y in loop.batches():

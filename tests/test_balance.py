@@ -16,6 +16,8 @@ from accel_common.batching import BatchPlan
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.runtime import make_accelerator, make_train_loader
 
 
@@ -181,11 +183,11 @@ def balanced_run(tmp_path):
             accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
             ref_bs=6, decay=Decay.constant, max_steps=9,
         )  # fmt: skip
-        loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=tmp_path,
-            resume=resume, overwrite_later=resume is not None, log_every=1, save_every=4,
-            keep_last=10,
-        )  # fmt: skip
+        start = StartRequest(resume, overwrite_later=resume is not None)
+        run = Run.open(
+            accelerator, plan, schedule, RunConfig("toy", {}), output_dir=tmp_path, start=start
+        )
+        loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(1, 4, 10)))
         seen = []
         for _epoch in loop.epochs():
             for x, y in loop.batches():

@@ -18,6 +18,8 @@ from torch.utils.data import TensorDataset
 
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 from accel_common.runtime import make_accelerator, make_train_loader
 from tests.conftest import metrics_log
 
@@ -42,9 +44,8 @@ def train_with_an_overflow(out: Path, overflow_at: int) -> dict[str, float]:
         accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=1, lr=1e-2, ref_bs=4,
         decay=Decay.constant,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out, log_every=2
-    )
+    run = Run.open(accelerator, plan, schedule, RunConfig("toy", {}), output_dir=out)
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(log_every=2)))
     for _epoch in loop.epochs():
         for x, y in loop.batches():
             overflow = loop.step + 1 == overflow_at

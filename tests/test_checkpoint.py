@@ -18,7 +18,6 @@ from accel_common.batching import plan_batch
 from accel_common.checkpoint import (
     TrainProgress,
     convert_checkpoint,
-    describe_differences,
     list_checkpoints,
     load_checkpoint,
     load_exported,
@@ -31,6 +30,7 @@ from accel_common.checkpoint import (
 )
 from accel_common.data import files
 from accel_common.errors import CheckpointError
+from accel_common.run import RunCheck, describe_differences
 
 
 class Net(nn.Module):
@@ -247,7 +247,9 @@ def test_resume_with_another_global_batch_is_refused(tmp_path, accelerator):
         accelerator, tmp_path, TrainProgress(step=1), plan=plan_batch(1, global_batch_size=8)
     )
     with pytest.raises(CheckpointError, match="pass --bs 8"):
-        load_checkpoint(accelerator, path, plan_batch(1, global_batch_size=16))
+        load_checkpoint(
+            accelerator, path, small := plan_batch(1, global_batch_size=16), accept=RunCheck(small)
+        )
 
 
 def test_resume_path_without_progress_is_refused(tmp_path):
@@ -330,7 +332,7 @@ def test_resume_past_the_end_of_a_shorter_schedule_is_refused(tmp_path, accelera
     plan = plan_batch(1, global_batch_size=8)
     path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1400), plan=plan)
     with pytest.raises(CheckpointError, match=r"at optimizer step 1400, past the 640 steps"):
-        load_checkpoint(accelerator, path, plan, total_steps=640)
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, total_steps=640))
 
 
 def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accelerator):
@@ -343,14 +345,14 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accele
     )  # fmt: skip
     now = {**saved, "epochs": 100, "hidden": 128}
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(accelerator, path, plan, identity=now)
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, now))
     message = str(error.value)
     assert "another run (id abc)" in message
     assert (
         "--epochs 20 in the checkpoint, 100 now; --hidden 64 in the checkpoint, 128 now" in message
     )
     assert "lr" not in message.split(":", 1)[1].split(";")[0]  # only what differs is named
-    progress, run = load_checkpoint(accelerator, path, plan, identity=dict(saved))
+    progress, run = load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, dict(saved)))
     assert (progress.step, run["id"]) == (64, "abc")
 
 
@@ -444,13 +446,13 @@ def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, acceler
     )  # fmt: skip
     now = {**saved, "data_fingerprint": "sha256:bbbb"}
     with pytest.raises(CheckpointError, match=r"^--data D: its files' contents differ from the "):
-        load_checkpoint(accelerator, path, plan, identity=now, data_dir=Path("D"))
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, now, data_dir=Path("D")))
     # an earlier version's fingerprint (names and sizes) cannot be compared with contents
     old = save_checkpoint(
         accelerator, tmp_path, TrainProgress(step=65), plan=plan,
         run={"id": "abc", "identity": {**saved, "data_fingerprint": "0123456789abcdef"}},
     )  # fmt: skip
-    assert load_checkpoint(accelerator, old, plan, identity=now)[0].step == 65
+    assert load_checkpoint(accelerator, old, plan, accept=RunCheck(plan, now))[0].step == 65
 
 
 # --------------------------------------------------------------------------- a full disk
@@ -510,7 +512,9 @@ def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batc
     )  # fmt: skip
     now = {"recipe": "template", "hidden": 64, "global_batch_size": 64}
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(accelerator, path, plan_batch(1, global_batch_size=64), identity=now)
+        load_checkpoint(
+            accelerator, path, big := plan_batch(1, global_batch_size=64), accept=RunCheck(big, now)
+        )
     assert str(error.value) == (
         f"{path} is a checkpoint of the pointcloud recipe, not of template; resume it with "
         "recipes/train_pointcloud.py, or give this template run its own --output-dir"

@@ -18,6 +18,8 @@ from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.runtime import make_accelerator, make_train_loader
 from tests.conftest import REPO, exported_params, max_relative_difference, run_recipe
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
@@ -53,6 +55,7 @@ def run(tmp_path):
         save_every: int = 4,
         out: Path = tmp_path,
         config: dict | None = None,
+        overwrite: bool = False,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -68,16 +71,28 @@ def run(tmp_path):
             accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
             ref_bs=4, decay=Decay.constant, max_steps=max_steps,
         )  # fmt: skip
-        loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config=config or {"lr": 1e-3},
-            adjustable=frozenset({"lr"}), output_dir=out, resume=resume, log_every=1,
-            save_every=save_every, keep_last=10,
+        loop = open_loop(
+            accelerator, plan, loader, schedule, RunConfig(
+                "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
+            ), out, StartRequest(resume, overwrite), SavePolicy(1, save_every, 10),
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
 
     yield start
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def open_loop(
+    accelerator, plan, loader, schedule, config, out, start, saves, clip_grad=0.0, **stopping
+) -> TrainLoop:
+    """The run and its loop, as TrainArgs.make_loop opens them."""
+    policy = LoopPolicy(saves, clip_grad, early_stopping=EarlyStopping(**stopping))
+    run = Run.open(
+        accelerator, plan, schedule, config, output_dir=out, start=start,
+        monitored=bool(stopping.get("monitor")),
+    )  # fmt: skip
+    return TrainLoop(accelerator, plan, loader, schedule, run, policy)
 
 
 def train(accelerator, model, optimizer, loop) -> tuple[list[int], list[float], list[int]]:
