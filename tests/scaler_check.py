@@ -28,9 +28,10 @@ from accelerate.utils import GradScalerKwargs
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from accel_common.batching import BatchRequest
 from accel_common.checkpoint import list_checkpoints, read_export_metadata
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.runtime import make_accelerator, make_train_loader
@@ -56,7 +57,7 @@ def scaled_run(
     scaler = GradScalerKwargs(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     accelerator, plan = make_accelerator(
         output_dir=out,
-        per_device_batch_size=4,
+        batch=BatchRequest(per_device_batch_size=4),
         cpu=not gpu,
         mixed_precision="fp16" if gpu else None,
         kwargs_handlers=[scaler],
@@ -73,8 +74,8 @@ def scaled_run(
     loader = make_train_loader(data, plan.per_device_batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     schedule = make_lr_schedule(
-        accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=2, lr=1e-2,
-        ref_bs=4, decay=Decay.constant,
+        accelerator, optimizer, plan, LRSettings(1e-2, ref_bs=4, decay=Decay.constant),
+        steps_per_epoch=len(loader), epochs=2,
     )  # fmt: skip
     monitor = "val_mae" if best_epoch else None
     run = Run.open(

@@ -14,10 +14,11 @@ from accelerate.state import AcceleratorState
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.batching import BatchRequest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.runtime import make_accelerator, make_train_loader
@@ -60,7 +61,9 @@ def run(tmp_path):
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
         accelerator, plan = make_accelerator(
-            output_dir=out, per_device_batch_size=2, grad_accum_steps=2, cpu=True
+            output_dir=out,
+            batch=BatchRequest(per_device_batch_size=2, grad_accum_steps=2),
+            cpu=True,
         )
         data = EpochAwareData()
         model = nn.Linear(3, 1)
@@ -68,8 +71,8 @@ def run(tmp_path):
         loader = make_train_loader(data, plan.per_device_batch_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         schedule = make_lr_schedule(
-            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
-            ref_bs=4, decay=Decay.constant, max_steps=max_steps,
+            accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=4, decay=Decay.constant),
+            steps_per_epoch=len(loader), epochs=3, max_steps=max_steps,
         )  # fmt: skip
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
@@ -260,29 +263,6 @@ def test_clip_gradients_never_clips_a_partial_accumulation(run):
 
 
 # --------------------------------------------------------------------------- never silently wrong
-
-
-def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
-    accelerator, model, optimizer, loop, _ = run()
-    train(accelerator, model, optimizer, loop)
-    loop.finish(model)
-    with pytest.raises(CheckpointError, match=r"already holds another run .*--resume latest"):
-        run()
-    # a run that died before its first save starts over under --resume latest
-    interrupted = tmp_path.parent / f"{tmp_path.name}-interrupted"
-    (interrupted / "logs").mkdir(parents=True)
-    (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
-    assert run(resume="latest", out=interrupted)[3].step == 0
-    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint"):
-        run(resume="latest", config={"lr": 1e-3, "hidden": 16})
-    loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
-    assert loop.step == 12
-    _, model, _, loop, _ = run(overwrite=True)  # moves the old run aside, deletes nothing
-    aside = [p for p in tmp_path.parent.iterdir() if p.name.startswith(f"{tmp_path.name}.replaced")]
-    assert len(aside) == 1
-    assert (aside[0] / "model" / "model.safetensors").is_file()
-    assert [p.name for p in list_checkpoints(aside[0])] == ["step_4", "step_8", "step_12"]
-    assert list_checkpoints(tmp_path) == [] and not (tmp_path / "model").exists()
 
 
 def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(run, tmp_path):

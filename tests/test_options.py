@@ -11,6 +11,7 @@ import typer
 from accelerate.state import AcceleratorState
 from typer.testing import CliRunner
 
+from accel_common.batching import BatchRequest
 from accel_common.errors import ConfigError
 from accel_common.options import TrainArgs
 from accel_common.runtime import (
@@ -81,10 +82,12 @@ def fresh_state():
 
 def test_fp16_on_the_cpu_is_refused_instead_of_silently_training_fp32(fresh_state, tmp_path):
     with pytest.raises(ConfigError, match=r"fp16 mixed precision .* does not run on the CPU"):
-        make_accelerator(output_dir=tmp_path, global_batch_size=8, mixed_precision="fp16", cpu=True)
+        make_accelerator(
+            output_dir=tmp_path, batch=BatchRequest(8), mixed_precision="fp16", cpu=True
+        )
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator, _ = make_accelerator(
-        output_dir=tmp_path, global_batch_size=8, mixed_precision="bf16", cpu=True
+        output_dir=tmp_path, batch=BatchRequest(8), mixed_precision="bf16", cpu=True
     )
     assert accelerator.mixed_precision == "bf16"
 
