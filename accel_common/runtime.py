@@ -1,7 +1,8 @@
 """Run set-up every recipe needs in the same form: Accelerator and batch plan, loader, data, CLI.
 
-Each function takes plain values, so a script with its own argparse or Hydra config can use
-them one at a time; `accel_common.options.TrainArgs` maps the shared recipe flags onto them.
+Each function takes plain values (the batch as one `BatchRequest`), so a script with its own
+argparse or Hydra config can use them one at a time; `accel_common.options.TrainArgs` builds
+them from the shared recipe flags.
 """
 
 from __future__ import annotations

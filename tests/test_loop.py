@@ -57,6 +57,7 @@ def run(tmp_path):
         out: Path = tmp_path,
         config: dict | None = None,
         overwrite: bool = False,
+        overwrite_later: bool = False,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -77,7 +78,7 @@ def run(tmp_path):
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
                 "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
-            ), out, StartRequest(resume, overwrite), SavePolicy(1, save_every, 10),
+            ), out, StartRequest(resume, overwrite, overwrite_later), SavePolicy(1, save_every, 10),
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data

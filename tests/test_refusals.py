@@ -19,7 +19,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, ConfigError
 from accel_common.run import RunCheck, describe_differences
 from tests.conftest import (
     exported_params,
@@ -226,3 +226,17 @@ def test_resuming_an_older_checkpoint_is_refused_unless_told_to_move_later_resul
     )
     moved = sorted(p.name.split(".")[0] for p in (out / "checkpoints").glob("step_*.replaced-*"))
     assert moved == ["step_12", "step_16"]
+
+
+def test_overwrite_with_resume_is_refused_naming_both_flags(run, tmp_path):  # noqa: F811
+    with pytest.raises(
+        ConfigError, match=r"^--overwrite starts a new run; it cannot go with --resume$"
+    ):
+        run(resume="latest", overwrite=True)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_overwrite_later_without_resume_is_refused(run, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"^--overwrite-later goes with --resume CHECKPOINT"):
+        run(overwrite_later=True)
+    assert not (tmp_path / "checkpoints").exists()
