@@ -18,7 +18,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
@@ -33,7 +33,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from accel_common.batching import plan_batch
+from accel_common.batching import BatchRequest
 from accel_common.errors import RecipeError
 from accel_common.runtime import config_asks_for_gpus
 from accel_common.tools.ports import free_port
@@ -99,8 +99,8 @@ class DoctorOptions:
     port: int | None = None
     addr: str | None = None
     config_file: Path | None = None
-    bs: int | None = None
-    per_device_bs: int | None = None
+    # --bs / --per-device-bs (default: 32 per device)
+    batch: BatchRequest = field(default_factory=BatchRequest)
     check_comm: bool = False
     backend: Backend = Backend.auto
     nproc: int | None = None
@@ -442,7 +442,7 @@ def check_config(
     return summary, problems
 
 
-def recommend(gpus: int, mps: bool, bs: int | None, per_device_bs: int | None) -> dict[str, Any]:
+def recommend(gpus: int, mps: bool, batch: BatchRequest) -> dict[str, Any]:
     """The shipped config for the devices seen, the launch line, and the batch plan for it."""
     if gpus:
         nearest = min(GPU_CONFIGS, key=lambda n: (abs(n - gpus), n))
@@ -457,11 +457,9 @@ def recommend(gpus: int, mps: bool, bs: int | None, per_device_bs: int | None) -
     else:
         name, processes, override = CPU_CONFIG, 2, ""
         reason = "no GPU: 2 CPU processes over gloo run the distributed code path"
-    if bs is None and per_device_bs is None:
-        per_device_bs = DEFAULT_PER_DEVICE_BS
-    plan = plan_batch(
-        processes, global_batch_size=bs, per_device_batch_size=per_device_bs, warn_small=False
-    )
+    if batch.global_batch_size is None and batch.per_device_batch_size is None:
+        batch = replace(batch, per_device_batch_size=DEFAULT_PER_DEVICE_BS)
+    plan = batch.plan(processes, warn_small=False)
     config = f"{CONFIG_DIR.name}/{name}"
     return {
         "config": config,
@@ -652,7 +650,7 @@ def collect(opts: DoctorOptions) -> dict[str, Any]:
         "port": port_status,
         "interfaces": nics,
         "environment": environment(env),
-        "recommendation": recommend(gpus, machine["mps"], opts.bs, opts.per_device_bs),
+        "recommendation": recommend(gpus, machine["mps"], opts.batch),
     }
     if config is not None and opts.config_file is not None:
         report["config"], found = check_config(config, opts.config_file, env, gpus, ipv4)
