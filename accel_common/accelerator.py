@@ -25,7 +25,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from accel_common.batching import BatchPlan, plan_batch
+from accel_common.batching import BatchPlan, BatchRequest
 from accel_common.determinism import make_deterministic
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import (
@@ -41,10 +41,7 @@ from accel_common.tracking import trackers_for
 def make_accelerator(
     *,
     output_dir: Path,
-    global_batch_size: int | None = None,
-    per_device_batch_size: int | None = None,
-    grad_accum_steps: int = 1,
-    max_per_device_batch_size: int | None = None,
+    batch: BatchRequest,
     mixed_precision: str | None = None,
     cpu: bool = False,
     report_to: str = "none",
@@ -55,7 +52,7 @@ def make_accelerator(
 ) -> tuple[Accelerator, BatchPlan]:
     """Build the Accelerator and the batch plan for this launch's world size.
 
-    Give the batch as `global_batch_size` or `per_device_batch_size` (see accel_common.batching).
+    `batch` gives the global or the per-device batch (see accel_common.batching).
     Two settings differ from Accelerate's defaults, both so that the math does not depend on the
     number of processes: the scheduler is stepped once per optimizer step (see accel_common.lr),
     and accumulation windows run across epoch ends instead of flushing a short window at the end
@@ -80,14 +77,7 @@ def make_accelerator(
     group_kwargs |= restarted_group_store()
     world = PartialState(cpu=cpu, **group_kwargs).num_processes
     exit_when_launcher_dies()
-    plan = plan_batch(
-        world,
-        global_batch_size=global_batch_size,
-        per_device_batch_size=per_device_batch_size,
-        grad_accum_steps=grad_accum_steps,
-        max_per_device_batch_size=max_per_device_batch_size,
-        warn_small=False,  # the banner warns, once, on the main process
-    )
+    plan = batch.plan(world, warn_small=False)  # the banner warns, once, on the main process
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,

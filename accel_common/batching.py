@@ -134,6 +134,27 @@ def plan_batch(
     return plan
 
 
+@dataclass(frozen=True)
+class BatchRequest:
+    """The batch as asked for (--bs or --per-device-bs, --grad-accum, --max-per-device-bs): a
+    plan once the process count is known. The run and its --dry-run plan through `plan`."""
+
+    global_batch_size: int | None = None
+    per_device_batch_size: int | None = None
+    grad_accum_steps: int = 1
+    max_per_device_batch_size: int | None = None
+
+    def plan(self, num_processes: int, *, warn_small: bool = True) -> BatchPlan:
+        return plan_batch(
+            num_processes,
+            global_batch_size=self.global_batch_size,
+            per_device_batch_size=self.per_device_batch_size,
+            grad_accum_steps=self.grad_accum_steps,
+            max_per_device_batch_size=self.max_per_device_batch_size,
+            warn_small=warn_small,
+        )
+
+
 def total_optimizer_steps(micro_batches_per_epoch: int, epochs: int, grad_accum_steps: int) -> int:
     """Optimizer steps in a run whose accumulation windows may straddle epoch boundaries."""
     return micro_batches_per_epoch * epochs // grad_accum_steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,12 @@ import torch
 from accelerate import Accelerator
 
 from accel_common.batching import BatchPlan
-from accel_common.data.files import CONTENT_FINGERPRINT
 from accel_common.errors import CheckpointError
 from accel_common.export import WRITE_ADVICE, disk_full, strict_json, write_failure
 
 CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-DATA_KEY = "data_fingerprint"  # the run identity's entry for the data's contents
 
 
 @dataclass
@@ -112,7 +111,7 @@ def save_checkpoint(
 ) -> Path:
     """Save resumable state for `progress.step`; every process must call this (collective).
 
-    `run` ({"id", "identity"}, see accel_common.loop) is recorded so that a resume can tell
+    `run` ({"id", "identity"}, see accel_common.run) is recorded so that a resume can tell
     this run from another one in the same folder; pruning to `keep_last` touches only the
     checkpoints of the same run.
     """
@@ -172,22 +171,15 @@ def load_checkpoint(
     path: Path,
     plan: BatchPlan,
     *,
-    identity: dict[str, Any] | None = None,
-    defaults: dict[str, Any] | None = None,
-    adjustable: frozenset[str] = frozenset(),
-    total_steps: int | None = None,
-    data_dir: Path | None = None,
-    derived: frozenset[str] = frozenset(),
+    accept: Callable[[Path, TrainProgress, int, dict[str, Any]], None] | None = None,
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
     its run record ({"id", "identity"}).
 
-    Refused, with what differs: another global batch (the schedule and the resume position
-    depend on it; the number of processes may change), a checkpoint past this run's last step
-    (`total_steps`), another run's settings (`identity`: the settings that change the math), a
-    missing or truncated file, tensors whose shapes do not fit the model. A setting the
-    checkpoint does not record (added to the recipe after it was saved) counts as its value in
-    `defaults`: the run it continues ran that way.
+    `accept(path, progress, saved global batch, run record)` refuses a checkpoint of another
+    run before anything is restored (accel_common.run.RunCheck). Refused here: a missing or
+    truncated file, a position this launch's plan cannot reach, tensors whose shapes do not fit
+    the model.
     """
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())
@@ -198,41 +190,8 @@ def load_checkpoint(
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
     run = record.get("run") or {}
-    saved_recipe = (run.get("identity") or {}).get("recipe")
-    recipe = (identity or {}).get("recipe")
-    if saved_recipe and recipe and saved_recipe != recipe:  # before any setting: none compares
-        raise CheckpointError(
-            f"{path} is a checkpoint of the {saved_recipe} recipe, not of {recipe}; resume it "
-            f"with recipes/train_{saved_recipe}.py, or give this {recipe} run its own --output-dir"
-        )
-    if saved_global != plan.global_batch_size:
-        raise CheckpointError(
-            f"{path} was trained at global batch {saved_global}, this launch uses "
-            f"{plan.global_batch_size} ({plan.describe()}); pass --bs {saved_global} to resume"
-        )
-    if total_steps is not None and progress.step > total_steps:
-        raise CheckpointError(
-            f"{path} is at optimizer step {progress.step}, past the {total_steps} steps this run "
-            "has (--epochs / --max-steps); resume with the settings that checkpoint was trained "
-            "with, or start a new run in another --output-dir"
-        )
-    if identity is not None and "identity" in run:
-        saved = {k: v for k, v in run["identity"].items() if k not in adjustable}
-        current = {k: v for k, v in identity.items() if k not in adjustable}
-        added_since = object()  # a setting the checkpoint predates: it ran at the default
-        current = {
-            k: v
-            for k, v in current.items()
-            if k in saved or (defaults or {}).get(k, added_since) != v
-        }
-        check_same_data(path, saved, current, data_dir)
-        differences = describe_differences(saved, current, derived)
-        if differences:
-            raise CheckpointError(
-                f"{path} belongs to another run (id {run.get('id')}): {differences}; resume with "
-                "that run's settings, or start this one in another --output-dir (or pass "
-                "--overwrite without --resume to move the old run aside)"
-            )
+    if accept is not None:
+        accept(path, progress, saved_global, run)
     progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
     check_rng_file(path, accelerator.process_index, saved_processes)
     try:
@@ -246,52 +205,6 @@ def load_checkpoint(
             f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
         ) from err
     return progress, run
-
-
-# what a run's identity holds besides its settings (the others are named as their flags)
-NOT_FLAGS = frozenset({"recipe", "global_batch_size", DATA_KEY})
-
-
-def check_same_data(
-    path: Path, saved: dict[str, Any], current: dict[str, Any], data_dir: Path | None
-) -> None:
-    """Refuse a resume on data whose contents differ from those the checkpoint was trained on.
-    Both identities lose their fingerprint once compared: what remains are the settings. A
-    checkpoint of an earlier version recorded none, or only the files' names and sizes: those
-    cannot be compared with a content fingerprint, so they are not."""
-    before, now = saved.pop(DATA_KEY, None), current.pop(DATA_KEY, None)
-    if before is None or now is None or not str(before).startswith(CONTENT_FINGERPRINT):
-        return
-    if before != now:
-        data = f"--data {data_dir}" if data_dir is not None else "the data"
-        raise CheckpointError(
-            f"{data}: its files' contents differ from the data {path} was trained on "
-            f"(fingerprint {before} then, {now} now); resume with the data it was trained on, "
-            "or train on this data from the start in another --output-dir"
-        )
-
-
-def describe_differences(
-    saved: dict[str, Any], current: dict[str, Any], derived: frozenset[str] = frozenset()
-) -> str:
-    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs;
-    `derived` values (computed from the data, not flags) are named as such."""
-    keys = sorted(set(saved) | set(current), key=str)
-    missing = object()
-    parts = [
-        f"{name(key, derived)} {saved.get(key, 'unset')} in the checkpoint, "
-        f"{current.get(key, 'unset')} now"
-        for key in keys
-        if saved.get(key, missing) != current.get(key, missing)
-    ]
-    return "; ".join(parts)
-
-
-def name(key: str, derived: frozenset[str] = frozenset()) -> str:
-    """A setting as its flag (`--draw-weight`), other recorded values as `key:`."""
-    if key in derived:
-        return f"{key} (computed from the data):"
-    return f"{key}:" if key in NOT_FLAGS else "--" + str(key).replace("_", "-")
 
 
 def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:

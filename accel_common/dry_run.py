@@ -11,17 +11,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from accel_common.batching import plan_batch
-from accel_common.lr import describe_lr, scale_lr
+from accel_common.batching import BatchRequest
+from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
-
-if TYPE_CHECKING:
-    from accel_common.options import TrainArgs
 
 # fp32 weights, their gradients and Adam's two moments: what training holds per parameter
 # before any activation (halve the gradients' share for bf16 gradients; sharding divides it)
@@ -42,11 +38,9 @@ def world_size(processes: int | None) -> int:
     return processes or int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def mixed_precision(args: TrainArgs) -> str:
+def mixed_precision(flag: str | None) -> str:
     """--mixed-precision, else what `accelerate launch` passes its workers, else 'no'."""
-    if args.mixed_precision is not None:
-        return args.mixed_precision.value
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    return flag or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
 def memory_line(recipe: str, parameters: int, per_device_batch_size: int) -> str:
@@ -76,47 +70,34 @@ def size(count: float) -> str:
 
 def print_dry_run(
     recipe: str,
-    args: TrainArgs,
-    settings: Any,
-    build_model: Callable[[TrainArgs, Any], nn.Module] | None,
+    batch: BatchRequest,
+    lr: LRSettings,
+    *,
+    length: tuple[int, int],
+    precision: str | None,
+    build_model: Callable[[], nn.Module] | None,
     processes: int | None,
 ) -> None:
-    """Print the plan the run would start with (on the launch's first process only)."""
+    """Print the plan the run would start with (on the launch's first process only): the batch
+    plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
+    `lr.describe`); `length` is (--epochs, --max-steps), `precision` --mixed-precision."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     world = world_size(processes)
-    plan = plan_batch(
-        world,
-        global_batch_size=args.bs,
-        per_device_batch_size=args.per_device_bs,
-        grad_accum_steps=args.grad_accum,
-        max_per_device_batch_size=args.max_per_device_bs,
-        warn_small=False,
-    )
-    peak = scale_lr(args.lr, args.ref_bs, plan.global_batch_size, args.lr_scaling)
+    plan = batch.plan(world, warn_small=False)
+    epochs, max_steps = length
     rows = {
         "recipe": recipe,
         "world size": f"{world} process(es)",
         "batch": plan.describe(),
-        "learning rate": describe_lr(
-            peak,
-            args.lr,
-            args.ref_bs,
-            args.lr_scaling,
-            plan.global_batch_size,
-            args.warmup_steps,
-            args.schedule,
-            args.hold_epochs,
-            args.decay_per_epoch,
-        ),
-        "epochs": f"{args.epochs}"
-        + (f", at most {args.max_steps} steps" if args.max_steps else ""),
-        "mixed precision": mixed_precision(args),
+        "learning rate": lr.describe(plan.global_batch_size),
+        "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
+        "mixed precision": mixed_precision(precision),
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:
         with torch.device("meta"):
-            model = build_model(args, settings)
+            model = build_model()
         total, embeddings = count_parameters(model)
         # a model may name parameters that are not its original's network (e.g. quality's
         # annotator reliabilities): {label: parameter name}, each shown on its own line

@@ -85,7 +85,7 @@ def describe_distributed_failure(err: RuntimeError, dist_timeout: int | None) ->
     )
 
 
-def one_line(err: RecipeError) -> str:
+def error_message(err: RecipeError) -> str:
     """The error's own message. One raised in a DataLoader worker comes back re-raised by torch
     with the worker's whole traceback folded into its text; its last line is the message."""
     text = str(err).strip()
@@ -110,7 +110,7 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except RecipeError as err:
             if is_main_launch_process():
-                print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+                print(f"error: {error_message(err)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except Preempted as stop:
             if is_main_launch_process():

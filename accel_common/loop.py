@@ -2,8 +2,8 @@
 
 A recipe's loop keeps in view what is about its workload and hands the rest to a `TrainLoop`:
 
-    loop = TrainLoop(accelerator, plan, train_loader, schedule, recipe="mine", config=config,
-                     output_dir=output_dir)
+    run = Run.open(accelerator, plan, schedule, RunConfig("mine", config), output_dir=output_dir)
+    loop = TrainLoop(accelerator, plan, train_loader, schedule, run, LoopPolicy())
     for epoch in loop.epochs():
         for x, y in loop.batches():
             with accelerator.accumulate(model):
@@ -16,7 +16,9 @@ A recipe's loop keeps in view what is about its workload and hands the rest to a
         loop.end_epoch(evaluate(model, test_loader))
     return loop.finish(model)
 
-Everything happens in that order, in the recipe's own loop; `TrainLoop` has no callbacks.
+Everything happens in that order, in the recipe's own loop; `TrainLoop` has no callbacks. The
+run's identity, folder, checkpoints and exports belong to the `Run` (accel_common.run), which
+the loop saves and exports through.
 `batches()` does its bookkeeping when the recipe asks for the next batch, i.e. after the
 optimizer step of the previous one:
 
@@ -57,86 +59,38 @@ received), so every process sees the same answer at the same step:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import threading
 import time
-import uuid
 from collections.abc import Iterator
-from enum import Enum
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
-from safetensors.torch import load_file
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader
 
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
-from accel_common.checkpoint import (
-    TrainProgress,
-    checkpoint_step,
-    describe_differences,
-    list_checkpoints,
-    load_checkpoint,
-    remove_unfinished_saves,
-    resolve_resume,
-    save_checkpoint,
-)
-from accel_common.console import format_metrics, print_banner, say
-from accel_common.data.files import folder_fingerprint
-from accel_common.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
-from accel_common.export import (
-    META_FILE,
-    MODEL_FILE,
-    export_model,
-    read_export_metadata,
-    write_export,
-)
+from accel_common.console import format_metrics, say
+from accel_common.errors import NonFiniteError, Preempted
+from accel_common.evaluation import evaluation_generator, require_finite_metrics
+from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
+from accel_common.policy import LoopPolicy, OnNonFinite
+from accel_common.run import BEST_DIR, Run
+from accel_common.stop_signals import StopSignals
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
-from accel_common.tracking import METRICS_FILE, StepLogger, start_tracking
-
-# what a resume never reports as changed: how this launch was asked to start
-LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later"})
-BEST_DIR = "best"  # the best epoch's export, with a `monitor`
-# what a scheduler sends before it ends a job: SLURM (--signal=USR1@120, then SIGTERM at the end),
-# Kubernetes and torchrun's agent (SIGTERM)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class OnNonFinite(str, Enum):
-    stop = "stop"
-    skip = "skip"
-
-
-def launcher_restart() -> str | None:
-    """How this process was restarted, or None for a first start: torch elastic (torchrun,
-    `accelerate launch --max_restarts N`) counts its restarts of the worker group in
-    TORCHELASTIC_RESTART_COUNT; SLURM counts requeues of the job in SLURM_RESTART_COUNT."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if count not in ("", "0"):
-        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        return f"restart {count} of {limit} by the launcher"
-    count = os.environ.get("SLURM_RESTART_COUNT", "0")
-    if count not in ("", "0"):
-        return f"SLURM requeue {count}"
-    return None
+from accel_common.tracking import StepLogger
 
 
 class TrainLoop:
-    """One training run's bookkeeping; see the module docstring for the loop it serves.
+    """One training run's step bookkeeping; see the module docstring for the loop it serves.
 
-    Creating it prints the plan, restores `resume` ('latest', a checkpoint folder, or None) into
-    the prepared objects (so create it after `accelerator.prepare`), and starts the trackers
-    (only after a successful resume, so a bad `resume` leaves the output folder as it was).
-    Every process must create it and run the same loop: saves and logging are collective.
+    Create it after `Run.open` (which resumed the run, if asked): it catches stop signals until
+    `finish`. Every process must create it and run the same loop: saves and logging are
+    collective.
     """
 
     def __init__(
@@ -145,49 +99,16 @@ class TrainLoop:
         plan: BatchPlan,
         loader: DataLoader,
         schedule: LRSchedule,
-        *,
-        recipe: str,
-        config: dict[str, Any],
-        output_dir: Path,
-        adjustable: frozenset[str] = frozenset(),
-        derived: frozenset[str] = frozenset(),
-        resume: str | None = None,
-        overwrite: bool = False,
-        overwrite_later: bool = False,
-        data_dir: Path | None = None,
-        log_every: int = 50,
-        save_every: int = 0,
-        keep_last: int = 2,
-        clip_grad: float = 0.0,
-        tracker_project: str | None = None,
-        tracker_run_name: str | None = None,
-        on_nonfinite: OnNonFinite | str = OnNonFinite.stop,
-        monitor: str | None = None,
-        patience: int = 0,
-        min_epochs: int = 0,
-        min_delta: float = 0.0,
-        defaults: dict[str, Any] | None = None,
+        run: Run,
+        policy: LoopPolicy = LoopPolicy(),
     ) -> None:
-        if patience and not monitor:
-            raise ConfigError("TrainLoop: patience needs a metric to monitor")
-        self.monitor, self.patience, self.min_epochs = monitor, patience, min_epochs
-        self.min_delta = min_delta
-        self.accelerator, self.plan, self.loader = accelerator, plan, loader
+        policy.check(accelerator)
+        self.accelerator, self.plan, self.loader, self.run = accelerator, plan, loader, run
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
-        self.recipe, self.config, self.output_dir = recipe, config, Path(output_dir)
-        self.save_every, self.keep_last, self.clip_grad = save_every, keep_last, clip_grad
-        self.on_nonfinite = OnNonFinite(on_nonfinite)
-        if self.on_nonfinite is OnNonFinite.skip and (
-            accelerator.distributed_type == DistributedType.DEEPSPEED
-        ):
-            raise ConfigError(
-                "--on-nonfinite skip does not work under DeepSpeed, whose engine takes the "
-                "optimizer step itself; use --on-nonfinite stop (fp16 runs: DeepSpeed's loss "
-                "scaler already skips overflowing steps)"
-            )
+        self.policy, self.stopping = policy, policy.early_stopping
+        self.clip_grad, self.on_nonfinite = policy.clip_grad, policy.on_nonfinite
+        self.progress = run.progress
         self.metrics: dict[str, float] = {}
-        self.last_saved: Path | None = None
-        self.finished_export: Path | None = None  # a finished run's export, left as it is
         self._timing_since: float | None = None  # inside batches(): training time runs
         self._epoch_number = 0
         self._finished_before_epoch = False
@@ -196,8 +117,6 @@ class TrainLoop:
         self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
         self._flags: tuple[int, int] | None = None  # reduced early by clip_gradients (skip mode)
         self._skip_step = False
-        self._stop_signal: signal.Signals | None = None
-        self._previous_handlers: dict[signal.Signals, Any] = {}
         # a loader balanced by cost knows every process's cost per micro-step: logged as the
         # step's imbalance, with no collective (balance.py)
         self.balanced = find_balanced_sampler(loader) if plan.num_processes > 1 else None
@@ -207,40 +126,15 @@ class TrainLoop:
         # clip_gradients (Accelerate does not keep the DDP wrapper it prepared)
         timed = timing_requested() and accelerator.num_processes > 1
         self.sync_timer = SyncWaitTimer() if timed else None
-        self.adjustable, self.derived, self.data_dir = adjustable, derived, data_dir
-        self.defaults = defaults or {}  # the settings' declared defaults (checkpoint.py)
-        # the data's content fingerprint: read by the main process (once: its per-file digests
-        # are cached), the same for all
-        fingerprint = None
-        if accelerator.is_main_process and data_dir is not None and Path(data_dir).exists():
-            fingerprint = folder_fingerprint(data_dir, cache_dir=data_hash_cache())
-        fingerprint = broadcast_object_list([fingerprint])[0]
-        self.identity = run_identity(recipe, config, plan, None, adjustable, fingerprint)
-
-        print_banner(
-            accelerator,
-            recipe=recipe,
-            plan=plan,
-            lr_line=schedule.description,
-            total_steps=self.total_steps,
-        )
-        self.progress = self._resume(resume, overwrite, overwrite_later)
-        self._catch_stop_signals()
-        if self.finished_export is None:  # a finished run logs nothing more
-            start_tracking(
-                accelerator,
-                project=tracker_project or f"accel-recipes-{recipe}",
-                run_name=tracker_run_name,
-                output_dir=self.output_dir,
-                config={**config, **plan.as_dict()},
-            )
+        self.stop_signals = StopSignals()
+        self.stop_signals.catch()
         self.log = StepLogger(
             accelerator,
             total_steps=self.total_steps,
             initial_step=self.progress.step,
-            log_every=log_every,
+            log_every=policy.saves.log_every,
             global_batch_size=plan.global_batch_size,
-            desc=recipe,
+            desc=run.recipe,
         )
 
     @property
@@ -268,7 +162,8 @@ class TrainLoop:
         resumed run exports the metrics of the uninterrupted one. The global RNG (dropout,
         restored by a resume) is left alone."""
         index = self.accelerator.process_index if per_process else 0
-        return evaluation_generator(int(self.config.get("seed", 0)), self.step, index)
+        seed = int(self.run.config.values.get("seed", 0))
+        return evaluation_generator(seed, self.step, index)
 
     @property
     def done(self) -> bool:
@@ -279,8 +174,8 @@ class TrainLoop:
 
     def epochs(self) -> Iterator[int]:
         """Epoch numbers (from 1) until the run's optimizer steps are done: at least one, but
-        none for a resumed run that had finished and exported (`finished_export`)."""
-        if self.finished_export is not None:
+        none for a resumed run that had finished and exported (`Run.finished_export`)."""
+        if self.run.finished_export is not None:
             return
         while True:
             before = (self.progress.step, self.progress.epoch)
@@ -403,7 +298,8 @@ class TrainLoop:
             self._log_balance()
         if stop_signals and not self.done:
             self._preempted()
-        if self.save_every and self.progress.step % self.save_every == 0 and not self.done:
+        save_every = self.policy.saves.save_every
+        if save_every and self.progress.step % save_every == 0 and not self.done:
             self.save()  # the final save comes from finish()
         return self.done
 
@@ -436,7 +332,7 @@ class TrainLoop:
             values.append(grad_norm.float().reshape(-1).to(device))
         if values:
             local[0] = (~torch.isfinite(torch.cat(values))).any()
-        local[1] = self._stop_signal is not None
+        local[1] = self.stop_signals.received is not None
         nonfinite, stop_signals = self.accelerator.reduce(local, reduction="sum").tolist()
         return int(nonfinite), int(stop_signals)
 
@@ -461,31 +357,14 @@ class TrainLoop:
         where = ", ".join(str(rank) for rank, flag in enumerate(flags) if flag) or "?"
         self._diverged(f"the training loss went non-finite ({value}) on process {where}")
 
-    def _catch_stop_signals(self) -> None:
-        """Turn SIGTERM/SIGUSR1 into a save at the end of the optimizer step in progress. The
-        signal often arrives more than once (from the scheduler and again from the launcher);
-        every copy after the first is ignored."""
-        if threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            self._stop_signal = self._stop_signal or signal.Signals(signum)
-
-        for sig in STOP_SIGNALS:
-            self._previous_handlers[sig] = signal.signal(sig, on_signal)
-
-    def _release_stop_signals(self) -> None:
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
-
     def _preempted(self) -> None:
         """Save the step every process just finished, then leave with Preempted."""
         path = self.save()
-        self._release_stop_signals()
+        self.stop_signals.release()
         self.log.close()
         self.accelerator.end_training()
-        received = self._stop_signal.name if self._stop_signal else "A stop signal (elsewhere)"
+        signal = self.stop_signals.received
+        received = signal.name if signal else "A stop signal (elsewhere)"
         raise Preempted(
             f"{received} arrived during optimizer step {self.step}; every process finished it "
             f"and saved {path}. Exit code 75 asks the scheduler to requeue the job; it resumes "
@@ -500,14 +379,15 @@ class TrainLoop:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        self._require_finite_metrics(eval_metrics)  # before they are logged
+        # before they are logged
+        require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
         if self.log.epoch_loss.count == 0:  # resumed at the epoch's end: nothing trained in it
             self.metrics = self._end_untrained_epoch(eval_metrics)
         else:
             self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics)
             self._require_finite(self.metrics["train_loss"])
         # not again for a finished run evaluated once more: its last epoch counted before its save
-        if self.monitor and not self._finished_before_epoch:
+        if self.stopping.monitor and not self._finished_before_epoch:
             self._track_best(model)
         return self.metrics
 
@@ -520,52 +400,22 @@ class TrainLoop:
             self.log.bar.write(f"epoch {self._epoch_number}: {format_metrics(metrics)}")
         return metrics
 
-    def _require_finite_metrics(self, metrics: dict[str, float]) -> None:
-        """Stop on a NaN or infinite evaluation metric (the same on every process: the recipes
-        compute them from gathered values): the metrics log and the export are JSON, which has
-        no such numbers."""
-        bad = [(k, v) for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-        if not bad:
-            return
-        named = ", ".join(f"{key} is {value}" for key, value in bad)
-        where = (
-            f"the last good checkpoint is {self.last_saved}"
-            if self.last_saved
-            else "no checkpoint was saved before it"
-        )
-        raise NonFiniteError(
-            f"the evaluation metric {named} at epoch {self._epoch_number} (optimizer step "
-            f"{self.step}); a metrics log or export cannot record it, so the run stopped "
-            f"without saving or exporting ({where}). Check the evaluation (a constant target "
-            "or score, an empty split) and the weights"
-        )
-
     def _track_best(self, model: torch.nn.Module | None) -> None:
         """Export the model when the monitored metric improved; count the epochs it did not."""
-        if model is None or self.monitor not in self.metrics:
-            raise TypeError(f"TrainLoop: end_epoch needs the model and a '{self.monitor}' metric")
+        monitor, patience = self.stopping.monitor, self.stopping.patience
+        if model is None or monitor not in self.metrics:
+            raise TypeError(f"TrainLoop: end_epoch needs the model and a '{monitor}' metric")
         # the main process's value decides for all: no process can stop alone
-        value = float(broadcast_object_list([self.metrics[self.monitor]])[0])
-        progress = self.progress
-        # any lower value is the best model; only one lower by more than min_delta resets the
-        # patience count (as the cricket original's trainer: a tiny gain does not keep it going)
-        significant = progress.best is None or value < progress.best - self.min_delta
-        if progress.best is None or value < progress.best:
-            progress.best = value
-            progress.best_metrics = {**self.metrics, "best_epoch": self._epoch_number}
-            self._export(model, self.output_dir / BEST_DIR, progress.best_metrics)
-        if significant:
-            progress.bad_epochs = 0
-            return
-        progress.bad_epochs += 1
-        patient = progress.bad_epochs < self.patience or self._epoch_number <= self.min_epochs
-        if self.patience and not patient:
-            progress.stopped = True
+        value = float(broadcast_object_list([self.metrics[monitor]])[0])
+        best, stop = self.stopping.judge(self.progress, value, self.metrics, self._epoch_number)
+        if best:
+            self.run.export(model, self.run.output_dir / BEST_DIR, self.progress.best_metrics)
+        if stop:
             say(
                 self.accelerator,
-                f"early stopping: {self.monitor} has not improved for {self.patience} epochs "
-                f"(best {progress.best:.4g} at epoch {progress.best_metrics['best_epoch']}); "
-                "the export is that epoch's model",
+                f"early stopping: {monitor} has not improved for {patience} epochs "
+                f"(best {self.progress.best:.4g} at epoch "
+                f"{self.progress.best_metrics['best_epoch']}); the export is that epoch's model",
             )
 
     def save(self) -> Path:
@@ -574,27 +424,19 @@ class TrainLoop:
         Called only after the step's non-finite check, so the last checkpoint is always one to
         resume from."""
         self._count_time()  # the checkpoint records the training time up to here
-        self.last_saved = save_checkpoint(
-            self.accelerator,
-            self.output_dir,
-            self.progress,
-            plan=self.plan,
-            keep_last=self.keep_last,
-            run={"id": self.run_id, "identity": self.identity, "settings": self.settings()},
-        )
-        return self.last_saved
+        return self.run.save(self.policy.saves.keep_last)
 
     def finish(self, model: torch.nn.Module) -> dict[str, float]:
         """Save the final resumable state, export `model` with the last metrics, close trackers.
 
         Returns the metrics the export records. Every process calls it (gathering shards is
-        collective). A resumed run that had finished and exported (`finished_export`) saves and
-        exports nothing: it returns the metrics its export records.
+        collective). A resumed run that had finished and exported (`Run.finished_export`) saves
+        and exports nothing: it returns the metrics its export records.
         """
         self.log.close()
-        self._release_stop_signals()
-        if self.finished_export is not None:
-            self.metrics = read_export_metadata(self.finished_export)["metrics"]
+        self.stop_signals.release()
+        if self.run.finished_export is not None:
+            self.metrics = read_export_metadata(self.run.finished_export)["metrics"]
             self.accelerator.end_training()
             return self.metrics
         # what the whole run counted, in every export: the best epoch's included
@@ -607,196 +449,18 @@ class TrainLoop:
         if not all_finite(self.accelerator, model):
             self._diverged("the weights contain NaN or infinite values")
         self.save()
-        if self.monitor and self.progress.best_metrics:
+        if self.stopping.monitor and self.progress.best_metrics:
             self.metrics = {**self.progress.best_metrics, **totals}
-            path = self._export_best()
+            path = self.run.export_best(self.metrics)
         else:
-            path = self._export(model, self.output_dir / "model", self.metrics)
+            path = self.run.export(model, self.run.output_dir / "model", self.metrics)
         say(self.accelerator, f"exported {path}")
         self.accelerator.end_training()
         return self.metrics
 
-    def _export(self, model: torch.nn.Module, folder: Path, metrics: dict[str, float]) -> Path:
-        return export_model(
-            self.accelerator,
-            model,
-            folder,
-            recipe=self.recipe,
-            config=self.config,
-            plan=self.plan,
-            step=self.progress.step,
-            metrics=metrics,
-        )
-
-    def _export_best(self) -> Path:
-        """The best epoch's export becomes the run's export, with the run's final metrics."""
-        best, final = self.output_dir / BEST_DIR, self.output_dir / "model"
-        if self.accelerator.is_main_process:
-            metadata = read_export_metadata(best)
-            metadata["metrics"] = self.metrics
-            write_export(load_file(str(best / MODEL_FILE)), final, metadata)
-        self.accelerator.wait_for_everyone()
-        return final / MODEL_FILE
-
-    def settings(self) -> dict[str, Any]:
+    def config(self) -> dict[str, Any]:
         """Every setting of this run as it reads back from JSON (recorded with checkpoints)."""
-        return json.loads(json.dumps(self.config, default=str))
-
-    def _resume(self, resume: str | None, overwrite: bool, overwrite_later: bool) -> TrainProgress:
-        """Restore `resume`, or start fresh in an output folder that holds no other run."""
-        if overwrite and resume is not None:
-            raise ConfigError("--overwrite starts a new run; it cannot go with --resume")
-        if overwrite_later and resume is None:
-            raise ConfigError(
-                "--overwrite-later goes with --resume CHECKPOINT (an older step of the run); "
-                "without --resume there is nothing to train on from"
-            )
-        remove_unfinished_saves(self.accelerator, self.output_dir)
-        restart = launcher_restart()
-        if restart and (resume is None or list_checkpoints(self.output_dir)):
-            # the first start claimed the folder (and moved an old run aside on --overwrite)
-            say(self.accelerator, f"{restart}: continuing from the newest complete checkpoint")
-            resume, overwrite = "latest", False
-        path = resolve_resume(resume, self.output_dir)
-        if path is None:
-            self._claim_output_dir(resume, overwrite)
-            self.run_id = broadcast_object_list([uuid.uuid4().hex[:12]])[0]
-            return TrainProgress()
-        progress, run = load_checkpoint(
-            self.accelerator,
-            path,
-            self.plan,
-            identity=self.identity,
-            defaults=self.defaults,
-            adjustable=self.adjustable,
-            total_steps=self.total_steps,
-            data_dir=self.data_dir,
-            derived=self.derived,
-        )
-        self._make_way_for(path, progress.step, resume, overwrite_later)
-        noted = self.adjustable - LAUNCH_SETTINGS
-        saved = run.get("settings", run.get("identity", {}))
-        changed = describe_differences(
-            {k: saved[k] for k in noted if k in saved},
-            {k: v for k, v in self.settings().items() if k in noted and k in saved},
-        )
-        if changed:
-            say(self.accelerator, f"resuming with changed settings: {changed}")
-        self.run_id = run.get("id") or broadcast_object_list([uuid.uuid4().hex[:12]])[0]
-        self.last_saved = path
-        say(
-            self.accelerator,
-            f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
-            f"{progress.samples_in_epoch} samples into it",
-        )
-        self.finished_export = self._export_of_finished_run(progress)
-        if self.finished_export is not None:
-            say(
-                self.accelerator,
-                f"the run in {self.output_dir} already finished at step {progress.step}; its "
-                f"export in {self.finished_export} is unchanged (to train on, resume with a "
-                "larger --epochs or --max-steps)",
-            )
-        return progress
-
-    def _make_way_for(
-        self, path: Path, step: int, resume: str | None, overwrite_later: bool
-    ) -> None:
-        """Training on from `step` would overwrite what the run saved after it (its checkpoints
-        of later steps, an export of a later step) and prune its own new checkpoints in favour
-        of those: refused, unless `overwrite_later`, which moves them aside (nothing is
-        deleted), so the folder holds one history again. The main process looks, for all."""
-        found_later: list[Any] = [[], {}]
-        if self.accelerator.is_main_process:
-            found_later = [
-                [str(p) for p in list_checkpoints(self.output_dir) if checkpoint_step(p) > step],
-                {
-                    str(folder): exported
-                    for folder in (self.output_dir / "model", self.output_dir / BEST_DIR)
-                    if (exported := export_step(folder)) is not None and exported > step
-                },
-            ]
-        names, steps = broadcast_object_list(found_later)
-        later = [Path(name) for name in names]
-        exports = {Path(folder): exported for folder, exported in steps.items()}
-        if not later and not exports:
-            return
-        found = ", ".join(
-            [p.name for p in later]
-            + [f"the export of step {n} ({folder})" for folder, n in exports.items()]
-        )
-        if not overwrite_later:
-            raise CheckpointError(
-                f"--resume {resume}: {self.output_dir} holds later results of this run "
-                f"({found}); training on from step {step} would overwrite them. Continue from "
-                "the newest with --resume latest, or pass --overwrite-later to move them aside "
-                f"(to NAME.replaced-<time>) and train on from {path.name}"
-            )
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        moved = [*later, *exports]
-        if self.accelerator.is_main_process:
-            for old in moved:
-                old.rename(old.with_name(f"{old.name}.replaced-{stamp}"))
-        self.accelerator.wait_for_everyone()
-        say(
-            self.accelerator,
-            f"--overwrite-later: moved aside {found} (to NAME.replaced-{stamp}); training on "
-            f"from step {step}",
-        )
-
-    def _export_of_finished_run(self, progress: TrainProgress) -> Path | None:
-        """The export of a run that had finished when it was saved, if it is the one `finish`
-        wrote: of its last step, or with a `monitor` the best epoch's with its final metrics.
-        One missing or unreadable is exported again. The main process decides for all."""
-        found = None
-        finished = progress.step >= self.total_steps or progress.stopped
-        folder = self.output_dir / "model"
-        if finished and self.accelerator.is_main_process and (folder / MODEL_FILE).is_file():
-            try:
-                metadata = read_export_metadata(folder) if (folder / META_FILE).is_file() else {}
-            except CheckpointError:
-                metadata = {}
-            if self.monitor and progress.best_metrics:
-                final = {**progress.best_metrics, "train_seconds": progress.train_seconds}
-                written = metadata.get("metrics") == final
-            else:
-                written = metadata.get("step") == progress.step
-            found = str(folder) if written else None
-        found = broadcast_object_list([found])[0]
-        return Path(found) if found else None
-
-    def _claim_output_dir(self, resume: str | None, overwrite: bool) -> None:
-        """A new run refuses a folder that holds another run's results (its checkpoints would be
-        mistaken for this run's by --resume latest, and its logs would interleave), unless
-        --overwrite, which moves that folder aside: nothing is deleted."""
-        earlier = [
-            found
-            for found in (
-                *list_checkpoints(self.output_dir)[-1:],
-                self.output_dir / "model",
-                self.output_dir / "logs" / METRICS_FILE,
-            )
-            if found.exists()
-        ]
-        if resume == "latest":  # no checkpoint yet: this run starts over (logs continue)
-            say(self.accelerator, f"--resume latest: no checkpoint in {self.output_dir}")
-            return
-        if not earlier:
-            return
-        if not overwrite:
-            raise CheckpointError(
-                f"--output-dir {self.output_dir} already holds another run ({earlier[0]}); "
-                "continue it with --resume latest, write this run to another --output-dir, or "
-                "pass --overwrite to move the old one aside"
-            )
-        aside = self.output_dir.with_name(
-            f"{self.output_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-        )
-        if self.accelerator.is_main_process:
-            self.output_dir.rename(aside)
-            self.output_dir.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        say(self.accelerator, f"--overwrite: moved the earlier run in {self.output_dir} to {aside}")
+        return self.run.config.as_json()
 
     def _require_finite(self, loss: float) -> None:
         """Stop on a non-finite (reduced, so identical on every process) training loss."""
@@ -805,9 +469,9 @@ class TrainLoop:
 
     def _diverged(self, what: str) -> None:
         where = (
-            f"The last good checkpoint is {self.last_saved}: resume from it with a lower --lr or "
-            "a --clip-grad"
-            if self.last_saved
+            f"The last good checkpoint is {self.run.last_saved}: resume from it with a lower --lr "
+            "or a --clip-grad"
+            if self.run.last_saved
             else "No checkpoint was saved before it: lower --lr or set --clip-grad"
         )
         raise NonFiniteError(
@@ -815,56 +479,6 @@ class TrainLoop:
             f"exporting. {where}, pass --on-nonfinite skip to skip such steps, or check the data "
             "for NaN and infinite values"
         )
-
-
-def run_identity(
-    recipe: str,
-    config: dict[str, Any],
-    plan: BatchPlan,
-    data_dir: Path | None,
-    adjustable: frozenset[str] = frozenset(),
-    fingerprint: str | None = None,
-) -> dict[str, Any]:
-    """What makes a checkpoint this run's: every setting but the `adjustable` ones, the recipe,
-    the global batch and the data's content fingerprint (`fingerprint`, or computed from
-    `data_dir`, a folder or a file), as they read back from JSON."""
-    identity = {k: v for k, v in config.items() if k not in adjustable}
-    identity |= {"recipe": recipe, "global_batch_size": plan.global_batch_size}
-    if fingerprint is None and data_dir is not None and Path(data_dir).exists():
-        fingerprint = folder_fingerprint(data_dir)
-    if fingerprint is not None:
-        identity["data_fingerprint"] = fingerprint
-    return json.loads(json.dumps(identity, default=str))
-
-
-def export_step(folder: Path) -> int | None:
-    """The optimizer step an export folder records, or None (none there, or unreadable)."""
-    if not (folder / META_FILE).is_file():
-        return None
-    try:
-        step = read_export_metadata(folder).get("step")
-    except CheckpointError:
-        return None
-    return step if isinstance(step, int) else None
-
-
-def data_hash_cache() -> Path:
-    """Where data fingerprints keep their per-file digests: beside the prepared tables
-    (accel_common.data.cache: HF_DATASETS_CACHE/accel-recipes, so HF_HOME moves both), found as
-    `datasets` finds its cache, without importing it."""
-    if os.environ.get("HF_DATASETS_CACHE"):
-        root = Path(os.environ["HF_DATASETS_CACHE"])
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", os.path.join("~", ".cache"))
-        root = Path(os.environ.get("HF_HOME", os.path.join(xdg, "huggingface"))) / "datasets"
-    return root.expanduser() / "accel-recipes"
-
-
-def evaluation_generator(seed: int, step: int, process_index: int = 0) -> torch.Generator:
-    """A CPU generator seeded from (seed, step, process index), each mixed in fully (numpy's
-    SeedSequence): neighbouring steps or processes get unrelated streams."""
-    state = np.random.SeedSequence([seed, step, process_index]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
 
 
 @torch.no_grad()

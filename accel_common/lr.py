@@ -54,29 +54,39 @@ def scale_lr(ref_lr: float, ref_batch_size: int, global_batch_size: int, rule: L
     return ref_lr
 
 
-def describe_lr(
-    peak: float,
-    lr: float,
-    ref_bs: int,
-    scaling: LRScaling,
-    global_batch_size: int,
-    warmup_steps: int,
-    decay: Decay,
-    hold_epochs: int = 0,
-    decay_per_epoch: bool = False,
-) -> str:
-    """The banner's LR line: the peak, where it came from, and the schedule's shape."""
-    warmup = f"{warmup_steps} warmup steps"
-    if Decay(decay) is Decay.onecycle and warmup_steps == 0:
-        warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
-    if hold_epochs:
-        warmup += f", {hold_epochs} epochs at the peak"
-    per_epoch = " per epoch" if decay_per_epoch else ""
-    return (
-        f"peak {peak:.4g} (--lr {lr:g} at --ref-bs {ref_bs}, {LRScaling(scaling).value} "
-        f"scaling to global batch {global_batch_size}); {warmup}, then {Decay(decay).value}"
-        f"{per_epoch}"
-    )
+@dataclass(frozen=True)
+class LRSettings:
+    """The LR as asked for (--lr at --ref-bs, --lr-scaling, --schedule and its shape): the peak
+    and the banner's line for a global batch. The run and its --dry-run describe it alike."""
+
+    lr: float
+    ref_bs: int
+    scaling: LRScaling = LRScaling.linear
+    decay: Decay = Decay.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    gamma: float = 1.0
+    hold_epochs: int = 0
+    decay_per_epoch: bool = False
+
+    def peak(self, global_batch_size: int) -> float:
+        return scale_lr(self.lr, self.ref_bs, global_batch_size, self.scaling)
+
+    def describe(self, global_batch_size: int, warmup_steps: int | None = None) -> str:
+        """The banner's LR line: the peak, where it came from, and the schedule's shape
+        (`warmup_steps`: as the run's length cut them, else as asked)."""
+        steps = self.warmup_steps if warmup_steps is None else warmup_steps
+        warmup = f"{steps} warmup steps"
+        if Decay(self.decay) is Decay.onecycle and steps == 0:
+            warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
+        if self.hold_epochs:
+            warmup += f", {self.hold_epochs} epochs at the peak"
+        per_epoch = " per epoch" if self.decay_per_epoch else ""
+        return (
+            f"peak {self.peak(global_batch_size):.4g} (--lr {self.lr:g} at --ref-bs "
+            f"{self.ref_bs}, {LRScaling(self.scaling).value} scaling to global batch "
+            f"{global_batch_size}); {warmup}, then {Decay(self.decay).value}{per_epoch}"
+        )
 
 
 @dataclass(frozen=True)
@@ -185,27 +195,19 @@ def make_lr_schedule(
     accelerator: Accelerator,
     optimizer: torch.optim.Optimizer,
     plan: BatchPlan,
+    settings: LRSettings,
     *,
     steps_per_epoch: int,
     epochs: int,
-    lr: float,
-    ref_bs: int,
-    scaling: LRScaling = LRScaling.linear,
-    decay: Decay = Decay.cosine,
-    warmup_steps: int = 0,
-    min_lr_ratio: float = 0.0,
-    gamma: float = 1.0,
     max_steps: int = 0,
-    hold_epochs: int = 0,
-    decay_per_epoch: bool = False,
     warmup_start: float = 0.0,
 ) -> LRSchedule:
-    """Count the run's optimizer steps, scale `lr` to the global batch, build the schedule.
+    """Count the run's optimizer steps, scale the LR to the global batch, build the schedule.
 
     `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
-    `max_steps` > 0 caps the run. `hold_epochs` keep the peak LR after the warmup;
-    `decay_per_epoch` changes the LR (warmup and decay) only at epoch boundaries. A parameter
-    group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler is
+    `max_steps` > 0 caps the run. `settings.hold_epochs` keep the peak LR after the warmup;
+    `settings.decay_per_epoch` changes the LR (warmup and decay) only at epoch boundaries. A
+    parameter group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler is
     registered for checkpointing, not prepared (see the module docstring for why).
     """
     total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
@@ -219,28 +221,26 @@ def make_lr_schedule(
         )
     if max_steps:
         total_steps = min(total_steps, max_steps)
-    warmup_steps = min(warmup_steps, total_steps)  # a short (--max-steps) run still works
+    # a short (--max-steps) run still works
+    warmup_steps = min(settings.warmup_steps, total_steps)
     epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch
     hold_steps = min(
-        hold_epochs * steps_per_epoch // plan.grad_accum_steps, total_steps - warmup_steps
+        settings.hold_epochs * steps_per_epoch // plan.grad_accum_steps, total_steps - warmup_steps
     )
-    peak = scale_lr(lr, ref_bs, plan.global_batch_size, scaling)
+    peak = settings.peak(plan.global_batch_size)
     for group in optimizer.param_groups:
         group["lr"] = peak * group.get("lr_scale", 1.0)
     schedule = Schedule(
         total_steps=total_steps,
         warmup_steps=warmup_steps,
-        decay=decay,
-        min_lr_ratio=min_lr_ratio,
-        gamma=gamma,
+        decay=settings.decay,
+        min_lr_ratio=settings.min_lr_ratio,
+        gamma=settings.gamma,
         hold_steps=hold_steps,
-        decay_every=epoch_steps if decay_per_epoch else 1,
+        decay_every=epoch_steps if settings.decay_per_epoch else 1,
         warmup_start=warmup_start,
     )
-    description = describe_lr(
-        peak, lr, ref_bs, scaling, plan.global_batch_size, schedule.warmup_steps, decay,
-        hold_epochs, decay_per_epoch,
-    )  # fmt: skip
+    description = settings.describe(plan.global_batch_size, schedule.warmup_steps)
     scheduler = build_scheduler(optimizer, schedule)
     accelerator.register_for_checkpointing(scheduler)
     return LRSchedule(scheduler, total_steps, description)

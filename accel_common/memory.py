@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from accel_common.checkpoint import describe_differences
 from accel_common.errors import ConfigError
+from accel_common.run import describe_differences
 
 MEMORY_DIR = Path("runs/memory")
 # memory kept free: the CUDA context, the allocator's rounding and fragmentation, other processes

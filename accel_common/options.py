@@ -29,20 +29,23 @@ from accelerate.utils import KwargsHandler
 from torch.utils.data import DataLoader, Dataset
 
 import accel_common.accelerator
-from accel_common.batching import BatchPlan
+from accel_common.batching import BatchPlan, BatchRequest
+from accel_common.command_line import (
+    CLI_ONLY,
+    CLI_PARAMETERS,
+    from_config_file,
+    settings_parameters,
+)
 from accel_common.data import loaders
 from accel_common.dry_run import print_dry_run
 from accel_common.errors import ConfigError
-from accel_common.loop import OnNonFinite, TrainLoop
-from accel_common.lr import Decay, LRScaling, LRSchedule, make_lr_schedule
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, LRScaling, LRSchedule, LRSettings, make_lr_schedule
 from accel_common.memory import memory_flags, parse_max_per_device_bs
+from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
     Settings,
-    base_type,
-    convert,
-    flag,
-    one_line,
-    read_config_file,
     setting,
 )
 from accel_common.tracking import TRACKERS, parse_report_to
@@ -228,8 +231,31 @@ class TrainArgs(Settings):
         super().validate()
         parse_report_to(self.report_to)
 
-    # Each method below hands these flags, by name, to one library function that takes plain
-    # values: read it to see which flag goes where, or call the function yourself.
+    # The flags in groups, each built here once and passed whole to the library function that
+    # takes it (a script with its own flags builds the groups itself).
+
+    @property
+    def batch_request(self) -> BatchRequest:
+        """--bs / --per-device-bs, --grad-accum, --max-per-device-bs."""
+        return BatchRequest(self.bs, self.per_device_bs, self.grad_accum, self.max_per_device_bs)
+
+    @property
+    def lr_settings(self) -> LRSettings:
+        """--lr, --ref-bs, --lr-scaling, --schedule, --warmup-steps and the decay's shape."""
+        return LRSettings(
+            self.lr, self.ref_bs, self.lr_scaling, self.schedule, self.warmup_steps,
+            self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
+        )  # fmt: skip
+
+    @property
+    def save_policy(self) -> SavePolicy:
+        """--log-every, --save-every, --keep-last."""
+        return SavePolicy(self.log_every, self.save_every, self.keep_last)
+
+    @property
+    def start_request(self) -> StartRequest:
+        """--resume, --overwrite, --overwrite-later."""
+        return StartRequest(self.resume, self.overwrite, self.overwrite_later)
 
     def make_accelerator(
         self, kwargs_handlers: Iterable[KwargsHandler] = ()
@@ -237,10 +263,7 @@ class TrainArgs(Settings):
         """The Accelerator and batch plan these flags ask for (accelerator.make_accelerator)."""
         return accel_common.accelerator.make_accelerator(
             output_dir=self.output_dir,
-            global_batch_size=self.bs,
-            per_device_batch_size=self.per_device_bs,
-            grad_accum_steps=self.grad_accum,
-            max_per_device_batch_size=self.max_per_device_bs,
+            batch=self.batch_request,
             mixed_precision=self.mixed_precision.value if self.mixed_precision else None,
             cpu=self.cpu,
             report_to=self.report_to,
@@ -283,18 +306,10 @@ class TrainArgs(Settings):
             accelerator,
             optimizer,
             plan,
+            self.lr_settings,
             steps_per_epoch=steps_per_epoch,
             epochs=self.epochs,
-            lr=self.lr,
-            ref_bs=self.ref_bs,
-            scaling=self.lr_scaling,
-            decay=self.schedule,
-            warmup_steps=self.warmup_steps,
-            min_lr_ratio=self.min_lr_ratio,
-            gamma=self.gamma,
             max_steps=self.max_steps,
-            hold_epochs=self.hold_epochs,
-            decay_per_epoch=self.decay_per_epoch,
             warmup_start=warmup_start,
         )
 
@@ -321,38 +336,34 @@ class TrainArgs(Settings):
         settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
         epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
         `min_delta`."""
-        own = settings.as_config() if settings is not None else {}
-        adjustable = self.adjustable() | (settings.adjustable() if settings is not None else set())
-        return TrainLoop(
+        own = [settings] if settings is not None else []
+        run_config = RunConfig(
+            recipe,
+            {**self.as_config(), **merged(own, "as_config"), **(derived or {}), **(config or {})},
+            adjustable=frozenset(self.adjustable().union(*(s.adjustable() for s in own))),
+            derived=frozenset(derived or {}),
+            defaults={**self.default_config(), **merged(own, "default_config")},
+        )
+        stopping = EarlyStopping(monitor, patience, min_epochs, min_delta)
+        policy = LoopPolicy(self.save_policy, self.clip_grad, self.on_nonfinite, stopping)
+        policy.check(accelerator)  # before the run claims its folder
+        run = Run.open(
             accelerator,
             plan,
-            loader,
             schedule,
-            recipe=recipe,
-            config={**self.as_config(), **own, **(derived or {}), **(config or {})},
-            adjustable=frozenset(adjustable),
-            derived=frozenset(derived or {}),
-            defaults={
-                **self.default_config(),
-                **(settings.default_config() if settings is not None else {}),
-            },
+            run_config,
             output_dir=self.output_dir,
-            resume=self.resume,
-            overwrite=self.overwrite,
-            overwrite_later=self.overwrite_later,
             data_dir=self.data or loaders.example_data_dir(recipe),
-            log_every=self.log_every,
-            save_every=self.save_every,
-            keep_last=self.keep_last,
-            clip_grad=self.clip_grad,
-            tracker_project=self.wandb_project,
-            tracker_run_name=self.wandb_name,
-            on_nonfinite=self.on_nonfinite,
-            monitor=monitor,
-            patience=patience,
-            min_epochs=min_epochs,
-            min_delta=min_delta,
+            start=self.start_request,
+            monitored=bool(monitor),
+            tracking=Tracking(self.wandb_project, self.wandb_name),
         )
+        return TrainLoop(accelerator, plan, loader, schedule, run, policy)
+
+
+def merged(settings: list[Settings], method: str) -> dict[str, Any]:
+    """One dict of every Settings object's `method()` (as_config, default_config)."""
+    return {k: v for s in settings for k, v in getattr(s, method)().items()}
 
 
 def model_option(recipe: str) -> Any:
@@ -361,80 +372,6 @@ def model_option(recipe: str) -> Any:
     return typer.Option(
         Path(f"runs/{recipe}/model"), "--model", help="Exported model folder (train's output)."
     )
-
-
-# what a training command takes besides its settings: they choose how the settings are read and
-# what is done with them, and are not recorded with the run
-CLI_ONLY = ("config", "dry_run", "processes", "ctx")
-# settings that give one value two ways: whichever the command line gives replaces the file's
-ONE_OF = ({"bs", "per_device_bs"},)
-
-
-def settings_parameters(
-    cls: type[Settings], defaults: dict[str, Any], aliases: dict[str, list[str]], helps: dict
-) -> list[inspect.Parameter]:
-    """One keyword-only Typer parameter per field of `cls`, from its declaration."""
-    hints = cls.hints()
-    parameters = []
-    for f in fields(cls):
-        meta = f.metadata
-        numeric = base_type(hints[f.name]) in (int, float)
-        switch = base_type(hints[f.name]) is bool  # on/off: --x and --no-x
-        option = typer.Option(
-            defaults.get(f.name, f.default),
-            f"{flag(f.name)}/--no-{flag(f.name)[2:]}" if switch else flag(f.name),
-            *meta.get("aliases", ()),
-            *aliases.get(f.name, []),
-            help=helps.get(f.name, meta["help"]),
-            min=meta.get("min") if numeric else None,
-            max=meta.get("max") if numeric else None,
-        )
-        annotation = meta.get("cli_type") or hints[f.name]
-        kind = inspect.Parameter.KEYWORD_ONLY
-        parameters.append(inspect.Parameter(f.name, kind, default=option, annotation=annotation))
-    return parameters
-
-
-CLI_PARAMETERS = [
-    inspect.Parameter(
-        "config",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=typer.Option(
-            None,
-            "--config",
-            help="YAML file of settings: keys are the flag names (ref-bs: 64), values as on the "
-            "command line; flags given on the command line win. recipes/NAME/configs/"
-            "original.yaml holds the original project's sizes and hyper-parameters.",
-        ),
-        annotation=Path | None,
-    ),
-    inspect.Parameter(
-        "dry_run",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=typer.Option(
-            False,
-            "--dry-run",
-            help="Resolve the settings, print the run's plan (batch, LR, precision, parameter "
-            "count, memory per device) and exit without training or writing anything.",
-        ),
-        annotation=bool,
-    ),
-    inspect.Parameter(
-        "processes",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=typer.Option(
-            None,
-            "--processes",
-            min=1,
-            help="With --dry-run: plan for this many processes (e.g. 16 for 2 nodes of 8 GPUs) "
-            "without launching them. Default: this launch's.",
-        ),
-        annotation=int | None,
-    ),
-    # Typer passes its context here: which values came from the command line (they win over
-    # --config), and each flag's own conversion for the file's values
-    inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-]
 
 
 def train_command(
@@ -515,7 +452,13 @@ def train_command(
                 )
             args, own = resolve(kwargs, recipe)
             if dry_run:
-                print_dry_run(recipe, args, own, build_model, processes)
+                build = functools.partial(build_model, args, own) if build_model else None
+                precision = args.mixed_precision.value if args.mixed_precision else None
+                length = (args.epochs, args.max_steps)
+                print_dry_run(
+                    recipe, args.batch_request, args.lr_settings, length=length,
+                    precision=precision, build_model=build, processes=processes,
+                )  # fmt: skip
                 return None
             return fn(args, own)
 
@@ -528,28 +471,3 @@ def train_command(
         return command
 
     return decorate
-
-
-def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]) -> dict[str, Any]:
-    """The values `--config FILE` sets, as Python values, for the settings not given on the
-    command line. Each value goes through its flag's own conversion and range check, so a wrong
-    type or value is refused naming the key and the file."""
-    names = [n for n in annotations if n not in CLI_ONLY]
-    params = {p.name: p for p in ctx.command.params}
-    given = {n for n in names if ctx.get_parameter_source(n).name in ("COMMANDLINE", "ENVIRONMENT")}
-    for group in ONE_OF:  # --per-device-bs on the command line replaces the file's bs, and so on
-        if given & group:
-            given |= group
-    out = {}
-    for name, value in read_config_file(path, names).items():
-        if name in given:
-            continue
-        if value is not None:
-            try:
-                value = params[name].process_value(ctx, value)
-            except typer.BadParameter as err:
-                raise ConfigError(
-                    f"--config {path}: {name.replace('_', '-')}: {one_line(err.format_message())}"
-                ) from None
-        out[name] = convert(annotations[name], value)
-    return out

@@ -169,7 +169,7 @@ def read_config_file(path: Path, names: list[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"--config {path} is not readable YAML: {one_line(err)}") from None
+        raise ConfigError(f"--config {path} is not readable YAML: {single_line(err)}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -191,5 +191,6 @@ def read_config_file(path: Path, names: list[str]) -> dict[str, Any]:
     return out
 
 
-def one_line(err: BaseException) -> str:
+def single_line(err: BaseException | str) -> str:
+    """An error's text on one line: a YAML or Click message spans several."""
     return " ".join(str(err).split())

@@ -33,9 +33,12 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, Schedule, build_scheduler, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, Schedule, build_scheduler, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 from accel_common.tools.bench.report import SECTION_START as SCALING_SECTION
 from recipes import load_recipe
 from recipes.train_template import write_dataset
@@ -138,7 +141,7 @@ def helper_cost_us(steps: int = 20_000, repeats: int = 5, log_every: int = 50) -
     """Microseconds per optimizer step spent in TrainLoop's bookkeeping (the template's loop
     calls, scheduler step, logging every `log_every` steps), minus Accelerate and the model."""
     out = Path(tempfile.mkdtemp())
-    accelerator, plan = make_accelerator(output_dir=out, global_batch_size=16, cpu=True)
+    accelerator, plan = make_accelerator(output_dir=out, batch=BatchRequest(16), cpu=True)
     model = RECIPE.MLPRegressor(8, 16, 1)
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -148,13 +151,15 @@ def helper_cost_us(steps: int = 20_000, repeats: int = 5, log_every: int = 50) -
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         for repeat in range(repeats):
             schedule = make_lr_schedule(
-                accelerator, optimizer, plan, steps_per_epoch=steps, epochs=1, lr=1e-3,
-                ref_bs=16, decay=Decay.constant,
+                accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=16, decay=Decay.constant),
+                steps_per_epoch=steps, epochs=1,
             )  # fmt: skip
-            loop = TrainLoop(
-                accelerator, plan, EmptyBatches(steps), schedule, recipe="bench", config={},
-                output_dir=out / f"repeat_{repeat}", log_every=log_every,
+            run = Run.open(
+                accelerator, plan, schedule, RunConfig("bench", {}),
+                output_dir=out / f"repeat_{repeat}",
             )  # fmt: skip
+            policy = LoopPolicy(SavePolicy(log_every=log_every))
+            loop = TrainLoop(accelerator, plan, EmptyBatches(steps), schedule, run, policy)
             started = time.perf_counter()
             for _epoch in loop.epochs():
                 for _batch in loop.batches():

@@ -22,10 +22,13 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.losses import GlobalItemMean
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 
 
 class VariableLengthItems(Dataset):
@@ -64,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     accelerator, plan = make_accelerator(
-        output_dir=args.output_dir, global_batch_size=args.bs, grad_accum_steps=args.grad_accum
+        output_dir=args.output_dir, batch=BatchRequest(args.bs, grad_accum_steps=args.grad_accum)
     )
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -73,13 +76,12 @@ def main() -> None:
     )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     schedule = make_lr_schedule(
-        accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=10, lr=args.lr,
-        ref_bs=args.bs, decay=Decay.constant, max_steps=args.max_steps,
+        accelerator, optimizer, plan, LRSettings(args.lr, ref_bs=args.bs, decay=Decay.constant),
+        steps_per_epoch=len(loader), epochs=10, max_steps=args.max_steps,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="plain_argparse", config=vars(args),
-        output_dir=args.output_dir, log_every=1,
-    )  # fmt: skip
+    config = RunConfig("plain_argparse", vars(args))
+    run = Run.open(accelerator, plan, schedule, config, output_dir=args.output_dir)
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(log_every=1)))
     item_mean = GlobalItemMean(accelerator, plan)
     for _epoch in loop.epochs():
         for x, y, mask in loop.batches():

@@ -25,7 +25,8 @@ next to a trivial baseline), `evaluate_export`, and in `train` the lines that lo
 values the export needs besides the settings (`derived`), the forward pass and loss, and the
 evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
-(epochs, resume, step counting, LR schedule, logging, checkpoints, export: accel_common/loop.py).
+(epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
+checkpoints and export: accel_common/run.py).
 A workload that outgrows one file keeps this script and moves its model, readers and example
 generator into `recipes/NAME/` (see recipes/pointcloud/).
 """

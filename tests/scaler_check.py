@@ -29,11 +29,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.data.loaders import make_train_loader
 from accel_common.export import read_export_metadata
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 from tests.results import exported_params, max_relative_difference
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3
@@ -56,7 +59,7 @@ def scaled_run(
     scaler = GradScalerKwargs(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     accelerator, plan = make_accelerator(
         output_dir=out,
-        per_device_batch_size=4,
+        batch=BatchRequest(per_device_batch_size=4),
         cpu=not gpu,
         mixed_precision="fp16" if gpu else None,
         kwargs_handlers=[scaler],
@@ -73,14 +76,16 @@ def scaled_run(
     loader = make_train_loader(data, plan.per_device_batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     schedule = make_lr_schedule(
-        accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=2, lr=1e-2,
-        ref_bs=4, decay=Decay.constant,
+        accelerator, optimizer, plan, LRSettings(1e-2, ref_bs=4, decay=Decay.constant),
+        steps_per_epoch=len(loader), epochs=2,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out,
-        resume=resume, log_every=100, save_every=5, keep_last=10,
-        monitor="val_mae" if best_epoch else None,
+    monitor = "val_mae" if best_epoch else None
+    run = Run.open(
+        accelerator, plan, schedule, RunConfig("toy", {}), output_dir=out,
+        start=StartRequest(resume), monitored=bool(monitor),
     )  # fmt: skip
+    policy = LoopPolicy(SavePolicy(100, 5, 10), early_stopping=EarlyStopping(monitor))
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, policy)
     trace = []
     for epoch in loop.epochs():
         for x, y in loop.batches():

@@ -13,11 +13,13 @@ from torch.utils.data import BatchSampler, Dataset
 
 from accel_common.accelerator import make_accelerator
 from accel_common.balance import BalancedBatchSampler, balanced_slots, imbalance
-from accel_common.batching import BatchPlan
+from accel_common.batching import BatchPlan, BatchRequest
 from accel_common.data.files import EpochShuffleSampler
 from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 
 
 def atom_counts(n: int, seed: int = 0) -> np.ndarray:
@@ -171,7 +173,9 @@ def balanced_run(tmp_path):
     def start(resume: str | None = None):
         AcceleratorState._reset_state(reset_partial_state=True)
         accelerator, plan = make_accelerator(
-            output_dir=tmp_path, per_device_batch_size=2, grad_accum_steps=3, cpu=True
+            output_dir=tmp_path,
+            batch=BatchRequest(per_device_batch_size=2, grad_accum_steps=3),
+            cpu=True,
         )
         data = Sized(20)
         model = nn.Linear(1, 1)
@@ -179,14 +183,14 @@ def balanced_run(tmp_path):
         loader = make_train_loader(data, 2, costs=data.costs, plan=plan)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         schedule = make_lr_schedule(
-            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
-            ref_bs=6, decay=Decay.constant, max_steps=9,
+            accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=6, decay=Decay.constant),
+            steps_per_epoch=len(loader), epochs=3, max_steps=9,
         )  # fmt: skip
-        loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=tmp_path,
-            resume=resume, overwrite_later=resume is not None, log_every=1, save_every=4,
-            keep_last=10,
-        )  # fmt: skip
+        start = StartRequest(resume, overwrite_later=resume is not None)
+        run = Run.open(
+            accelerator, plan, schedule, RunConfig("toy", {}), output_dir=tmp_path, start=start
+        )
+        loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(1, 4, 10)))
         seen = []
         for _epoch in loop.epochs():
             for x, y in loop.batches():

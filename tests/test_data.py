@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.images import image_batches, list_images, read_images, read_rgb
-from accel_common.errors import DataError, one_line
+from accel_common.errors import DataError, error_message
 from recipes.quality.data import read_truth
 from tests.processes import POINTCLOUD, TEMPLATE
 
@@ -102,7 +102,7 @@ def test_an_error_raised_in_a_loader_worker_is_reported_as_one_line():
     with pytest.raises(DataError) as error:
         next(iter(DataLoader(Broken(), num_workers=1)))
     assert "Traceback" in str(error.value)  # torch folds the worker's traceback into it
-    assert one_line(error.value) == "skull_0.npy: value nan at index [0, 0] is not finite"
+    assert error_message(error.value) == "skull_0.npy: value nan at index [0, 0] is not finite"
 
 
 def test_a_test_split_with_other_columns_is_refused_at_load(tmp_path):

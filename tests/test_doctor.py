@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner, Result
 
+from accel_common.batching import BatchRequest
 from accel_common.tools.cli import app
 from accel_common.tools.doctor import comm as comm_check
 from accel_common.tools.doctor.config import CPU_CONFIG, recommend
@@ -149,15 +150,15 @@ def test_cpu_only_recommends_two_cpu_processes_with_a_batch_plan():
 
 
 def test_recommendation_picks_the_nearest_gpu_config_and_spells_out_the_override():
-    exact = recommend(8, False, None, 16)
+    exact = recommend(8, False, BatchRequest(per_device_batch_size=16))
     assert exact["config"].endswith("/8gpu.yaml") and "--num_processes" not in exact["command"]
     assert exact["batch"]["global_batch_size"] == 128
-    three = recommend(3, False, 96, None)
+    three = recommend(3, False, BatchRequest(96))
     assert three["config"].endswith("/2gpu.yaml") and "--num_processes 3 " in three["command"]
     assert three["batch"]["per_device_batch_size"] == 32
-    many = recommend(16, False, None, None)
+    many = recommend(16, False, BatchRequest())
     assert many["config"].endswith("/8gpu.yaml") and "--num_processes 16 " in many["command"]
-    assert recommend(1, False, None, None)["config"].endswith("/1gpu.yaml")
+    assert recommend(1, False, BatchRequest())["config"].endswith("/1gpu.yaml")
 
 
 def test_hiding_every_gpu_is_reported():

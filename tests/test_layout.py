@@ -14,13 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "accel_common"
 MAX_LINES = 500
 
-# Being split by concern in parallel (issue 41); the lead removes each entry as its split lands.
-NOT_YET_SPLIT = {"accel_common/loop.py", "accel_common/options.py"}
-# What the same splits remove (flags passed whole; tools find the template's data through
-# example_data); the lead removes each entry as its split lands.
-KNOWN_CYCLES = {frozenset({"accel_common.dry_run", "accel_common.options"})}
-IMPORTS_A_RECIPE: set[str] = set()
-
 
 def module_name(root: Path, path: Path) -> str:
     parts = path.relative_to(root).with_suffix("").parts
@@ -97,31 +90,22 @@ def test_the_cycle_finder_sees_a_circle_through_a_deferred_import(tmp_path):
 
 
 def test_no_import_circle_in_the_library():
-    found = cycles(import_graph(ROOT)) - KNOWN_CYCLES
+    found = cycles(import_graph(ROOT))
     assert not found, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
 def test_no_library_module_is_over_500_lines():
-    too_long = {
+    found = {
         str(path.relative_to(ROOT)): n
         for path in (ROOT / LIBRARY).rglob("*.py")
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
-    found = {path: n for path, n in too_long.items() if path not in NOT_YET_SPLIT}
     assert not found, f"over {MAX_LINES} lines, split by concern: {found}"
 
 
 def test_the_library_imports_no_recipe():
-    found = recipe_importers(ROOT) - IMPORTS_A_RECIPE
+    found = recipe_importers(ROOT)
     assert not found, f"import a recipe: {sorted(found)}"
-
-
-def test_every_known_exception_still_exists():
-    """An entry whose split has landed goes, so that the rule holds for that module again."""
-    gone = KNOWN_CYCLES - cycles(import_graph(ROOT))
-    assert not gone, f"remove from KNOWN_CYCLES: {gone}"
-    gone = IMPORTS_A_RECIPE - recipe_importers(ROOT)
-    assert not gone, f"remove from IMPORTS_A_RECIPE: {gone}"
 
 
 def test_checkpoints_and_exports_do_not_import_torch_distributed_checkpoint(tmp_path):

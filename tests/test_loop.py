@@ -15,11 +15,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.data.loaders import make_train_loader
 from accel_common.errors import CheckpointError, NonFiniteError
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
 from tests.processes import REPO, run_recipe
 from tests.results import exported_params, max_relative_difference
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
@@ -55,11 +58,15 @@ def run(tmp_path):
         save_every: int = 4,
         out: Path = tmp_path,
         config: dict | None = None,
+        overwrite: bool = False,
+        overwrite_later: bool = False,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
         accelerator, plan = make_accelerator(
-            output_dir=out, per_device_batch_size=2, grad_accum_steps=2, cpu=True
+            output_dir=out,
+            batch=BatchRequest(per_device_batch_size=2, grad_accum_steps=2),
+            cpu=True,
         )
         data = EpochAwareData()
         model = nn.Linear(3, 1)
@@ -67,19 +74,31 @@ def run(tmp_path):
         loader = make_train_loader(data, plan.per_device_batch_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         schedule = make_lr_schedule(
-            accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=3, lr=1e-3,
-            ref_bs=4, decay=Decay.constant, max_steps=max_steps,
+            accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=4, decay=Decay.constant),
+            steps_per_epoch=len(loader), epochs=3, max_steps=max_steps,
         )  # fmt: skip
-        loop = TrainLoop(
-            accelerator, plan, loader, schedule, recipe="toy", config=config or {"lr": 1e-3},
-            adjustable=frozenset({"lr"}), output_dir=out, resume=resume, log_every=1,
-            save_every=save_every, keep_last=10,
+        loop = open_loop(
+            accelerator, plan, loader, schedule, RunConfig(
+                "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
+            ), out, StartRequest(resume, overwrite, overwrite_later), SavePolicy(1, save_every, 10),
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
 
     yield start
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def open_loop(
+    accelerator, plan, loader, schedule, config, out, start, saves, clip_grad=0.0, **stopping
+) -> TrainLoop:
+    """The run and its loop, as TrainArgs.make_loop opens them."""
+    policy = LoopPolicy(saves, clip_grad, early_stopping=EarlyStopping(**stopping))
+    run = Run.open(
+        accelerator, plan, schedule, config, output_dir=out, start=start,
+        monitored=bool(stopping.get("monitor")),
+    )  # fmt: skip
+    return TrainLoop(accelerator, plan, loader, schedule, run, policy)
 
 
 def train(accelerator, model, optimizer, loop) -> tuple[list[int], list[float], list[int]]:
@@ -247,29 +266,6 @@ def test_clip_gradients_never_clips_a_partial_accumulation(run):
 
 
 # --------------------------------------------------------------------------- never silently wrong
-
-
-def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):
-    accelerator, model, optimizer, loop, _ = run()
-    train(accelerator, model, optimizer, loop)
-    loop.finish(model)
-    with pytest.raises(CheckpointError, match=r"already holds another run .*--resume latest"):
-        run()
-    # a run that died before its first save starts over under --resume latest
-    interrupted = tmp_path.parent / f"{tmp_path.name}-interrupted"
-    (interrupted / "logs").mkdir(parents=True)
-    (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
-    assert run(resume="latest", out=interrupted)[3].step == 0
-    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint"):
-        run(resume="latest", config={"lr": 1e-3, "hidden": 16})
-    loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
-    assert loop.step == 12
-    _, model, _, loop, _ = run(overwrite=True)  # moves the old run aside, deletes nothing
-    aside = [p for p in tmp_path.parent.iterdir() if p.name.startswith(f"{tmp_path.name}.replaced")]
-    assert len(aside) == 1
-    assert (aside[0] / "model" / "model.safetensors").is_file()
-    assert [p.name for p in list_checkpoints(aside[0])] == ["step_4", "step_8", "step_12"]
-    assert list_checkpoints(tmp_path) == [] and not (tmp_path / "model").exists()
 
 
 def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(run, tmp_path):

@@ -12,6 +12,7 @@ from accelerate.state import AcceleratorState
 from typer.testing import CliRunner
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import require_writable_output_dir
 from accel_common.options import TrainArgs
@@ -79,10 +80,12 @@ def fresh_state():
 
 def test_fp16_on_the_cpu_is_refused_instead_of_silently_training_fp32(fresh_state, tmp_path):
     with pytest.raises(ConfigError, match=r"fp16 mixed precision .* does not run on the CPU"):
-        make_accelerator(output_dir=tmp_path, global_batch_size=8, mixed_precision="fp16", cpu=True)
+        make_accelerator(
+            output_dir=tmp_path, batch=BatchRequest(8), mixed_precision="fp16", cpu=True
+        )
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator, _ = make_accelerator(
-        output_dir=tmp_path, global_batch_size=8, mixed_precision="bf16", cpu=True
+        output_dir=tmp_path, batch=BatchRequest(8), mixed_precision="bf16", cpu=True
     )
     assert accelerator.mixed_precision == "bf16"
 

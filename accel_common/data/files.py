@@ -238,3 +238,15 @@ def _write_hash_cache(cache_file: Path, entries: dict[str, list]) -> None:
         os.replace(tmp, cache_file)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def data_hash_cache() -> Path:
+    """Where data fingerprints keep their per-file digests: beside the prepared tables
+    (accel_common.data.cache: HF_DATASETS_CACHE/accel-recipes, so HF_HOME moves both), found as
+    `datasets` finds its cache, without importing it."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        root = Path(os.environ["HF_DATASETS_CACHE"])
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", os.path.join("~", ".cache"))
+        root = Path(os.environ.get("HF_HOME", os.path.join(xdg, "huggingface"))) / "datasets"
+    return root.expanduser() / "accel-recipes"

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from accel_common.batching import BatchPlanError, plan_batch
+from accel_common.batching import BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import require_export_target, write_export
@@ -97,6 +97,7 @@ def plan(
     ref_lr = GUIDE_REF_LR if ref_lr is None else ref_lr
     if per_device_bs is None and bs is None:
         per_device_bs = ref_bs
+    request = BatchRequest(bs, per_device_bs, grad_accum, max_per_device_bs)
     counts = parse_counts(gpus, "--gpus")
     scale_lr(ref_lr, ref_bs, ref_bs, LRScaling.none)  # validates --ref-bs (--ref-lr: above)
     keep = "per-GPU batch" if bs is None else "global batch"
@@ -106,14 +107,7 @@ def plan(
     notes = []
     for count in counts:
         try:
-            row = plan_batch(
-                count,
-                global_batch_size=bs,
-                per_device_batch_size=per_device_bs,
-                grad_accum_steps=grad_accum,
-                max_per_device_batch_size=max_per_device_bs,
-                warn_small=False,
-            )
+            row = request.plan(count, warn_small=False)
         except BatchPlanError as err:
             if bs is None or "cannot be split" not in str(err):
                 raise
@@ -347,8 +341,7 @@ def doctor(
         port=port,
         addr=addr,
         config_file=config_file,
-        bs=bs,
-        per_device_bs=per_device_bs,
+        batch=BatchRequest(bs, per_device_bs),
         check_comm=check_comm,
         backend=backend,
         nproc=nproc,

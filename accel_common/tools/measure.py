@@ -25,6 +25,7 @@ import typer
 from typer.core import TyperCommand
 
 from accel_common.batching import BatchPlanError, plan_batch
+from accel_common.command_line import CLI_ONLY
 from accel_common.errors import RecipeError
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.memory import (
@@ -35,7 +36,7 @@ from accel_common.memory import (
     memory_flags,
     present_device,
 )
-from accel_common.options import CLI_ONLY, TrainArgs
+from accel_common.options import TrainArgs
 
 GPU_SIZES_GB = (24, 40, 80, 141)
 # flags each measurement sets itself: the batch, a short run, a throw-away output folder

@@ -19,12 +19,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import EarlyStopping, LoopPolicy
+from accel_common.run import Run, RunConfig
 
 out, epochs, patience, min_epochs = Path(sys.argv[1]), *map(int, sys.argv[2:5])
-accelerator, plan = make_accelerator(output_dir=out, global_batch_size=8, cpu=True)
+accelerator, plan = make_accelerator(output_dir=out, batch=BatchRequest(8), cpu=True)
 torch.manual_seed(0)
 x = torch.randn(64, 3)
 data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]]))
@@ -33,13 +36,15 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 loader = make_train_loader(data, plan.per_device_batch_size)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 schedule = make_lr_schedule(
-    accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=epochs, lr=0.05, ref_bs=8,
-    decay=Decay.cosine, hold_epochs=2, decay_per_epoch=True,
+    accelerator, optimizer, plan,
+    LRSettings(0.05, ref_bs=8, decay=Decay.cosine, hold_epochs=2, decay_per_epoch=True),
+    steps_per_epoch=len(loader), epochs=epochs,
 )  # fmt: skip
-loop = TrainLoop(
-    accelerator, plan, loader, schedule, recipe="toy", config={"lr": 0.05}, output_dir=out,
-    monitor="val_mae", patience=patience, min_epochs=min_epochs,
-)  # fmt: skip
+run = Run.open(
+    accelerator, plan, schedule, RunConfig("toy", {"lr": 0.05}), output_dir=out, monitored=True
+)
+stopping = EarlyStopping("val_mae", patience=patience, min_epochs=min_epochs)
+loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(early_stopping=stopping))
 ran, lrs = [], []
 for epoch in loop.epochs():
     for xb, yb in loop.batches():

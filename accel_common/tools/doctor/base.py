@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+
+from accel_common.batching import BatchRequest
 
 
 class Backend(str, Enum):
@@ -31,8 +33,8 @@ class DoctorOptions:
     port: int | None = None
     addr: str | None = None
     config_file: Path | None = None
-    bs: int | None = None
-    per_device_bs: int | None = None
+    # --bs / --per-device-bs (default: 32 per device)
+    batch: BatchRequest = field(default_factory=BatchRequest)
     check_comm: bool = False
     backend: Backend = Backend.auto
     nproc: int | None = None

@@ -4,13 +4,14 @@ launch line and batch plan) recommended for the devices seen."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from accel_common.batching import plan_batch
+from accel_common.batching import BatchRequest
 from accel_common.errors import RecipeError
 from accel_common.launch_guard import config_asks_for_gpus
 from accel_common.tools.doctor.base import Problem
@@ -155,7 +156,7 @@ def check_config(
     return summary, problems
 
 
-def recommend(gpus: int, mps: bool, bs: int | None, per_device_bs: int | None) -> dict[str, Any]:
+def recommend(gpus: int, mps: bool, batch: BatchRequest) -> dict[str, Any]:
     """The shipped config for the devices seen, the launch line, and the batch plan for it."""
     if gpus:
         nearest = min(GPU_CONFIGS, key=lambda n: (abs(n - gpus), n))
@@ -170,11 +171,9 @@ def recommend(gpus: int, mps: bool, bs: int | None, per_device_bs: int | None) -
     else:
         name, processes, override = CPU_CONFIG, 2, ""
         reason = "no GPU: 2 CPU processes over gloo run the distributed code path"
-    if bs is None and per_device_bs is None:
-        per_device_bs = DEFAULT_PER_DEVICE_BS
-    plan = plan_batch(
-        processes, global_batch_size=bs, per_device_batch_size=per_device_bs, warn_small=False
-    )
+    if batch.global_batch_size is None and batch.per_device_batch_size is None:
+        batch = replace(batch, per_device_batch_size=DEFAULT_PER_DEVICE_BS)
+    plan = batch.plan(processes, warn_small=False)
     config = f"{CONFIG_DIR.name}/{name}"
     return {
         "config": config,

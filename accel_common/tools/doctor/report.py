@@ -51,7 +51,7 @@ def collect(opts: DoctorOptions) -> dict[str, Any]:
         "port": port_status,
         "interfaces": nics,
         "environment": environment(env),
-        "recommendation": recommend(gpus, machine["mps"], opts.bs, opts.per_device_bs),
+        "recommendation": recommend(gpus, machine["mps"], opts.batch),
     }
     if config is not None and opts.config_file is not None:
         report["config"], found = check_config(config, opts.config_file, env, gpus, ipv4)

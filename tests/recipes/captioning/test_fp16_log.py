@@ -17,9 +17,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
 from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, make_lr_schedule
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
 from tests.results import metrics_log
 
 
@@ -32,7 +35,9 @@ def fresh_accelerate_state():
 
 def train_with_an_overflow(out: Path, overflow_at: int) -> dict[str, float]:
     """8 optimizer steps of a linear model, logging every 2nd; `overflow_at` has an inf gradient."""
-    accelerator, plan = make_accelerator(output_dir=out, per_device_batch_size=4, cpu=True)
+    accelerator, plan = make_accelerator(
+        output_dir=out, batch=BatchRequest(per_device_batch_size=4), cpu=True
+    )
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
@@ -40,12 +45,11 @@ def train_with_an_overflow(out: Path, overflow_at: int) -> dict[str, float]:
     loader = make_train_loader(TensorDataset(torch.randn(32, 3), torch.randn(32, 1)), 4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     schedule = make_lr_schedule(
-        accelerator, optimizer, plan, steps_per_epoch=len(loader), epochs=1, lr=1e-2, ref_bs=4,
-        decay=Decay.constant,
+        accelerator, optimizer, plan, LRSettings(1e-2, ref_bs=4, decay=Decay.constant),
+        steps_per_epoch=len(loader), epochs=1,
     )  # fmt: skip
-    loop = TrainLoop(
-        accelerator, plan, loader, schedule, recipe="toy", config={}, output_dir=out, log_every=2
-    )
+    run = Run.open(accelerator, plan, schedule, RunConfig("toy", {}), output_dir=out)
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(log_every=2)))
     for _epoch in loop.epochs():
         for x, y in loop.batches():
             overflow = loop.step + 1 == overflow_at

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from accel_common.data.images import list_images
-from accel_common.errors import DataError, one_line
+from accel_common.errors import DataError, error_message
 from recipes.quality import data as quality_data
 from recipes.quality.example import ANNOTATORS
 from tests.processes import QUALITY, run_recipe
@@ -155,7 +155,7 @@ def test_records_naming_missing_images_are_refused_or_dropped(tmp_path):
     add_records_naming_missing_images(root)
     with pytest.raises(DataError) as error:
         quality_data.read_comparisons(root, root / "images")
-    message = one_line(error.value)
+    message = error_message(error.value)
     assert "3 of 51 comparison records name images that are not there" in message
     assert "(2 distinct: iter_0/gone_a.png, iter_1/gone_b.png; first in " in message
     assert "hitul/comparison_data.json, record 24)" in message
@@ -192,7 +192,7 @@ def test_an_invalid_record_is_named_with_what_to_do(tmp_path, detail):
     add_invalid_records(root, [INVALID[detail]])
     with pytest.raises(DataError) as error:
         quality_data.read_comparisons(root, root / "images")
-    message = one_line(error.value)
+    message = error_message(error.value)
     where = f"{root / 'hitul' / 'comparison_data.json'}, record 24"
     assert message == (
         f"{where}: {detail}; fix or remove the record, or pass --skip-invalid-records to drop "
@@ -233,7 +233,7 @@ def test_truth_problems_are_one_line_naming_file_and_key(tmp_path):
         path.write_text(json.dumps(truth))
         with pytest.raises(DataError) as error:
             quality_data.read_truth(path, data.images, data.annotators)
-        message = one_line(error.value)
+        message = error_message(error.value)
         assert message.startswith(f"{path}: {expected}; fix it, or remove it"), message
         assert "\n" not in message
     path.write_text(json.dumps({"quality": quality, "reliability": reliability}))

@@ -1,0 +1,91 @@
+"""What the training loop does between steps besides counting them (accel_common.loop): when
+it logs and saves, gradient clipping, non-finite steps, early stopping. Flags become these
+groups once (accel_common.options); a script with its own flags builds them itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from accel_common.checkpoint import TrainProgress
+from accel_common.errors import ConfigError
+
+
+class OnNonFinite(str, Enum):
+    stop = "stop"
+    skip = "skip"
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When the loop logs and saves (--log-every, --save-every, --keep-last)."""
+
+    log_every: int = 50
+    save_every: int = 0  # 0: only the final save
+    keep_last: int = 2
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """A recipe's early stopping: keep the best epoch's model by `monitor` (lower is better);
+    with `patience` N, stop after N epochs without an improvement by more than `min_delta`,
+    not before epoch `min_epochs` + 1."""
+
+    monitor: str | None = None
+    patience: int = 0
+    min_epochs: int = 0
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.patience and not self.monitor:
+            raise ConfigError("TrainLoop: patience needs a metric to monitor")
+
+    def judge(
+        self, progress: TrainProgress, value: float, metrics: dict[str, float], epoch: int
+    ) -> tuple[bool, bool]:
+        """Record epoch `epoch`'s monitored `value` in `progress`: (whether it is the best so
+        far, whether the run stops now). Any lower value is the best model; only one lower by
+        more than `min_delta` resets the patience count (as the cricket original's trainer: a
+        tiny gain does not keep it going)."""
+        significant = progress.best is None or value < progress.best - self.min_delta
+        best = progress.best is None or value < progress.best
+        if best:
+            progress.best = value
+            progress.best_metrics = {**metrics, "best_epoch": epoch}
+        if significant:
+            progress.bad_epochs = 0
+            return best, False
+        progress.bad_epochs += 1
+        patient = progress.bad_epochs < self.patience or epoch <= self.min_epochs
+        if self.patience and not patient:
+            progress.stopped = True
+            return best, True
+        return best, False
+
+
+@dataclass(frozen=True)
+class LoopPolicy:
+    """What the loop does between steps besides counting them: saves, clipping (--clip-grad),
+    non-finite steps (--on-nonfinite), early stopping."""
+
+    saves: SavePolicy = SavePolicy()
+    clip_grad: float = 0.0
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
+    early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
+
+    def check(self, accelerator: Accelerator) -> None:
+        """Refuse what this launch cannot do, before the run starts."""
+        if self.on_nonfinite is OnNonFinite.skip and (
+            accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
+            raise ConfigError(
+                "--on-nonfinite skip does not work under DeepSpeed, whose engine takes the "
+                "optimizer step itself; use --on-nonfinite stop (fp16 runs: DeepSpeed's loss "
+                "scaler already skips overflowing steps)"
+            )

@@ -1,0 +1,241 @@
+"""Every refusal of a run's start in one place: a resume of another run's checkpoint (another
+recipe, global batch, settings or data), one past the run's end, a corrupt or incomplete one, an
+older checkpoint without --overwrite-later, an occupied --output-dir without --overwrite. Each
+refusal names the flag that resolves it (accel_common.run)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from accel_common.batching import plan_batch
+from accel_common.checkpoint import (
+    TrainProgress,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from accel_common.errors import CheckpointError, ConfigError
+from accel_common.run import RunCheck, describe_differences
+from tests.processes import run_recipe
+from tests.recipes.template.conftest import finished_run  # noqa: F401 (a fixture)
+from tests.recipes.template.helpers import digest
+from tests.results import exported_params
+from tests.test_checkpoint import Net
+from tests.test_loop import run, train  # noqa: F401 (run: a fixture)
+from tests.test_resume import snapshot, template_run
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_refused_and_left_alone(finished_run, template_data, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    checkpoint = sorted((out / "checkpoints").iterdir())[-1]
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    before = digest(out)
+    flags = ["--data", str(template_data), "--output-dir", str(out), "--resume", str(checkpoint)]
+    result = run_recipe(flags, cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert f"checkpoint {checkpoint} is corrupt or truncated" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert digest(out) == before
+
+
+def test_corrupt_checkpoint_is_refused_with_advice(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1), plan=plan)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(accelerator, path, plan)
+
+
+def test_resume_with_another_global_batch_is_refused(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=1), plan=plan_batch(1, global_batch_size=8)
+    )
+    with pytest.raises(CheckpointError, match="pass --bs 8"):
+        load_checkpoint(
+            accelerator, path, small := plan_batch(1, global_batch_size=16), accept=RunCheck(small)
+        )
+
+
+def test_resume_path_without_progress_is_refused(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(CheckpointError, match="never completed"):
+        resolve_resume(str(tmp_path / "half"), tmp_path)
+    assert resolve_resume("latest", tmp_path / "empty") is None
+
+
+def test_resume_past_the_end_of_a_shorter_schedule_is_refused(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1400), plan=plan)
+    with pytest.raises(CheckpointError, match=r"at optimizer step 1400, past the 640 steps"):
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, total_steps=640))
+
+
+def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    saved = {"recipe": "template", "epochs": 20, "hidden": 64, "lr": 0.003}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {**saved, "epochs": 100, "hidden": 128}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, now))
+    message = str(error.value)
+    assert "another run (id abc)" in message
+    assert (
+        "--epochs 20 in the checkpoint, 100 now; --hidden 64 in the checkpoint, 128 now" in message
+    )
+    assert "lr" not in message.split(":", 1)[1].split(";")[0]  # only what differs is named
+    progress, record = load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, dict(saved)))
+    assert (progress.step, record["id"]) == (64, "abc")
+
+
+def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, accelerator):
+    accelerator.prepare(Net())
+    plan = plan_batch(1, global_batch_size=8)
+    saved = {"recipe": "template", "hidden": 64, "data_fingerprint": "sha256:aaaa"}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {**saved, "data_fingerprint": "sha256:bbbb"}
+    with pytest.raises(CheckpointError, match=r"^--data D: its files' contents differ from the "):
+        load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, now, data_dir=Path("D")))
+    # an earlier version's fingerprint (names and sizes) cannot be compared with contents
+    old = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=65), plan=plan,
+        run={"id": "abc", "identity": {**saved, "data_fingerprint": "0123456789abcdef"}},
+    )  # fmt: skip
+    assert load_checkpoint(accelerator, old, plan, accept=RunCheck(plan, now))[0].step == 65
+
+
+def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batch(
+    tmp_path, accelerator
+):
+    """Issue 27: resuming in another recipe's output folder first asked for `--bs 8`."""
+    accelerator.prepare(Net())
+    saved = {"recipe": "pointcloud", "width": 16, "global_batch_size": 8}
+    path = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=45), plan=plan_batch(1, global_batch_size=8),
+        run={"id": "abc", "identity": saved},
+    )  # fmt: skip
+    now = {"recipe": "template", "hidden": 64, "global_batch_size": 64}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(
+            accelerator, path, big := plan_batch(1, global_batch_size=64), accept=RunCheck(big, now)
+        )
+    assert str(error.value) == (
+        f"{path} is a checkpoint of the pointcloud recipe, not of template; resume it with "
+        "recipes/train_pointcloud.py, or give this template run its own --output-dir"
+    )
+
+
+def test_a_refused_resume_names_settings_as_flags_and_data_statistics_as_such():
+    saved = {"recipe": "crystal", "width": 64, "mean": -0.5}
+    now = {"recipe": "crystal", "width": 32, "mean": -0.4}
+    assert describe_differences(saved, now, frozenset({"mean"})) == (
+        "mean (computed from the data): -0.5 in the checkpoint, -0.4 now; "
+        "--width 64 in the checkpoint, 32 now"
+    )
+
+
+def test_a_new_run_refuses_a_folder_that_holds_another_run(run, tmp_path):  # noqa: F811
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    with pytest.raises(CheckpointError, match=r"already holds another run .*--resume latest"):
+        run()
+    # a run that died before its first save starts over under --resume latest
+    interrupted = tmp_path.parent / f"{tmp_path.name}-interrupted"
+    (interrupted / "logs").mkdir(parents=True)
+    (interrupted / "logs" / "metrics.jsonl").write_text("{}\n")
+    assert run(resume="latest", out=interrupted)[3].step == 0
+    with pytest.raises(CheckpointError, match=r"another run .*--hidden unset in the checkpoint"):
+        run(resume="latest", config={"lr": 1e-3, "hidden": 16})
+    loop = run(resume="latest", config={"lr": 2e-4})[3]  # rescuing a run with a lower LR is fine
+    assert loop.step == 12
+    _, model, _, loop, _ = run(overwrite=True)  # moves the old run aside, deletes nothing
+    aside = [p for p in tmp_path.parent.iterdir() if p.name.startswith(f"{tmp_path.name}.replaced")]
+    assert len(aside) == 1
+    assert (aside[0] / "model" / "model.safetensors").is_file()
+    assert [p.name for p in list_checkpoints(aside[0])] == ["step_4", "step_8", "step_12"]
+    assert list_checkpoints(tmp_path) == [] and not (tmp_path / "model").exists()
+
+
+def test_edited_data_of_the_same_size_is_refused_on_resume(tmp_path, template_data):
+    """Issue 27: values changed in train.csv at the same byte size resumed silently (the run's
+    identity held the files' names and sizes only) and trained on the new data."""
+    out, args = template_run(tmp_path, template_data)
+    train_csv = tmp_path / "data" / "train.csv"
+    data = train_csv.read_bytes()
+    row = data.splitlines()[1]
+    x0, rest = row.split(b",", 1)  # a feature, not y: the template records y's mean
+    edited = x0.replace(b"1", b"7").replace(b"2", b"1") + b"," + rest  # same length
+    assert edited != row and len(edited) == len(row)
+    train_csv.write_bytes(data.replace(row, edited, 1))
+    assert train_csv.stat().st_size == len(data)
+    before = snapshot(out)
+    result = run_recipe([*args, "--resume", "latest"], cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stderr
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert f"--data {tmp_path / 'data'}: its files' contents differ from the data" in line
+    assert "step_16 was trained on" in line and "--output-dir" in line
+    assert snapshot(out) == before  # nothing trained, saved, exported or logged
+
+
+def test_resuming_an_older_checkpoint_is_refused_unless_told_to_move_later_results_aside(
+    tmp_path, template_data
+):
+    """Issue 27: `--resume .../step_8` of a finished run trained on and overwrote the run's
+    later checkpoints and its export."""
+    out, args = template_run(tmp_path, template_data)
+    older = out / "checkpoints" / "step_8"
+    before = snapshot(out)
+    result = run_recipe([*args, "--resume", str(older)], cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stderr
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert f"--resume {older}: {out} holds later results of this run" in line
+    assert "(step_12, step_16, the export of step 16 (" in line
+    assert "--overwrite-later" in line and "--resume latest" in line
+    assert snapshot(out) == before
+
+    result = run_recipe([*args, "--resume", str(older), "--overwrite-later"], cwd=tmp_path)
+    assert "moved aside" in result.stdout
+    assert [p.name for p in list_checkpoints(out)] == ["step_4", "step_8", "step_12", "step_16"]
+    # the same trajectory again: the new export equals the one moved aside, bit for bit
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("model.replaced-")]
+    assert (aside / "model.safetensors").read_bytes() == before["model/model.safetensors"]
+    assert exported_params(out).keys() == load_file(str(aside / "model.safetensors")).keys()
+    assert all(
+        (exported_params(out)[k] == load_file(str(aside / "model.safetensors"))[k]).all()
+        for k in exported_params(out)
+    )
+    moved = sorted(p.name.split(".")[0] for p in (out / "checkpoints").glob("step_*.replaced-*"))
+    assert moved == ["step_12", "step_16"]
+
+
+def test_overwrite_with_resume_is_refused_naming_both_flags(run, tmp_path):  # noqa: F811
+    with pytest.raises(
+        ConfigError, match=r"^--overwrite starts a new run; it cannot go with --resume$"
+    ):
+        run(resume="latest", overwrite=True)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_overwrite_later_without_resume_is_refused(run, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"^--overwrite-later goes with --resume CHECKPOINT"):
+        run(overwrite_later=True)
+    assert not (tmp_path / "checkpoints").exists()
