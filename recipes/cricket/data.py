@@ -721,7 +721,7 @@ class CricketGraphs(Dataset):
 
     def collate(self, indices: list[int]) -> HeteroData:
         """A batch of graphs as one HeteroData, equal to PyG's batching of `graph(i)` for each
-        (tests/test_cricket.py), built at once: the 167 edge types of one-node context edges
+        (tests/recipes/cricket/), built at once: the 167 edge types of one-node context edges
         make PyG's per-graph batching about 7 ms a graph."""
         index = np.asarray(indices, dtype=np.int64)
         baseline = self.baseline[index].astype(np.float32)

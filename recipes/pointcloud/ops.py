@@ -14,7 +14,7 @@ takes flat batches, its `radius` returns neighbours in no guaranteed order; pyto
 `ball_query` fills a short neighbourhood with -1 and its `sample_farthest_points` is a CPU/CUDA
 extension that has no wheel for every platform the recipe runs on. None of them has the
 original's short-neighbourhood fill, so the recipe keeps its own ~150 lines, tested against
-brute-force references (tests/test_pointcloud_ops.py).
+brute-force references (tests/recipes/pointcloud/test_ops.py).
 
 The original's pure-PyTorch fallback (modules/functional/cpu_backend.py) is NOT the reference
 here: it starts sampling at a random point, sorts ball neighbours by distance and fills with the
