@@ -134,6 +134,19 @@ def plan_batch(
     return plan
 
 
+# The batch flags' meaning, declared once: a recipe's settings (accel_common.options.TrainArgs)
+# and the `accel-recipes plan` and `doctor` commands all take their help from here.
+BATCH_FLAG_HELP = {
+    "bs": "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "
+    "Give this or --per-device-bs, not both.",
+    "per_device_bs": "Batch on EACH device per forward pass; the global batch grows with the "
+    "number of processes. Give this or --bs, not both.",
+    "grad_accum": "Micro-batches accumulated per optimizer step.",
+    "max_per_device_bs": "Memory cap on the per-device batch: anything above it becomes gradient "
+    "accumulation, keeping the global batch.",
+}
+
+
 @dataclass(frozen=True)
 class BatchRequest:
     """The batch as asked for (--bs or --per-device-bs, --grad-accum, --max-per-device-bs): a

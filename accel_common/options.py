@@ -29,7 +29,7 @@ from accelerate.utils import KwargsHandler
 from torch.utils.data import DataLoader, Dataset
 
 import accel_common.accelerator
-from accel_common.batching import BatchPlan, BatchRequest
+from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
 from accel_common.command_line import (
     CLI_ONLY,
     CLI_PARAMETERS,
@@ -76,29 +76,25 @@ class TrainArgs(Settings):
     )
     bs: int | None = setting(
         None,
-        "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "
-        "Give this or --per-device-bs, not both.",
+        BATCH_FLAG_HELP["bs"],
         min=1,
         adjustable=True,  # the global batch it gives is part of the identity, recorded apart
     )
     per_device_bs: int | None = setting(
         None,
-        "Batch on EACH device per forward pass; the global batch grows with the number of "
-        "processes. Give this or --bs, not both.",
+        BATCH_FLAG_HELP["per_device_bs"],
         min=1,
         adjustable=True,
     )
     max_per_device_bs: int | None = setting(
         None,
-        "Memory cap on the per-device batch: anything above it becomes gradient accumulation, "
-        "keeping the global batch. 'auto': the largest batch that fits this device, from "
+        BATCH_FLAG_HELP["max_per_device_bs"]
+        + " 'auto': the largest batch that fits this device, from "
         "`accel-recipes plan --measure RECIPE` (runs/memory/RECIPE.json).",
         adjustable=True,
         cli_type=str | None,  # a number or 'auto', resolved before the run starts
     )
-    grad_accum: int = setting(
-        1, "Micro-batches accumulated per optimizer step.", min=1, adjustable=True
-    )
+    grad_accum: int = setting(1, BATCH_FLAG_HELP["grad_accum"], min=1, adjustable=True)
     lr: float = setting(
         1e-3,
         "Peak learning rate at the reference global batch --ref-bs. May change on a resume (to "

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from accel_common.batching import BatchPlanError, BatchRequest
+from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import require_export_target, write_export
@@ -36,24 +37,22 @@ TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
 GUIDE_REF_BS, GUIDE_REF_LR = 32, 1e-3  # `plan` without flags
 
 
+def batch_option(name: str, default: int | None = None) -> Any:
+    """A batch flag as the recipes declare it (batching.BATCH_FLAG_HELP), for the plan and doctor
+    commands: the same name, meaning and bound everywhere."""
+    return typer.Option(default, f"--{name.replace('_', '-')}", help=BATCH_FLAG_HELP[name], min=1)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @exit_on_error
 def plan(
     ctx: typer.Context,
     ref_bs: int = typer.Option(None, help="Global batch the reference LR was tuned at."),
     ref_lr: float = typer.Option(None, help="LR tuned at --ref-bs."),
-    per_device_bs: int = typer.Option(
-        None,
-        help="Keep this per-GPU batch fixed; the global batch grows with the GPUs. The default "
-        "when neither this nor --bs is given: --ref-bs.",
-    ),
-    bs: int = typer.Option(
-        None, help="Keep this global batch fixed; it is split over the GPUs (and accumulation)."
-    ),
-    grad_accum: int = typer.Option(1, help="Gradient accumulation steps."),
-    max_per_device_bs: int = typer.Option(
-        None, help="Per-GPU memory cap; larger per-GPU batches become accumulation."
-    ),
+    per_device_bs: int = batch_option("per_device_bs"),
+    bs: int = batch_option("bs"),
+    grad_accum: int = batch_option("grad_accum", 1),
+    max_per_device_bs: int = batch_option("max_per_device_bs"),
     gpus: str = typer.Option("1,2,4,8,16", help="Comma-separated GPU (process) counts."),
     measure: str = typer.Option(
         None,
@@ -64,7 +63,9 @@ def plan(
         "8,16,32", help="Per-device batches to measure (2 or 3, each in a fresh process)."
     ),
 ) -> None:
-    """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count.
+    """Print global batch, per-GPU batch, accumulation and linear/sqrt-scaled LR per GPU count:
+    --bs keeps the global batch fixed as GPUs are added, --per-device-bs (the default, at --ref-bs,
+    when neither is given) the per-GPU batch.
 
     Without flags it shows a guide for --ref-bs 32 --ref-lr 1e-3 (a common Adam setting).
 
@@ -325,8 +326,8 @@ def doctor(
         None, help="Master address (default: the config's, MASTER_ADDR, else 127.0.0.1)."
     ),
     config_file: Path | None = typer.Option(None, help="Accelerate config to check against."),
-    bs: int | None = typer.Option(None, help="Global batch for the batch plan."),
-    per_device_bs: int | None = typer.Option(None, help="Per-device batch (default 32)."),
+    bs: int | None = batch_option("bs"),
+    per_device_bs: int | None = batch_option("per_device_bs"),
     check_comm: bool = typer.Option(False, help="Time a real all-reduce across local processes."),
     backend: Backend = typer.Option(Backend.auto, help="auto: nccl with GPUs, else gloo."),
     nproc: int | None = typer.Option(None, min=1, help="Processes (default: 1 per GPU, or 2)."),
@@ -336,7 +337,8 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check this machine before a distributed launch: versions, devices, master port, network
-    interfaces, launch variables, config fit; recommends a config. Exit 1 on a blocker."""
+    interfaces, launch variables, config fit; recommends a config, with the batch plan for --bs
+    or --per-device-bs (default: 32 per device). Exit 1 on a blocker."""
     options = DoctorOptions(
         port=port,
         addr=addr,
