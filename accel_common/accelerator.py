@@ -3,8 +3,8 @@
 A module named for the one object it builds, so that a reader looking for where the Accelerator
 is made finds it by name; the checks it runs before and after (devices, sharding, output folder,
 the launcher watchdog) are accel_common.launch_guard's. It takes plain values, so a script with
-its own argparse or Hydra config can call it directly; `accel_common.options.TrainArgs` maps the
-shared recipe flags onto it.
+its own argparse or Hydra config can call it directly; `accel_common.options.SharedSettings`
+maps the shared recipe flags onto it.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def plan_batch(
     return plan
 
 
-# The batch flags' meaning, declared once: a recipe's settings (accel_common.options.TrainArgs)
+# The batch flags' meaning, declared once: a recipe's settings (accel_common.options.SharedSettings)
 # and the `accel-recipes plan` and `doctor` commands all take their help from here.
 BATCH_FLAG_HELP = {
     "bs": "GLOBAL batch per optimizer step, split over all processes (and accumulation steps). "

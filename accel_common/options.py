@@ -1,12 +1,12 @@
-"""The settings every recipe shares (`TrainArgs`), and the command that adds them, a recipe's own
-settings and `--config` / `--dry-run` / `--processes` to its training function:
+"""The settings every recipe shares (`SharedSettings`), and the command that adds them, a
+recipe's own settings and `--config` / `--dry-run` / `--processes` to its training function:
 
     @dataclass
     class MySettings(Settings):
         hidden: int = setting(64, "Width of the hidden layers.", min=1)
 
     @train_command(MySettings, build_model=build_model, default_bs=64, lr=3e-3, ref_bs=64)
-    def train(args: TrainArgs, settings: MySettings) -> dict[str, float]: ...
+    def train(args: SharedSettings, settings: MySettings) -> dict[str, float]: ...
 
 `--help` lists both. Flag names follow the original codebases (`--bs`, `--lr`, `--epochs`,
 `--workers`, `--wandb-project`, ...).
@@ -58,7 +58,7 @@ class MixedPrecision(str, Enum):
 
 
 @dataclass
-class TrainArgs(Settings):
+class SharedSettings(Settings):
     """The training settings every recipe shares (its own come in a second Settings class)."""
 
     data: Path | None = setting(
@@ -376,10 +376,10 @@ def train_command(
     default_bs: int | None = None,
     default_per_device_bs: int | None = None,
     aliases: dict[str, list[str]] | None = None,
-    build_model: Callable[[TrainArgs, Any], torch.nn.Module] | None = None,
+    build_model: Callable[[SharedSettings, Any], torch.nn.Module] | None = None,
     **defaults: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make `train(args: TrainArgs, settings: S)` a Typer command with every shared flag (with
+    """Make `train(args: SharedSettings, settings: S)` a Typer command with every shared flag (with
     this recipe's `defaults`) and every field of the recipe's `settings` class as flags, plus
     `--config`, `--dry-run` and `--processes`.
 
@@ -387,11 +387,11 @@ def train_command(
     it applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
     names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
     `build_model(args, settings)` builds the network (on the `meta` device) for `--dry-run`'s
-    parameter count. The command's `resolve(**values)` gives the (TrainArgs, S) that the same
+    parameter count. The command's `resolve(**values)` gives the (SharedSettings, S) that the same
     values would give on the command line, for a recipe's Python API.
     """
     aliases = aliases or {}
-    shared_names = [f.name for f in fields(TrainArgs)]
+    shared_names = [f.name for f in fields(SharedSettings)]
     own_names = [f.name for f in fields(settings)]
     unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(own_names) | (
         {"bs", "per_device_bs"} & set(defaults)
@@ -405,10 +405,10 @@ def train_command(
         if default_bs is not None
         else f" Default when neither is given: --per-device-bs {default_per_device_bs}."
     )
-    meta = {f.name: f.metadata for f in fields(TrainArgs)}
+    meta = {f.name: f.metadata for f in fields(SharedSettings)}
     helps = {name: meta[name]["help"] + default_note for name in ("bs", "per_device_bs")}
 
-    def resolve(values: dict[str, Any], recipe: str) -> tuple[TrainArgs, Any]:
+    def resolve(values: dict[str, Any], recipe: str) -> tuple[SharedSettings, Any]:
         values = dict(values)
         # None: this recipe's default (a Python API passes every argument, unset ones as None)
         shared = {name: values.pop(name, None) for name in shared_names}
@@ -422,7 +422,7 @@ def train_command(
             shared["max_per_device_bs"] = parse_max_per_device_bs(
                 str(cap), recipe, memory_flags(own.as_config(), shared.get("mixed_precision"))
             )
-        args = TrainArgs.from_config(shared)
+        args = SharedSettings.from_config(shared)
         if args.bs is None and args.per_device_bs is None:
             args.bs, args.per_device_bs = default_bs, default_per_device_bs
         args.validate()
@@ -431,7 +431,7 @@ def train_command(
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
         own_params = settings_parameters(settings, defaults, aliases, {})
-        shared_params = settings_parameters(TrainArgs, defaults, aliases, helps)
+        shared_params = settings_parameters(SharedSettings, defaults, aliases, helps)
         params = own_params + shared_params + CLI_PARAMETERS
         annotations = {p.name: p.annotation for p in params}
 

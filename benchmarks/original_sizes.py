@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel_common.options import TrainArgs
+from accel_common.options import SharedSettings
 from accel_common.settings import read_config_file
 from recipes import load_recipe
 
@@ -47,7 +47,7 @@ class Workload:
 SMOKE_BATCH = 2  # per-device batch of every workload under --smoke
 
 
-def preset(name: str, smoke: bool = False, **small: Any) -> tuple[ModuleType, TrainArgs, Any]:
+def preset(name: str, smoke: bool = False, **small: Any) -> tuple[ModuleType, SharedSettings, Any]:
     """Recipe `name`, its shared arguments and its settings: at its original preset
     (recipes/NAME/configs/original.yaml), or with `smoke` at the recipe's defaults (sized for a
     CPU) changed by `small`. The recipe resolves them itself: the sizes live in one place."""
@@ -55,7 +55,7 @@ def preset(name: str, smoke: bool = False, **small: Any) -> tuple[ModuleType, Tr
     if smoke:
         return recipe, *recipe.train.resolve(**small)
     config = Path(recipe.__file__).parent / name / "configs" / "original.yaml"
-    names = [f.name for f in fields(TrainArgs)] + [
+    names = [f.name for f in fields(SharedSettings)] + [
         f.name for f in fields(recipe.train.settings_class)
     ]
     return recipe, *recipe.train.resolve(**read_config_file(config, names))

@@ -51,7 +51,7 @@ from accel_common.errors import ConfigError
 from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split
@@ -92,7 +92,7 @@ class CaptioningSettings(Settings):
         return {name: getattr(self, name) for name in NETWORK}
 
 
-def build_model(args: TrainArgs, settings: CaptioningSettings) -> Captioner:
+def build_model(args: SharedSettings, settings: CaptioningSettings) -> Captioner:
     """The network for `--dry-run`: its vocabulary counted from --data's training captions (a
     tokenizer trained on them, as the run does), or the example's."""
     vocab_size = EXAMPLE_VOCAB
@@ -174,7 +174,7 @@ def evaluate(
     weight_decay=1e-5,
     output_dir=Path("runs/captioning"),
 )
-def train(args: TrainArgs, settings: CaptioningSettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float]:
     """Train the image captioner (ViT encoder, causal decoder) on captioned images."""
     scaler = GradScalerKwargs(
         init_scale=settings.init_scale, growth_interval=settings.growth_interval

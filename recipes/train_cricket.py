@@ -54,7 +54,7 @@ from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
@@ -224,7 +224,7 @@ def start_from(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -
     model.load_state_dict(state, strict=True)
 
 
-def build_model(args: TrainArgs, settings: CricketSettings) -> nn.Module:
+def build_model(args: SharedSettings, settings: CricketSettings) -> nn.Module:
     """The network for `--dry-run`, before any data is read: embeddings sized by the example's
     vocabulary, or with --data by the full T20 download's."""
     return network(settings, T20_DOWNLOAD_VOCAB if args.data else example_vocab_sizes())
@@ -274,7 +274,7 @@ def evaluate(
 
 def prepare_data(
     accelerator: Accelerator,
-    args: TrainArgs,
+    args: SharedSettings,
     settings: CricketSettings,
     vocab: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
@@ -323,7 +323,7 @@ def prepare_data(
     clip_grad=1.0,
     output_dir=Path("runs/cricket"),
 )
-def train(args: TrainArgs, settings: CricketSettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     """Train the heterogeneous GNN on Cricsheet match JSON (or a simulated example)."""
     # the original's network updates every node type in every block but reads out only the query
     # (and, in the Full model, the actors): the last block's other convolutions get no gradient,

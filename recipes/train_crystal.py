@@ -65,7 +65,7 @@ from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_exported, load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from recipes.crystal.data import (
     TARGET_HELP,
@@ -188,7 +188,7 @@ def evaluate(
 # --------------------------------------------------------------------------- training
 
 
-def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer | EComformer:
+def build_model(args: SharedSettings | None, settings: CrystalSettings) -> Comformer | EComformer:
     """The network the settings describe; it needs no data, so --dry-run builds the same one."""
     network = build_network(
         settings.model,
@@ -215,7 +215,7 @@ def build_model(args: TrainArgs | None, settings: CrystalSettings) -> Comformer 
     output_dir=Path("runs/crystal"),
     aliases={"data": ["--extxyz"]},
 )
-def train(args: TrainArgs, settings: CrystalSettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     """Train the crystal graph transformer on an extended XYZ file (or a generated example)."""
     # synchronised BatchNorms keep their running statistics equal on every process (and the
     # other buffers are constants): DDP's broadcast of them before every forward would be one

@@ -50,7 +50,7 @@ from accel_common.errors import ConfigError, DataError
 from accel_common.export import export_paths, inference_device, load_exported, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
 from recipes.pointcloud.diffusion import Diffusion, checked_sample_steps, checked_sampler
@@ -178,7 +178,7 @@ class PointCloudSettings(Settings):
 # --------------------------------------------------------------------------- training
 
 
-def build_model(args: TrainArgs | None, settings: PointCloudSettings) -> PVCNN2:
+def build_model(args: SharedSettings | None, settings: PointCloudSettings) -> PVCNN2:
     """The network these settings describe (for training, `--dry-run` and the export)."""
     return network(settings)
 
@@ -239,7 +239,7 @@ def csv_folder(data: Path, flag: str, split: str) -> Path:
     output_dir=Path("runs/pointcloud"),
     aliases={"data": ["--path"], "epochs": ["--niter"]},
 )
-def train(args: TrainArgs, settings: PointCloudSettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
     if args.data is not None:  # the original passes train.csv
         args.data = csv_folder(args.data, "--data/--path", "train")

@@ -57,7 +57,7 @@ from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from recipes.quality.data import (
     GOLD_PAIR,
@@ -347,7 +347,7 @@ def gold_votes(
     return records, torch.tensor([etas[who] for who in annotators])
 
 
-def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
+def build_model(args: SharedSettings, settings: QualitySettings) -> QualityScorer:
     """The network for --dry-run: one reliability per annotator folder of --data (or file of
     the flat layout), else per annotator of the example."""
     annotators = len(ANNOTATORS)
@@ -370,7 +370,7 @@ def build_model(args: TrainArgs, settings: QualitySettings) -> QualityScorer:
     output_dir=Path("runs/quality"),
     aliases={"per_device_bs": ["--batch-size"]},
 )
-def train(args: TrainArgs, settings: QualitySettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     """Train the Crowd-BT quality scorer on pairwise comparisons (or a generated example).
 
     --data takes the original project's folder as it is: DATA/<annotator>/comparison_data.json

@@ -50,7 +50,7 @@ from accel_common.data.files import read_numeric_csv
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
-from accel_common.options import TrainArgs, model_option, train_command
+from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 
 RECIPE = "template"
@@ -130,7 +130,7 @@ class MLPRegressor(nn.Module):
         return self.net(x)
 
 
-def build_model(args: TrainArgs, settings: MLPSettings) -> MLPRegressor:
+def build_model(args: SharedSettings, settings: MLPSettings) -> MLPRegressor:
     """The network for `--dry-run`: as wide as --data's feature columns (or the example's)."""
     features = FEATURES
     if args.data is not None and (args.data / "train.csv").is_file():
@@ -176,7 +176,7 @@ def evaluate(
     epochs=20,
     output_dir=Path("runs/template"),
 )
-def train(args: TrainArgs, settings: MLPSettings) -> dict[str, float]:
+def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     """Train the template MLP regressor on CSV data (or a generated example)."""
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)

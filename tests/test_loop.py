@@ -92,7 +92,7 @@ def run(tmp_path):
 def open_loop(
     accelerator, plan, loader, schedule, config, out, start, saves, clip_grad=0.0, **stopping
 ) -> TrainLoop:
-    """The run and its loop, as TrainArgs.make_loop opens them."""
+    """The run and its loop, as SharedSettings.make_loop opens them."""
     policy = LoopPolicy(saves, clip_grad, early_stopping=EarlyStopping(**stopping))
     run = Run.open(
         accelerator, plan, schedule, config, output_dir=out, start=start,

@@ -15,7 +15,7 @@ from accel_common.accelerator import make_accelerator
 from accel_common.batching import BatchRequest
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import require_writable_output_dir
-from accel_common.options import TrainArgs
+from accel_common.options import SharedSettings
 from tests.processes import POINTCLOUD, QUALITY, TEMPLATE
 
 OUT_OF_RANGE = [
@@ -29,11 +29,11 @@ OUT_OF_RANGE = [
 @pytest.mark.parametrize(("name", "value"), OUT_OF_RANGE)
 def test_out_of_range_flags_are_refused_by_name(name, value):
     with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')} {value}: give"):
-        TrainArgs(**{name: value}).validate()
+        SharedSettings(**{name: value}).validate()
 
 
 def test_the_defaults_are_valid():
-    TrainArgs().validate()
+    SharedSettings().validate()
 
 
 def recipe_app(path: Path) -> typer.Typer:

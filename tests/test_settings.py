@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from accel_common.errors import ConfigError
-from accel_common.options import TrainArgs
+from accel_common.options import SharedSettings
 from accel_common.settings import Settings, setting
 from accel_common.tools import example_data
 from accel_common.tracking import PACKAGES, TRACKERS, parse_report_to
@@ -59,7 +59,7 @@ def test_a_declaration_round_trips_through_a_recorded_config():
 
 
 def test_what_changes_the_math_is_in_the_identity_and_cadence_is_not():
-    adjustable = TrainArgs.adjustable()
+    adjustable = SharedSettings.adjustable()
     assert {"log_every", "save_every", "workers", "output_dir", "report_to"} <= adjustable
     assert {"epochs", "max_steps", "lr"} <= adjustable  # may change on a resume, which says so
     assert not {"seed", "ref_bs", "schedule", "weight_decay", "mixed_precision"} & adjustable

@@ -36,7 +36,7 @@ from accel_common.memory import (
     memory_flags,
     present_device,
 )
-from accel_common.options import TrainArgs
+from accel_common.options import SharedSettings
 
 GPU_SIZES_GB = (24, 40, 80, 141)
 # flags each measurement sets itself: the batch, a short run, a throw-away output folder
@@ -150,7 +150,7 @@ def measure(recipe: str, argv: list[str], batches: list[int]) -> tuple[MemoryFit
             f"memory did not grow with the batch (peaks {peaks} at batches {batches}); measure "
             "at larger batches (--measure-bs)"
         )
-    shared = {f.name for f in fields(TrainArgs)} | set(CLI_ONLY)
+    shared = {f.name for f in fields(SharedSettings)} | set(CLI_ONLY)
     own = {k: v for k, v in params.items() if k not in shared}
     total = present_device()[2]  # the probes ran on this process's device
     fit = MemoryFit(

@@ -18,7 +18,7 @@ import torch
 import recipes.train_crystal as recipe
 from accel_common.entry import train_in_python
 from accel_common.errors import ConfigError
-from accel_common.options import TrainArgs
+from accel_common.options import SharedSettings
 from accel_common.settings import flag, read_config_file
 
 # what an argument left out takes: the original's preset (its API's defaults: lr 1e-3, batch 64,
@@ -32,7 +32,9 @@ PRESETS = {
 
 
 def original_defaults(model_name: str = "iComformer") -> dict[str, Any]:
-    names = [f.name for f in fields(recipe.CrystalSettings)] + [f.name for f in fields(TrainArgs)]
+    names = [f.name for f in fields(recipe.CrystalSettings)] + [
+        f.name for f in fields(SharedSettings)
+    ]
     return read_config_file(preset(model_name), names)
 
 
