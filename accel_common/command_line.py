@@ -110,6 +110,7 @@ def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]
         if name in given:
             continue
         if value is not None:
+            refuse_wrong_kind(path, name, base_type(annotations[name]), value)
             try:
                 value = params[name].process_value(ctx, value)
             except typer.BadParameter as err:
@@ -117,3 +118,21 @@ def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]
                 raise ConfigError(f"--config {path}: {name.replace('_', '-')}: {message}") from None
         out[name] = convert(annotations[name], value)
     return out
+
+
+def refuse_wrong_kind(path: Path, name: str, kind: Any, value: Any) -> None:
+    """Click's conversions take what the command line cannot give: `true` as the number 1, `1.5`
+    cut to 1 for a whole number, `1` as on for a switch. A file's value is held to the flag's own
+    rules: a switch takes true or false, no other setting takes a boolean and a whole number
+    takes no fraction."""
+    key = f"--config {path}: {name.replace('_', '-')}: {value!r}"
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} is not a boolean; give true or false as for {flag(name)}")
+    if kind is not bool and isinstance(value, bool):
+        what = "a number" if kind in (int, float) else "the value in quotes ('no')"
+        raise ConfigError(
+            f"{key} is a boolean (YAML reads true, false, yes, no, on and off as one); give "
+            f"{what} as for {flag(name)}"
+        )
+    if kind is int and isinstance(value, float):
+        raise ConfigError(f"{key} is not a whole number; give one as for {flag(name)}")

@@ -83,6 +83,12 @@ def test_config_file_sets_values_and_the_command_line_wins(tmp_path):
         ("hidden: abc\n", r"hidden: Invalid value for '--hidden'"),
         ("hidden: 0\n", r"hidden: Invalid value for '--hidden'"),
         ("schedule: cosin\n", r"schedule: Invalid value for '--schedule'.*'cosine'"),
+        # a value the command line refuses is refused from the file too, not read as 1 or True
+        ("hidden: true\n", r"hidden: True is a boolean .*; give a number as for --hidden$"),
+        ("lr: false\n", r"lr: False is a boolean .*; give a number as for --lr$"),
+        ("hidden: 16.5\n", r"hidden: 16.5 is not a whole number; give one as for --hidden$"),
+        ("deterministic: 1\n", r"deterministic: 1 is not a boolean; give true or false as for"),
+        ("mixed-precision: no\n", r"mixed-precision: False is a boolean .*in quotes \('no'\)"),
         ("- lr\n", r"expected a mapping of flag names to values"),
         ("lr: [1\n", r"is not readable YAML"),
     ],
