@@ -62,24 +62,26 @@ def exit_when_launcher_dies(poll_seconds: float = 0.2) -> None:
 
 
 def require_requested_devices(cpu: bool) -> None:
-    """Refuse a multi-process launch that asks for GPUs on a machine without any.
+    """Refuse a launch that asks for GPUs on a machine without any, one process or several.
 
     `accelerate launch` with a GPU config (use_cpu: false) on a CPU-only machine starts one CPU
-    process per GPU it was told about, silently. Its workers cannot tell: the multi-GPU launcher
-    sets ACCELERATE_USE_CPU only on its single-process path, and the environments it gives the
-    workers of 2gpu.yaml and cpu_2proc.yaml differ in nothing but ACCELERATE_MIXED_PRECISION. So
-    the request is read where it was made, from the launcher's command line and the config it
-    names (`launcher_gpu_request`). `accel-recipes doctor --config-file` calls the same configs
-    a blocker (`config_asks_for_gpus`).
+    process per GPU it was told about, silently (with 1gpu.yaml, one process in bf16). Its workers
+    cannot tell: the multi-GPU launcher sets ACCELERATE_USE_CPU only on its single-process path,
+    and the environments it gives the workers of 2gpu.yaml and cpu_2proc.yaml differ in nothing
+    but ACCELERATE_MIXED_PRECISION. So the request is read where it was made, from the
+    launcher's command line and the config it names (`launcher_gpu_request`). `accel-recipes
+    doctor --config-file` calls the same configs a blocker (`config_asks_for_gpus`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2 or not cpu or torch.accelerator.is_available():
+    if not cpu or torch.accelerator.is_available():
         return
     request = launcher_gpu_request()
     if request is not None:
+        gpus = "1 GPU" if world == 1 else f"{world} GPUs"
+        cpu_config = "1cpu.yaml" if world == 1 else "cpu_2proc.yaml"
         raise ConfigError(
-            f"this launch asks for {world} GPUs ({request}): none is visible, so every process "
-            "would train on the CPU; use accelerate_configs/cpu_2proc.yaml (or "
+            f"this launch asks for {gpus} ({request}): none is visible, so every process "
+            f"would train on the CPU; use accelerate_configs/{cpu_config} (or "
             "ACCELERATE_USE_CPU=true accelerate launch ...) on a CPU, or launch on a machine "
             "with GPUs"
         )
@@ -90,9 +92,13 @@ GPU_DISTRIBUTED_TYPES = frozenset({"MULTI_GPU", "FSDP", "DEEPSPEED"})
 
 
 def config_asks_for_gpus(config: dict[str, Any]) -> bool:
-    """Whether an accelerate config (its YAML as a dict) starts its processes on GPUs."""
+    """Whether an accelerate config (its YAML as a dict) starts its processes on GPUs: a
+    multi-GPU type, or one process with `use_cpu: false` written out (1gpu.yaml; `accelerate
+    config` writes `use_cpu: true` on a machine without an accelerator)."""
+    if bool(config.get("use_cpu", False)):
+        return False
     kind = str(config.get("distributed_type", "NO"))
-    return kind in GPU_DISTRIBUTED_TYPES and not bool(config.get("use_cpu", False))
+    return kind in GPU_DISTRIBUTED_TYPES or (kind == "NO" and config.get("use_cpu") is False)
 
 
 def launcher_gpu_request() -> str | None:
@@ -104,7 +110,8 @@ def launcher_gpu_request() -> str | None:
     arguments are read with Accelerate's own parser, and the config it loads is the file given
     with --config_file (relative to its working folder) or Accelerate's default config.
     """
-    if "LOCAL_RANK" not in os.environ:
+    # a multi-process launcher sets LOCAL_RANK; its one-process path, ACCELERATE_USE_CPU
+    if "LOCAL_RANK" not in os.environ and "ACCELERATE_USE_CPU" not in os.environ:
         return None
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return None

@@ -133,30 +133,51 @@ def test_the_default_config_counts_when_no_config_file_is_given(monkeypatch, tmp
         launch_guard.require_requested_devices(cpu=True)
 
 
-def test_one_process_and_plain_python_are_never_refused(monkeypatch, tmp_path):
-    as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", "8gpu.yaml", *SCRIPT], world=1)
-    launch_guard.require_requested_devices(cpu=True)
+def test_plain_python_is_never_refused(monkeypatch, tmp_path):
+    as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", "8gpu.yaml", *SCRIPT])
     monkeypatch.delenv("LOCAL_RANK")
-    monkeypatch.setenv("WORLD_SIZE", "2")
     launch_guard.require_requested_devices(cpu=True)  # no launcher: nothing was asked for
+
+
+def as_one_process_worker(monkeypatch, tmp_path: Path, config: str, use_cpu: str) -> None:
+    """This process as `accelerate launch --config_file CONFIG`'s one process: its simple launcher
+    sets no LOCAL_RANK or WORLD_SIZE, but ACCELERATE_USE_CPU from the config (True or False)."""
+    as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", str(CONFIGS / config), *SCRIPT])
+    for key in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", use_cpu)
+
+
+def test_one_gpu_config_on_a_cpu_is_refused_like_the_multi_gpu_ones(monkeypatch, tmp_path):
+    """1gpu.yaml without a GPU used to train on the CPU in bf16 and exit 0."""
+    as_one_process_worker(monkeypatch, tmp_path, "1gpu.yaml", "False")
+    with pytest.raises(ConfigError) as refused:
+        launch_guard.require_requested_devices(cpu=True)
+    assert str(refused.value).startswith(
+        "this launch asks for 1 GPU (config 1gpu.yaml): none is visible, so every process would "
+        "train on the CPU; use accelerate_configs/1cpu.yaml"
+    )
+    as_one_process_worker(monkeypatch, tmp_path, "1cpu.yaml", "True")
+    launch_guard.require_requested_devices(cpu=True)
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_the_doctor_calls_a_blocker_exactly_what_a_launch_refuses(config, monkeypatch, tmp_path):
     """`accel-recipes doctor --config-file` and the recipes' launch guard agree on every config
-    shipped: a multi-process config that asks for GPUs, on a machine without any."""
+    shipped: one that asks for GPUs (one or several), on a machine without any."""
     settings = yaml.safe_load(config.read_text())
     _, problems = check_config(settings, config, {}, gpus=0, ipv4=[])
     blocked = any("but none is visible" in p.message for p in problems if p.severity == "blocker")
-    as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", str(config), *SCRIPT])
+    world = int(settings.get("num_processes", 1))
+    as_worker(monkeypatch, tmp_path, [*ACCELERATE, "--config_file", str(config), *SCRIPT], world)
     try:
         launch_guard.require_requested_devices(cpu=True)
         refused = False
     except ConfigError:
         refused = True
-    multi_process = int(settings.get("num_processes", 1)) > 1
     assert blocked == launch_guard.config_asks_for_gpus(settings)
-    assert refused == (blocked and multi_process)
+    assert refused == blocked
+    assert blocked == (config.name not in ("1cpu.yaml", "cpu_2proc.yaml"))
 
 
 def test_an_output_file_is_checked_and_its_folder_made_before_the_work(tmp_path):
