@@ -10,7 +10,7 @@ import errno
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +67,26 @@ def export_paths(target: Path) -> tuple[Path, Path]:
 
 def require_export_target(target: Path, force: bool) -> Path:
     """The weights file an export to `target` writes, checked before anything is read: not under
-    a file, and not over an export unless `force`."""
-    model_path, _ = export_paths(target)
+    a file, and neither it nor its JSON over existing files unless `force`."""
+    model_path, meta_path = export_paths(target)
     if model_path.parent.exists() and not model_path.parent.is_dir():
         raise CheckpointError(
             f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
             "NAME.safetensors path"
         )
-    if model_path.exists() and not force:
-        raise CheckpointError(f"{model_path} exists; pass --force to overwrite it")
+    require_new_files([model_path, meta_path], force)
     return model_path
+
+
+def require_new_files(paths: Iterable[Path], force: bool) -> None:
+    """Never replace a file unless `force`: the one the user named, nor any a command writes
+    beside it (the export's JSON, a vocabulary, an original's config.json), which may belong to
+    another export in the same folder. Checked before anything is written."""
+    if force:
+        return
+    for path in paths:
+        if path.exists():
+            raise CheckpointError(f"{path} exists; pass --force to overwrite it")
 
 
 def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:

@@ -14,7 +14,7 @@ from rich.table import Table
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
-from accel_common.export import require_export_target, write_export
+from accel_common.export import require_export_target, require_new_files, write_export
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench.report import run_benchmark
 from accel_common.tools.doctor.base import Backend, DoctorOptions
@@ -177,7 +177,9 @@ def convert(
     recipe: str = typer.Option("unknown", help="Recipe name recorded in the JSON."),
     model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
     force: bool = typer.Option(
-        False, help="Overwrite an existing export (OUTPUT/model.safetensors or NAME.safetensors)."
+        False,
+        help="Overwrite existing files: the export (OUTPUT/model.safetensors or NAME.safetensors), "
+        "and what is written beside it (its JSON, a vocabulary, an original's config.json).",
     ),
     from_original: str | None = typer.Option(
         None,
@@ -195,7 +197,8 @@ def convert(
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
     OUTPUT is a folder (it gets model.safetensors + model.json) or a file NAME.safetensors (written
-    as named, with NAME.json beside it); an existing export is kept unless --force is given.
+    as named, with NAME.json beside it); no existing file is replaced, the one named nor any written
+    beside it (a vocabulary, an original's config.json), unless --force is given.
 
     Strips `module.`, `model.module.` and `_orig_mod.` prefixes in any nesting, unwraps
     `model_state` / `state_dict` / `model` wrappers, merges FSDP's per-rank shards
@@ -206,13 +209,15 @@ def convert(
         raise RecipeError("give --from or --to, not both")
     if to_original:
         _, module = converter(to_original)
-        if output.exists() and not force:
-            raise RecipeError(f"{output} exists; pass --force to overwrite it")
+        if output.is_dir():
+            raise RecipeError(f"{output} is a folder; --to writes a file, e.g. {output}/model.pt")
+        side_files = getattr(module, "side_files", None)
+        require_new_files([output, *(side_files(source, output) if side_files else [])], force)
         console.print(f"wrote {module.export_checkpoint(source, output)}")
         return
     if from_original:
         recipe, module = converter(from_original)
-        require_export_target(output, force)
+        model_path = require_export_target(output, force)
         state, config = module.import_checkpoint(source)
         metadata = {
             "recipe": recipe,
@@ -223,6 +228,7 @@ def convert(
         # is written
         extras = getattr(module, "export_files", None)
         files = extras(source) if extras else {}
+        require_new_files([model_path.parent / name for name in files], force)
         path = write_export(state, output, metadata)
         for name, text in files.items():
             (path.parent / name).write_text(text)

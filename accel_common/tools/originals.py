@@ -10,6 +10,11 @@ the original (`ORIGINAL = "pcdiff"`) and defines
         this recipe's export as a file the original's code loads
     export_files(source: Path) -> dict[str, str]   (optional)
         {file name: text} written beside the imported export (e.g. the original's vocabulary)
+    side_files(model_dir: Path, target: Path) -> list[Path]   (optional)
+        the files export_checkpoint writes beside `target` (e.g. the original's config.json)
+
+`convert` replaces none of these, nor the file named, unless --force (they may belong to another
+export in the same folder).
 
 Found by where it lives, like make-data's generators: adding an original edits no registry, and
 listing the names reads the files without importing any recipe.

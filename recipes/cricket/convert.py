@@ -186,6 +186,21 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return {k: v.contiguous() for k, v in state.items()}, config
 
 
+def name_vocabulary(model_dir: Path) -> tuple[Path, dict[str, Any] | None]:
+    """The export's vocab.json and its contents when it keys players by name, as the original's
+    EntityMapper does (only one imported from cricketmodel does), else None."""
+    model_dir = Path(model_dir)
+    vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
+    vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
+    return vocab_path, vocab if vocab.get("player_key") == "name" else None
+
+
+def side_files(model_dir: Path, target: Path) -> list[Path]:
+    """What `--to` writes beside `target`: the original's entity_mapper.pkl, when the export has
+    a vocabulary of names (accel_common.tools.cli refuses to replace it without --force)."""
+    return [Path(target).parent / MAPPER_FILE] if name_vocabulary(model_dir)[1] is not None else []
+
+
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as a checkpoint cricketmodel's code loads
     (`model.load_state_dict(torch.load(target)['model_state_dict'])`, its ModelConfig at
@@ -217,9 +232,8 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, target)
-    vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
-    vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
-    if vocab.get("player_key") == "name":
+    vocab_path, vocab = name_vocabulary(model_dir)
+    if vocab is not None:
         write_mapper(vocab, target.parent / MAPPER_FILE)
     else:  # this recipe keys players by Cricsheet registry id, the original's code by name
         print(

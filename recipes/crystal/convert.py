@@ -122,6 +122,12 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return model.state_dict(), config
 
 
+def side_files(model_dir: Path, target: Path) -> list[Path]:
+    """What `--to` writes beside `target`: the original's config.json (accel_common.tools.cli
+    refuses to replace it without --force)."""
+    return [Path(target).parent / CONFIG]
+
+
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as `best_model.pt` (`{"model": state_dict}`) and the `config.json`
     beside it that the original's `ComformerPredictor.from_checkpoint` reads."""

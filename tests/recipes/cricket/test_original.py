@@ -254,3 +254,40 @@ def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_li
     with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
         train_here([*args, "--hidden", "16"], tmp_path / "wrong")
     assert "\n" not in str(err.value) and "has shape" in str(err.value)
+
+
+def test_convert_never_replaces_a_file_beside_the_one_named(tmp_path):
+    """`--from cricketmodel` into OUT/a.safetensors, then OUT/b.safetensors, replaced A's
+    vocab.json; `--to cricketmodel` of two exports into one folder, the first's
+    entity_mapper.pkl. Each is refused naming the file, and --force replaces it."""
+    from typer.testing import CliRunner
+
+    from accel_common.tools.cli import app
+    from recipes.cricket.convert import MAPPER_FILE
+
+    source = original_checkpoint(tmp_path, "CricketHeteroGNN")
+    (tmp_path / MAPPER_FILE).write_bytes((FIXTURES / MAPPER_FILE).read_bytes())
+    out = tmp_path / "out"
+
+    def convert(*argv: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, ["convert", *argv])
+        return result.exit_code, result.output.strip()
+
+    assert convert(str(source), str(out / "a.safetensors"), "--from", "cricketmodel")[0] == 0
+    vocab = (out / cricket.VOCAB_FILE).read_text()
+    code, output = convert(str(source), str(out / "b.safetensors"), "--from", "cricketmodel")
+    assert code == 2 and output.endswith(
+        f"{out / cricket.VOCAB_FILE} exists; pass --force to overwrite it"
+    ), output
+    assert not (out / "b.safetensors").exists() and not (out / "b.json").exists()
+    (out / cricket.VOCAB_FILE).write_text(vocab.replace('"name"', '"name" '))  # told apart
+    args = [str(source), str(out / "b.safetensors"), "--from", "cricketmodel", "--force"]
+    assert convert(*args)[0] == 0 and (out / cricket.VOCAB_FILE).read_text() == vocab
+    back = tmp_path / "back"
+    assert convert(str(out / "a.safetensors"), str(back / "a.pt"), "--to", "cricketmodel")[0] == 0
+    mapper = (back / MAPPER_FILE).read_bytes()
+    code, output = convert(str(out / "b.safetensors"), str(back / "b.pt"), "--to", "cricketmodel")
+    assert code == 2 and output.endswith(
+        f"{back / MAPPER_FILE} exists; pass --force to overwrite it"
+    ), output
+    assert not (back / "b.pt").exists() and (back / MAPPER_FILE).read_bytes() == mapper

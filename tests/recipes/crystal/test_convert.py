@@ -173,3 +173,29 @@ def test_ecomformer_trains_exports_predicts_and_converts_back(tmp_path):
     original = load_file(FIXTURES / "ecomformer.safetensors")
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
     assert json.loads((back.parent / "config.json").read_text())["model"]["name"] == "eComformer"
+
+
+def test_convert_to_comformer_never_replaces_a_config_json_it_was_not_given(tmp_path):
+    """Two exports converted back into one folder: the second's config.json (its target scaling)
+    would have replaced the first's, so the first's weights came back with the second's mean."""
+    exports = []
+    for name, mean in (("a", 1.5), ("b", -3.0)):
+        source = write_original_checkpoint(tmp_path / f"orig_{name}", mean_train=mean)
+        exports.append(tmp_path / f"export_{name}")
+        argv = ["convert", str(source), str(exports[-1]), "--from", "comformer"]
+        assert CliRunner().invoke(cli.app, argv).exit_code == 0
+    back = tmp_path / "back"
+    argv = ["convert", str(exports[0]), str(back / "a.pt"), "--to", "comformer"]
+    assert CliRunner().invoke(cli.app, argv).exit_code == 0
+    result = CliRunner().invoke(
+        cli.app, ["convert", str(exports[1]), str(back / "b.pt"), "--to", "comformer"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().endswith(
+        f"{back / 'config.json'} exists; pass --force to overwrite it"
+    )
+    assert json.loads((back / "config.json").read_text())["mean_train"] == 1.5
+    assert not (back / "b.pt").exists()
+    argv = ["convert", str(exports[1]), str(back / "b.pt"), "--to", "comformer", "--force"]
+    assert CliRunner().invoke(cli.app, argv).exit_code == 0
+    assert json.loads((back / "config.json").read_text())["mean_train"] == -3.0
