@@ -516,10 +516,21 @@ def compare(
     print(f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}")
 
 
+# the opsets torch.onnx's TorchScript exporter (dynamo=False) supports, ONNX_MIN_OPSET to
+# ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET (torch.onnx._constants). Below them it still writes a file:
+# at opset 5 and 6 one onnxruntime refuses to load (measured; 7 to 21 load and score as PyTorch)
+ONNX_OPSETS = (7, 20)
+
+
 def export_onnx(
     model_dir: Path = model_option(RECIPE),
     out: Path = typer.Option(..., help="ONNX file to write (scores images N x 3 x S x S)."),
-    opset: int = typer.Option(17, help="ONNX opset version."),
+    opset: int = typer.Option(
+        17,
+        min=ONNX_OPSETS[0],
+        max=ONNX_OPSETS[1],
+        help=f"ONNX opset version, {ONNX_OPSETS[0]} to {ONNX_OPSETS[1]}: what the exporter writes.",
+    ),
 ) -> None:
     """Export the scorer to ONNX, as the original's export.py offers: input `image` (N x 3 x S x
     S, normalised as the backbone's data config says), output `score` (N x 1); dynamic batch."""
@@ -541,7 +552,26 @@ def export_onnx(
         opset_version=opset,
         dynamo=False,
     )
+    check_onnx(out)
     print(f"wrote {out}")
+
+
+def check_onnx(path: Path) -> None:
+    """Load the written file once, as serving would (onnxruntime where installed, else onnx's
+    checker): one that cannot be loaded is removed and refused, never reported as written."""
+    try:
+        try:
+            import onnxruntime
+        except ImportError:
+            import onnx
+
+            onnx.checker.check_model(str(path), full_check=True)
+        else:
+            onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as err:  # any failure to load is the refusal
+        path.unlink(missing_ok=True)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"--out {path}: the ONNX file written does not load ({first})") from None
 
 
 class OnnxScorer(nn.Module):

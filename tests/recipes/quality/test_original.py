@@ -219,6 +219,33 @@ def test_the_onnx_export_scores_as_pytorch(imported, tmp_path):
     assert torch.allclose(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opset", ["5", "6", "21"])
+def test_an_opset_the_exporter_cannot_honour_is_refused_before_the_work(opset, imported, tmp_path):
+    """`export-onnx --opset 5` said "wrote", and onnxruntime refused the file (opset 6 too):
+    torch.onnx's exporter writes opsets 7 to 20 only. Refused in one line, with or without onnx."""
+    out = tmp_path / "scorer.onnx"
+    result = run_command(
+        recipe.export_onnx, ["--model", str(imported), "--out", str(out), "--opset", opset]
+    )
+    assert result.exit_code == 2, result.output
+    bound = "greater than or equal to 7" if int(opset) < 7 else "less than or equal to 20"
+    assert f"Invalid value for '--opset': Input should be {bound}" in " ".join(
+        result.output.split()
+    )
+    assert not out.exists()
+
+
+def test_an_onnx_file_that_does_not_load_is_removed_and_refused(imported, tmp_path, monkeypatch):
+    """The written file is loaded once (onnxruntime, or onnx's checker): one that cannot be is
+    never reported as written. Needs onnx (skipped without it)."""
+    pytest.importorskip("onnx")
+    out = tmp_path / "scorer.onnx"
+    monkeypatch.setattr(torch.onnx, "export", lambda *args, **kwargs: out.write_bytes(b"junk"))
+    with pytest.raises(ConfigError, match=rf"^--out {out}: the ONNX file written does not load"):
+        recipe.export_onnx(model_dir=imported, out=out, opset=17)
+    assert not out.exists()
+
+
 def test_init_from_starts_from_an_imported_checkpoint(imported):
     from recipes.quality.model import start_from
 
