@@ -410,11 +410,13 @@ def predict(
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
     require_new_file(out)
-    vocab_path = model_dir / VOCAB_FILE
+    # an export is a folder, or a .safetensors whose vocabulary lies beside it (convert's OUT)
+    vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
     if not vocab_path.is_file():
         raise DataError(
-            f"{vocab_path}: missing; export the model again with train, or convert the original's "
-            "checkpoint with its entity_mapper.pkl beside it"
+            f"--model {model_dir}: no {VOCAB_FILE} beside it ({vocab_path}); export the model "
+            "again with train, or convert the original's checkpoint with its entity_mapper.pkl "
+            "beside it"
         )
     vocab = json.loads(vocab_path.read_text())
     model = network(settings, config["vocab_sizes"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import recipes.train_cricket as recipe
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, DataError
 from recipes.cricket import data as cricket
 from tests.processes import REPO
 from tests.recipes.cricket.helpers import T20, train_here
@@ -254,6 +254,27 @@ def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_li
     with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
         train_here([*args, "--hidden", "16"], tmp_path / "wrong")
     assert "\n" not in str(err.value) and "has shape" in str(err.value)
+
+
+def test_predict_reads_the_vocabulary_beside_a_safetensors_file(tmp_path):
+    """`predict --model OUT/a.safetensors` (convert's OUT) reads OUT/vocab.json, where convert
+    wrote it; without it the error names that file, not a.safetensors/vocab.json."""
+    from typer.testing import CliRunner
+
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path, "CricketHeteroGNN")
+    (tmp_path / "entity_mapper.pkl").write_bytes((FIXTURES / "entity_mapper.pkl").read_bytes())
+    model = tmp_path / "out" / "a.safetensors"
+    result = CliRunner().invoke(app, ["convert", "--from", "cricketmodel", str(source), str(model)])
+    assert result.exit_code == 0, result.output
+    recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "p.csv")
+    assert len(list(csv.DictReader((tmp_path / "p.csv").open()))) > 0
+    (model.parent / cricket.VOCAB_FILE).unlink()
+    with pytest.raises(DataError) as err:
+        recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "q.csv")
+    assert f"({model.parent / cricket.VOCAB_FILE})" in str(err.value)
+    assert "a.safetensors/" not in str(err.value) and "\n" not in str(err.value)
 
 
 def test_convert_never_replaces_a_file_beside_the_one_named(tmp_path):
