@@ -84,6 +84,19 @@ def test_new_copies_the_template_and_never_overwrites(tmp_path):
     assert runner.invoke(app, ["new", "Bad-Name", "--dest", str(tmp_path)]).exit_code == 2
 
 
+def test_new_with_a_dest_that_is_a_file_or_under_one_is_one_line(tmp_path):
+    """`new NAME --dest FILE` ended in a traceback (mkdir on a file)."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    for dest in (file, file / "sub"):
+        result = runner.invoke(app, ["new", "skulls", "--dest", str(dest)])
+        assert result.exit_code == 2, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        assert f"{file} is a file, not a folder" in result.output
+        assert result.output.strip().startswith("error: --dest")
+    assert file.read_text() == "mine\n"
+
+
 @pytest.mark.slow
 def test_a_new_recipe_trains_out_of_the_box(tmp_path):
     runner.invoke(app, ["new", "demo", "--dest", str(tmp_path)])

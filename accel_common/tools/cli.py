@@ -15,6 +15,7 @@ from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import require_export_target, require_new_files, write_export
+from accel_common.launch_guard import require_new_file
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench.report import run_benchmark
 from accel_common.tools.doctor.base import Backend, DoctorOptions
@@ -262,8 +263,11 @@ def new(
         ("train_template.py", target.name),
     ):
         text = text.replace(old, new_text)
-    dest.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
+    require_new_file(target, "--dest")  # a --dest that is a file, or under one: one line
+    try:
+        target.write_text(text)
+    except OSError as err:
+        raise RecipeError(f"--dest {dest}: cannot write {target.name} ({err.strerror})") from None
     console.print(f"created {target}: replace the parts marked WORKLOAD, keep the loop's shape")
 
 
