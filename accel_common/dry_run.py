@@ -90,7 +90,10 @@ def print_dry_run(
         "recipe": recipe,
         "world size": f"{world} process(es)",
         "batch": plan.describe(),
-        "learning rate": lr.describe(plan.global_batch_size),
+        # --max-steps cuts the warmup as in the run (the data's length, unread here, may too)
+        "learning rate": lr.describe(
+            plan.global_batch_size, lr.run_warmup(max_steps) if max_steps else None
+        ),
         "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
         "mixed precision": mixed_precision(precision),
     }

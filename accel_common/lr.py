@@ -72,6 +72,11 @@ class LRSettings:
     def peak(self, global_batch_size: int) -> float:
         return scale_lr(self.lr, self.ref_bs, global_batch_size, self.scaling)
 
+    def run_warmup(self, total_steps: int) -> int:
+        """The warmup the run uses: --warmup-steps cut to the run's length, so a short
+        (--max-steps) run still works. The run and its --dry-run both cut it here."""
+        return min(self.warmup_steps, total_steps)
+
     def describe(self, global_batch_size: int, warmup_steps: int | None = None) -> str:
         """The banner's LR line: the peak, where it came from, and the schedule's shape
         (`warmup_steps`: as the run's length cut them, else as asked)."""
@@ -221,8 +226,7 @@ def make_lr_schedule(
         )
     if max_steps:
         total_steps = min(total_steps, max_steps)
-    # a short (--max-steps) run still works
-    warmup_steps = min(settings.warmup_steps, total_steps)
+    warmup_steps = settings.run_warmup(total_steps)
     epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch
     hold_steps = min(
         settings.hold_epochs * steps_per_epoch // plan.grad_accum_steps, total_steps - warmup_steps

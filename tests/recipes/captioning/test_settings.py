@@ -4,15 +4,18 @@ refusals naming the flag.
 
 from __future__ import annotations
 
+from unittest.mock import Mock
+
 import pytest
 import torch
 import typer
 from typer.testing import CliRunner
 
 import recipes.train_captioning as recipe
+from accel_common.lr import make_lr_schedule
 from recipes.captioning.example import write_dataset
 from recipes.captioning.model import Captioner
-from tests.processes import CAPTIONING, CAPTIONING_TINY, run_recipe
+from tests.processes import CAPTIONING, CAPTIONING_TINY, dry_run_plan, run_recipe
 
 
 def test_a_config_file_sets_flags_a_flag_overrides_it_and_a_dry_run_writes_nothing(
@@ -35,6 +38,21 @@ def test_a_config_file_sets_flags_a_flag_overrides_it_and_a_dry_run_writes_nothi
     assert "global batch 64 = 8 per device x 2 processes x 4 accumulation steps" in result.output
     assert "(--lr 0.0003 at --ref-bs 64," in result.output
     assert list(tmp_path.iterdir()) == [config]
+
+
+def test_the_dry_run_prints_the_warmup_the_run_uses_under_max_steps():
+    """--max-steps 3 cuts the run's 20 warmup steps to 3; the dry run printed 20. It prints the
+    run's own LR line: the one make_lr_schedule builds for a 3-step run."""
+    plan = dry_run_plan(recipe.train, ["--max-steps", "3"])
+    assert "; 3 warmup steps, then" in plan["learning rate"], plan["learning rate"]
+    args, _ = recipe.train.resolve(max_steps=3)
+    batch = args.batch_request.plan(1, warn_small=False)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = make_lr_schedule(
+        Mock(), optimizer, batch, args.lr_settings,  # Mock: the accelerator only registers it
+        steps_per_epoch=1000 * batch.grad_accum_steps, epochs=1, max_steps=3,
+    )  # fmt: skip
+    assert plan["learning rate"] == schedule.description
 
 
 def test_the_dry_run_counts_the_vocabulary_of_the_data_else_the_examples(captioning_data, tmp_path):
