@@ -180,6 +180,15 @@ class CricketSettings(Settings):
         adjustable=True,
     )
 
+    def validate(self) -> None:
+        super().validate()
+        # training gets the rest: none is left, whatever the number of match files
+        if self.val_ratio + self.test_ratio >= 1:
+            raise ConfigError(
+                f"--val-ratio {self.val_ratio:g} and --test-ratio {self.test_ratio:g} leave no "
+                "matches for training (it gets 1 minus their sum); lower one of them"
+            )
+
 
 def network(
     settings: CricketSettings, vocab_sizes: dict[str, int], mean: float | None = None

@@ -9,9 +9,9 @@ import functools
 import pytest
 
 import recipes.train_cricket as recipe
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, ConfigError
 from recipes.cricket import example
-from tests.processes import CRICKET_TINY, REPO, dry_run_plan
+from tests.processes import CRICKET_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.cricket.helpers import train_here
 
 ORIGINAL = REPO / "recipes" / "cricket" / "configs" / "original.yaml"
@@ -22,6 +22,16 @@ dry_run = functools.partial(dry_run_plan, recipe.train)
 
 def parameters(settings: recipe.CricketSettings, vocab_sizes: dict[str, int]) -> str:
     return str(sum(p.numel() for p in recipe.network(settings, vocab_sizes).parameters()))
+
+
+def test_ratios_that_leave_no_training_matches_are_refused_naming_both_flags():
+    """--val-ratio 0.5 --test-ratio 0.5 asked for more match files, which cannot help."""
+    result = invoke_train(recipe.train, ["--val-ratio", "0.5", "--test-ratio", "0.5", "--dry-run"])
+    assert isinstance(result.exception, ConfigError), result.output
+    message = str(result.exception)
+    assert "--val-ratio 0.5 and --test-ratio 0.5 leave no matches for training" in message
+    assert "more match files" not in message and "\n" not in message
+    assert dry_run(["--val-ratio", "0.45", "--test-ratio", "0.5"])
 
 
 def test_the_original_preset_plans_its_run_and_writes_nothing(tmp_path, monkeypatch):
