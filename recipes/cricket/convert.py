@@ -27,6 +27,7 @@ import io
 import json
 import pickle
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ TRAINING_KEYS = {"huber_delta": "huber_delta", "patience": "patience", "min_epoc
 # the original's graph keeps every earlier ball; the longest T20 innings has 144 deliveries
 ALL_BALLS = 150
 MAPPER_FILE = "entity_mapper.pkl"
+# what the original's graphs and target fix, as this recipe's flags: {setting: the original's}
+ORIGINAL_FIXED = {"retired_is_wicket": True, "unknown_player_team": False, "target": "original"}
 # EntityMapper.save's dicts of names and ids: {its key: this recipe's vocab.json key}
 MAPPER_IDS = {"player_to_id": "players", "venue_to_id": "venues", "team_to_id": "teams"}
 MAPPER_NAMES = {"player_to_team": "player_teams", "player_to_role": "player_roles",
@@ -232,6 +235,7 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, target)
+    warn_for_original(config)
     vocab_path, vocab = name_vocabulary(model_dir)
     if vocab is not None:
         write_mapper(vocab, target.parent / MAPPER_FILE)
@@ -241,6 +245,29 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
             "(only one imported from cricketmodel is); build the original's with its own code"
         )
     return target
+
+
+def warn_for_original(config: dict[str, Any]) -> None:
+    """Warn, in one line, where the export's settings differ from what the original's code fixes
+    (as `--to pcdiff` does): its graph keeps every earlier ball, so a model trained on the last
+    --history balls loads there but computes another function."""
+    differing = []
+    if int(config.get("history", ALL_BALLS)) < ALL_BALLS:
+        differing.append(f"--history {config['history']}")
+    for name, fixed in ORIGINAL_FIXED.items():
+        value = config.get(name, fixed)
+        if value != fixed:
+            flag = name.replace("_", "-")
+            differing.append(f"--{'' if value else 'no-'}{flag}" if isinstance(value, bool)
+                             else f"--{flag} {value}")  # fmt: skip
+    if differing:
+        print(
+            f"warning: this model was trained with {', '.join(differing)}; the original's code "
+            "keeps every earlier ball of the innings as a ball node, counts a retired batter as "
+            "out, gives an unknown player team 0 and predicts the runs to the over's end: it "
+            "loads these weights but computes another function",
+            file=sys.stderr,
+        )
 
 
 def write_mapper(vocab: dict[str, Any], target: Path) -> None:

@@ -211,6 +211,28 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
     assert data["_next_player_id"] == 22
 
 
+def test_to_cricketmodel_warns_when_the_export_was_trained_on_fewer_balls_than_the_original(
+    tmp_path, capsys
+):
+    """`--to cricketmodel` of a model trained with --history 6 gave no warning, although the
+    original's graph keeps every earlier ball (re-imported, 240 of 259 predictions differed); as
+    `--to pcdiff` does, one warning line names the flag. An imported original's export (every
+    ball) converts back without one."""
+    from recipes.cricket.convert import export_checkpoint
+
+    export = convert_original(tmp_path)
+    capsys.readouterr()
+    export_checkpoint(export, tmp_path / "back" / "a.pt")
+    assert "warning" not in capsys.readouterr().err
+    metadata = json.loads((export / "model.json").read_text())
+    metadata["config"]["history"] = 6
+    (export / "model.json").write_text(json.dumps(metadata))
+    export_checkpoint(export, tmp_path / "back2" / "b.pt")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: this model was trained with "), lines
+    assert "--history 6;" in lines[0] and "keeps every earlier ball" in lines[0]
+
+
 def test_a_pickle_that_would_build_anything_but_plain_data_is_refused(tmp_path):
     import pickle
     from collections import OrderedDict
