@@ -52,7 +52,13 @@ from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
-from recipes.pointcloud.data import SPACING_FILE, SkullBreak, load_points, normalisation
+from recipes.pointcloud.data import (
+    SPACING_FILE,
+    SkullBreak,
+    load_points,
+    normalisation,
+    require_disjoint_splits,
+)
 from recipes.pointcloud.diffusion import Diffusion, checked_sample_steps, checked_sampler
 from recipes.pointcloud.example import write_dataset
 from recipes.pointcloud.model import PVCNN2, predict_noise
@@ -245,6 +251,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         args.data = csv_folder(args.data, "--data/--path", "train")
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
+    require_disjoint_splits(data_dir)
     train_set = skullbreak(data_dir, "train", settings, seed=args.seed)
     test_set = skullbreak(data_dir, "test", settings, seed=args.seed + 1)
     pool = implant_pool(train_set)

@@ -32,6 +32,29 @@ def case_stem(listed: str) -> str:
     return Path(listed).name.removesuffix(".nrrd").removesuffix(".npy").removesuffix("_surf")
 
 
+def require_disjoint(train: tuple[Path, list[str]], test: tuple[Path, list[str]]) -> None:
+    """Refuse a case listed by both splits (each a CSV and its case stems): the held-out skulls
+    are never trained on. `prepare` and training check alike."""
+    (train_csv, train_cases), (test_csv, test_cases) = train, test
+    shared = sorted(set(train_cases) & set(test_cases))
+    if shared:
+        raise DataError(
+            f"{train_csv} and {test_csv} share {len(shared)} case(s) ({', '.join(shared[:5])}"
+            f"{', ...' if len(shared) > 5 else ''}); remove them from one, so that no "
+            "held-out skull is trained on"
+        )
+
+
+def require_disjoint_splits(root: Path) -> None:
+    """The SkullBreak folder's train.csv and test.csv list no case in common (before any
+    point cloud is read: a test metric on a training skull is silently wrong)."""
+    train, test = (
+        (csv, [case_stem(row) for _, row in read_path_list(csv, suffixes=(".npy", ".nrrd"))])
+        for csv in (root / "train.csv", root / "test.csv")
+    )
+    require_disjoint(train, test)
+
+
 def load_points(path: Path, header_only: bool = False) -> np.ndarray:
     """An M x 3 float point cloud from a .npy file (never unpickled).
 

@@ -37,6 +37,7 @@ from recipes.pointcloud.data import (
     case_stem,
     checked_spacing,
     read_spacing,
+    require_disjoint,
 )
 
 
@@ -173,15 +174,8 @@ def plan_splits(raw: Path, out: Path, relatives: list[Path]) -> dict[str, list[s
             rows = read_path_list(source, suffixes=(".nrrd", ".npy"))
             given[name] = (source, [case_stem(row) for _, row in rows])
     if len(given) == 2:
-        (train_csv, train), (test_csv, test) = given["train"], given["test"]
-        shared = sorted(set(train) & set(test))
-        if shared:
-            raise DataError(
-                f"{train_csv} and {test_csv} share {len(shared)} case(s) ({', '.join(shared[:5])}"
-                f"{', ...' if len(shared) > 5 else ''}); remove them from one, so that no "
-                "held-out skull is trained on"
-            )
-        splits = {"train": train, "test": test}
+        require_disjoint(given["train"], given["test"])
+        splits = {"train": given["train"][1], "test": given["test"][1]}
     elif len(given) == 1:
         [(name, (source, listed))] = given.items()
         other, taken = "test" if name == "train" else "train", set(listed)

@@ -17,12 +17,12 @@ from torch.utils.data import DataLoader
 
 import recipes.train_pointcloud as recipe
 from accel_common.errors import ConfigError, DataError
-from recipes.pointcloud.data import DEFECTS, SPACING_FILE, SkullBreak
+from recipes.pointcloud.data import DEFECTS, SPACING_FILE, SkullBreak, case_stem
 from recipes.pointcloud.diffusion import Diffusion
 from recipes.pointcloud.example import write_dataset
 from recipes.pointcloud.model import PVCNN2
 from recipes.pointcloud.prepare import merge_spacing
-from tests.processes import POINTCLOUD, run_recipe
+from tests.processes import POINTCLOUD, invoke_train, run_recipe
 from tests.recipes.pointcloud.helpers import TINY
 
 
@@ -87,6 +87,33 @@ def break_zero_spacing(folder):
 
 def break_text_spacing(folder):
     return set_spacing(folder, ["0.4 mm", 0.4, 0.5])
+
+
+def test_a_case_in_both_splits_is_refused_before_training_naming_it_and_both_files(
+    broken_data, tmp_path, monkeypatch
+):
+    """Training read train.csv and test.csv sharing a case, and reported test metrics on a
+    training skull; `prepare` refused such splits. Training refuses them too, in one line
+    naming the case and both files, before any point cloud is read."""
+    train_rows = (broken_data / "train.csv").read_text().splitlines()
+    shared = next(row for row in train_rows if row.endswith(".npy"))
+    with (broken_data / "test.csv").open("a") as handle:
+        handle.write(shared + "\n")
+    case = case_stem(shared)
+    expected = (
+        f"{broken_data / 'train.csv'} and {broken_data / 'test.csv'} share 1 case(s) ({case}); "
+        "remove them from one"
+    )
+
+    def no_reading(*_: object, **__: object) -> None:
+        raise AssertionError("the splits were read before they were checked")
+
+    monkeypatch.setattr(recipe, "skullbreak", no_reading)
+    args = ["--data", str(broken_data), "--output-dir", str(tmp_path / "run"), "--cpu"]
+    result = invoke_train(recipe.train, [*args, *TINY, "--max-steps", "1"])
+    assert isinstance(result.exception, DataError), result.exception
+    assert expected in str(result.exception) and "\n" not in str(result.exception)
+    assert not (tmp_path / "run" / "model").exists()
 
 
 @pytest.mark.parametrize(
