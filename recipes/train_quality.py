@@ -74,6 +74,7 @@ from recipes.quality.data import (
 )
 from recipes.quality.example import ANNOTATORS, write_dataset
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer, start_from
+from recipes.quality.onnx_export import ONNX_OPSETS, require_onnx, write_onnx
 
 RECIPE = "quality"
 RELIABILITY = ("full", "global", "fixed", "gold")
@@ -516,12 +517,6 @@ def compare(
     print(f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}")
 
 
-# the opsets torch.onnx's TorchScript exporter (dynamo=False) supports, ONNX_MIN_OPSET to
-# ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET (torch.onnx._constants). Below them it still writes a file:
-# at opset 5 and 6 one onnxruntime refuses to load (measured; 7 to 21 load and score as PyTorch)
-ONNX_OPSETS = (7, 20)
-
-
 def export_onnx(
     model_dir: Path = model_option(RECIPE),
     out: Path = typer.Option(..., help="ONNX file to write (scores images N x 3 x S x S)."),
@@ -535,54 +530,10 @@ def export_onnx(
     """Export the scorer to ONNX, as the original's export.py offers: input `image` (N x 3 x S x
     S, normalised as the backbone's data config says), output `score` (N x 1); dynamic batch."""
     require_new_file(out)
-    try:
-        import onnx  # noqa: F401  torch.onnx.export writes through it
-    except ImportError:
-        raise ConfigError("export-onnx needs onnx: pip install 'accel-recipes[onnx]'") from None
+    require_onnx()
     model, read, _ = load_scorer(model_dir)
-    scorer = OnnxScorer(model).cpu().eval()
-    size = read.size
-    torch.onnx.export(
-        scorer,
-        (torch.zeros(1, 3, size, size),),
-        str(out),
-        input_names=["image"],
-        output_names=["score"],
-        dynamic_axes={"image": {0: "batch"}, "score": {0: "batch"}},
-        opset_version=opset,
-        dynamo=False,
-    )
-    check_onnx(out)
+    write_onnx(model, read.size, out, opset)
     print(f"wrote {out}")
-
-
-def check_onnx(path: Path) -> None:
-    """Load the written file once, as serving would (onnxruntime where installed, else onnx's
-    checker): one that cannot be loaded is removed and refused, never reported as written."""
-    try:
-        try:
-            import onnxruntime
-        except ImportError:
-            import onnx
-
-            onnx.checker.check_model(str(path), full_check=True)
-        else:
-            onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    except Exception as err:  # any failure to load is the refusal
-        path.unlink(missing_ok=True)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--out {path}: the ONNX file written does not load ({first})") from None
-
-
-class OnnxScorer(nn.Module):
-    """The original's QualityScorer alone (no reliabilities), its output N x 1 as the original's."""
-
-    def __init__(self, model: QualityScorer) -> None:
-        super().__init__()
-        self.backbone, self.head = model.backbone, model.head
-
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(image))
 
 
 def score_folder(
