@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from recipes.pointcloud import backend
+
 # Pairwise-distance tensors are built in chunks of about this many elements, so the original's
 # sizes (10240 centres x 30720 points per sample) stay within a few hundred MB.
 CHUNK_ELEMENTS = 1 << 26
@@ -47,6 +49,10 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
     at 1e38). Ties go where the kernel's 512-thread reduction sends them: to the point whose
     index k has the smallest (k mod 512, k div 512), found by a first-occurrence argmax over the
     points listed in that order."""
+    if backend.use_triton(coords):
+        from recipes.pointcloud import gpu_search
+
+        return gpu_search.furthest_point_sample(coords, num_samples)
     batch, _, n = coords.shape
     k = torch.arange(n, device=coords.device)
     order = torch.argsort((k % 512) * (n // 512 + 1) + k // 512)  # kernel's tie order
@@ -75,6 +81,10 @@ def ball_query(
     """Indices (B, M, K) of the points within `radius` of each centre, as the CUDA kernel: the
     first K points in index order with squared distance < radius^2 (strict); a neighbourhood of
     fewer than K is filled with its first point; one with none is all 0."""
+    if backend.use_triton(points):
+        from recipes.pointcloud import gpu_search
+
+        return gpu_search.ball_query(centers, points, radius, num_neighbors)
     batch, _, m = centers.shape
     n = points.shape[2]
     r2 = torch.tensor(radius * radius, dtype=torch.float32).item()  # the kernel's float r2
@@ -107,6 +117,10 @@ def three_nearest_neighbors(
     """Indices (B, 3, N) of each point's 3 nearest centres (ties to the lower index, as the
     kernel's strict <) and their weights: inverse squared distances (clamped to [1e-10, 1e10])
     normalised to sum 1, computed as the kernel does (products in double, the rest in float)."""
+    if backend.use_triton(points):
+        from recipes.pointcloud import gpu_search
+
+        return gpu_search.three_nearest_neighbors(points, centers)
     batch, _, n = points.shape
     m = centers.shape[2]
     indices, dists = [], []
