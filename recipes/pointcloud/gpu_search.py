@@ -20,8 +20,8 @@ several kernels per sampled centre. Each op here is ONE kernel launch:
   extracting each chunk's 3 smallest by (distance, index) and merging them into a running best 3,
   then computes the weights as ops.py (products in double, the rest in float, IEEE division).
 
-Distances are dx*dx + dy*dy + dz*dz in float32, launched with enable_fp_fusion=False so no
-multiply-add is fused: the same rounding as ops.py's torch path and the references. Inputs in
+Distances are dx*dx + dy*dy + dz*dz in float32, launched with enable_fp_fusion=False (LAUNCH) so
+no multiply-add is fused: the same rounding as ops.py's torch path and the references. Inputs in
 float16 / bfloat16 are read as float32 (exact), i.e. the result of the torch path on
 `coords.float()`; the model feeds float32 (coordinates never pass through an autocast op).
 
@@ -29,15 +29,19 @@ The ops are torch.library.triton_op's, so torch.compile traces them without a gr
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+# no fused multiply-add: distances round as dx*dx + dy*dy + dz*dz in ops.py and the references
+LAUNCH = dict(enable_fp_fusion=False)
+FPS_WARPS, BQ_WARPS, NN_WARPS = 16, 8, 8  # ptxas for sm_90: 103 / 40, 116, 127 registers
 FPS_THREADS = 512  # the CUDA kernel's block size: its reduction order is the tie rule
 FPS_RESIDENT = 8192  # points per sample up to which distances stay in registers
 FPS_CHUNK = 2048  # points per sweep step above that (a multiple of FPS_THREADS)
-BQ_CENTERS, BQ_POINTS = 32, 128
-NN_POINTS, NN_CENTERS = 64, 64
+BQ_CENTERS, BQ_POINTS, BQ_SLOTS = 32, 64, 32
+NN_POINTS, NN_CENTERS = 32, 128
 NO_INDEX = 2**31 - 1  # "no point yet": sorts after every index
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -130,8 +134,8 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
     )
     torch.library.wrap_triton(_fps_kernel)[(batch,)](
         coords, scratch, out, n, num_samples, *coords.stride(), n // FPS_THREADS + 1,
-        BLOCK=block, RESIDENT=resident, THREADS=FPS_THREADS, NONE=NO_INDEX, num_warps=16,
-        enable_fp_fusion=False,
+        BLOCK=block, RESIDENT=resident, THREADS=FPS_THREADS, NONE=NO_INDEX, num_warps=FPS_WARPS,
+        **LAUNCH,
     )  # fmt: skip
     return out
 
@@ -172,10 +176,11 @@ def _ball_query_kernel(
         first = tl.where((count == 0) & (found > 0), chunk_first, first)
         count += found
         start += BLOCK_N
-    slots = tl.arange(0, BLOCK_K)[None, :]
-    fill = (slots >= count[:, None]) & (slots < K) & row_ok[:, None]
     value = tl.broadcast_to(first[:, None], (BLOCK_M, BLOCK_K)).to(tl.int64)
-    tl.store(out_rows[:, None] + slots, value, mask=fill)
+    for s in range(0, K, BLOCK_K):  # the short neighbourhoods' free slots: their first point
+        slots = s + tl.arange(0, BLOCK_K)[None, :]
+        fill = (slots >= count[:, None]) & (slots < K) & row_ok[:, None]
+        tl.store(out_rows[:, None] + slots, value, mask=fill)
 
 
 @torch.library.triton_op("pointcloud::ball_query", mutates_args=())
@@ -188,12 +193,13 @@ def ball_query(
     out = torch.empty(batch, m, num_neighbors, dtype=torch.long, device=centers.device)
     if out.numel() == 0:
         return out
-    r2 = torch.tensor(radius * radius, dtype=torch.float32).item()  # the kernel's float r2
+    if points.shape[2] == 0:
+        raise ValueError("ball_query: a cloud of 0 points has no neighbours")
+    r2 = float(np.float32(radius * radius))  # the kernel's float r2, as ops.py rounds it
     torch.library.wrap_triton(_ball_query_kernel)[(triton.cdiv(m, BQ_CENTERS), batch)](
         centers, points, out, points.shape[2], m, r2, num_neighbors,
         *centers.stride(), *points.stride(),
-        BLOCK_M=BQ_CENTERS, BLOCK_N=BQ_POINTS, BLOCK_K=triton.next_power_of_2(num_neighbors),
-        enable_fp_fusion=False,
+        BLOCK_M=BQ_CENTERS, BLOCK_N=BQ_POINTS, BLOCK_K=BQ_SLOTS, num_warps=BQ_WARPS, **LAUNCH,
     )  # fmt: skip
     return out
 
@@ -274,8 +280,10 @@ def three_nearest_neighbors(
     weights = torch.empty(batch, 3, n, dtype=torch.float32, device=points.device)
     if index.numel() == 0:
         return index, weights
+    if centers.shape[2] == 0:
+        raise ValueError("three_nearest_neighbors: no centres to interpolate from")
     torch.library.wrap_triton(_three_nn_kernel)[(triton.cdiv(n, NN_POINTS), batch)](
         points, centers, index, weights, n, centers.shape[2], *points.stride(), *centers.stride(),
-        BLOCK_N=NN_POINTS, BLOCK_M=NN_CENTERS, NONE=NO_INDEX, enable_fp_fusion=False,
+        BLOCK_N=NN_POINTS, BLOCK_M=NN_CENTERS, NONE=NO_INDEX, num_warps=NN_WARPS, **LAUNCH,
     )  # fmt: skip
     return index, weights

@@ -25,6 +25,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(
     not HAS_TRITON, reason="triton is not installed: its interpreter runs the kernels here"
 )
+if HAS_TRITON:
+    import triton
 OPS: dict[str, Callable[..., Any]] = {
     "fps": ops.furthest_point_sample,
     "ball": ops.ball_query,
@@ -188,6 +190,35 @@ def test_the_gpu_suites_harness_passes_on_the_kernels(kernels):
     assert kernels["harness"]["fps_identical_samples"] == TINY_CLOUD["centers"]
     assert kernels["harness"]["ball_query_lists_differing"] == 0
     assert kernels["harness"]["three_nn_points_differing"] == 0
+
+
+def test_the_kernels_compile_for_an_h100_without_fused_multiply_adds():
+    """Compiled to PTX for sm_90 here, with no GPU: catches what the interpreter does not (the
+    compiler's typing of loops and masks), and that distances keep ops.py's rounding (no fma)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from recipes.pointcloud import gpu_search as g
+
+    i32 = dict.fromkeys(["p_sb", "p_sc", "p_sn", "c_sb", "c_sc", "c_sn"], "i32")
+    fps = dict(coords="*fp32", scratch="*fp32", out="*i64", n="i32", m="i32", stride_b="i32")
+    fps |= dict(stride_c="i32", stride_n="i32", rows="i32")
+    fps_consts = dict(THREADS=g.FPS_THREADS, NONE=g.NO_INDEX)
+    ball = dict(centers="*fp32", points="*fp32", out="*i64", n="i32", m="i32", r2="fp32", K="i32")
+    nn = dict(points="*fp32", centers="*fp32", index="*i64", weights="*fp32", n="i32", m="i32")
+    bq_consts = dict(BLOCK_M=g.BQ_CENTERS, BLOCK_N=g.BQ_POINTS, BLOCK_K=g.BQ_SLOTS)
+    nn_consts = dict(BLOCK_N=g.NN_POINTS, BLOCK_M=g.NN_CENTERS, NONE=g.NO_INDEX)
+    kernels = [
+        (g._fps_kernel, fps, dict(BLOCK=g.FPS_RESIDENT, RESIDENT=True, **fps_consts), g.FPS_WARPS),
+        (g._fps_kernel, fps, dict(BLOCK=g.FPS_CHUNK, RESIDENT=False, **fps_consts), g.FPS_WARPS),
+        (g._ball_query_kernel, ball | i32, bq_consts, g.BQ_WARPS),
+        (g._three_nn_kernel, nn | i32, nn_consts, g.NN_WARPS),
+    ]
+    for kernel, signature, constants, warps in kernels:
+        source = ASTSource(kernel, signature | dict.fromkeys(constants, "constexpr"), constants)
+        options = dict(num_warps=warps, **g.LAUNCH)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        assert "fma.rn.f32" not in ptx, kernel.__name__
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
