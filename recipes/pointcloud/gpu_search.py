@@ -25,7 +25,8 @@ no multiply-add is fused: the same rounding as ops.py's torch path and the refer
 float16 / bfloat16 are read as float32 (exact), i.e. the result of the torch path on
 `coords.float()`; the model feeds float32 (coordinates never pass through an autocast op).
 
-The ops are torch.library.triton_op's, so torch.compile traces them without a graph break."""
+The ops are torch.library.triton_op's, so Dynamo traces them as opaque ops, without a graph
+break (tested on the CPU); Inductor running them compiled needs a GPU (unverified)."""
 
 from __future__ import annotations
 
