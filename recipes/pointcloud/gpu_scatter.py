@@ -135,7 +135,7 @@ def _avg_voxelize_bwd(
     BLOCK_P: tl.constexpr,
 ):
     b, c, n, pm, m = _tile(C, N, BLOCK_C, BLOCK_P)
-    ACC: tl.constexpr = out.dtype.element_ty  # float32 / float64: cast by the caller
+    ACC = out.dtype.element_ty  # float32 / float64: cast by the caller
     flat = tl.load(vox + b * N + n, mask=pm, other=0).to(tl.int64)
     count = tl.load(counts + b * R3 + flat, mask=pm, other=1)
     inv = (1.0 / count.to(tl.float64)).to(ACC)
@@ -190,14 +190,14 @@ def _devoxelize_fwd(
     BLOCK_P: tl.constexpr,
 ):
     b, c, n, pm, m = _tile(C, N, BLOCK_C, BLOCK_P)
-    ACC: tl.constexpr = out.dtype.element_ty  # float32 / float64: cast by the caller
+    ACC = out.dtype.element_ty  # float32 / float64: cast by the caller
     lo, sx, sy, sz, x0, x1, y0, y1, z0, z1 = _corners(coords, b, n, pm, R, scb, sca, scn)
     rows = grid + b * sgb + c[:, None] * sgc
     total = tl.zeros([BLOCK_C, BLOCK_P], ACC)  # 0 + first term: the first term exactly
     for corner in tl.static_range(8):  # 000, 001, ..., 111 (x, y, z bits)
-        bx: tl.constexpr = (corner >> 2) & 1
-        by: tl.constexpr = (corner >> 1) & 1
-        bz: tl.constexpr = corner & 1
+        bx = (corner >> 2) & 1
+        by = (corner >> 1) & 1
+        bz = corner & 1
         index = lo + bx * sx + by * sy + bz * sz
         w = (_pick(x0, x1, bx) * _pick(y0, y1, by) * _pick(z0, z1, bz)).to(ACC)
         term = tl.load(rows + index[None, :] * sgv, mask=m).to(ACC) * w[None, :]
@@ -224,13 +224,13 @@ def _devoxelize_bwd(
 ):
     b, c, n, pm, m = _tile(C, N, BLOCK_C, BLOCK_P)
     lo, sx, sy, sz, x0, x1, y0, y1, z0, z1 = _corners(coords, b, n, pm, R, scb, sca, scn)
-    ACC: tl.constexpr = acc.dtype.element_ty
+    ACC = acc.dtype.element_ty
     g = tl.load(grad + b * sgb + c[:, None] * sgc + n[None, :] * sgn, mask=m).to(ACC)
     rows = acc + (b * C + c[:, None]) * R * R * R
     for corner in tl.static_range(8):
-        bx: tl.constexpr = (corner >> 2) & 1
-        by: tl.constexpr = (corner >> 1) & 1
-        bz: tl.constexpr = corner & 1
+        bx = (corner >> 2) & 1
+        by = (corner >> 1) & 1
+        bz = corner & 1
         index = lo + bx * sx + by * sy + bz * sz
         w = (_pick(x0, x1, bx) * _pick(y0, y1, by) * _pick(z0, z1, bz)).to(ACC)
         tl.atomic_add(rows + index[None, :], g * w[None, :], mask=m)
@@ -258,7 +258,7 @@ def _interpolate_fwd(
     BLOCK_P: tl.constexpr,
 ):
     b, c, n, pm, m = _tile(C, N, BLOCK_C, BLOCK_P)
-    ACC: tl.constexpr = out.dtype.element_ty  # float32 / float64: cast by the caller
+    ACC = out.dtype.element_ty  # float32 / float64: cast by the caller
     rows = feat + b * sfb + c[:, None] * sfc
     total = tl.zeros([BLOCK_C, BLOCK_P], ACC)
     for k in tl.static_range(3):  # f0 * w0 + f1 * w1 + f2 * w2, in that order
@@ -291,7 +291,7 @@ def _interpolate_bwd(
     BLOCK_P: tl.constexpr,
 ):
     b, c, n, pm, m = _tile(C, N, BLOCK_C, BLOCK_P)
-    ACC: tl.constexpr = acc.dtype.element_ty
+    ACC = acc.dtype.element_ty
     g = tl.load(grad + b * sgb + c[:, None] * sgc + n[None, :] * sgn, mask=m).to(ACC)
     rows = acc + (b * C + c[:, None]) * M
     for k in tl.static_range(3):
