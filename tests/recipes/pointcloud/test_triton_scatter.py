@@ -1,6 +1,7 @@
 """The Triton gather / scatter kernels of recipes/pointcloud/gpu_scatter.py, run on the CPU under
 Triton's interpreter in one child process (tests/recipes/pointcloud/triton_scatter_checks.py says
-why and what each check compares), and ops.py's choice of them."""
+why and what each check compares), each kernel compiled for an H100 (which the interpreter does not
+do), and ops.py's choice of them."""
 
 from __future__ import annotations
 
