@@ -11,22 +11,23 @@ ops.py's semantics (voxel at round-half-to-even, x-major index, 1/count per poin
 corner only where the fraction is > 0, the 8 terms in the order 000, 001, ..., 111; the 3
 interpolation terms in order) and need no compiler on the user's machine.
 
-How work maps to programs: every kernel runs a 3-d grid (point blocks, channel blocks, batch).
+How work maps to programs: each kernel runs a grid of (point blocks, channel blocks, batch).
 A program takes BLOCK_P points (or grouped neighbour slots) of one sample: it loads their indices
 (and coordinates / weights) once, then gathers or scatters a [BLOCK_C, BLOCK_P] tile of features,
-channels along rows, points along columns. Forward passes of grouping, devoxelisation and
-interpolation gather and store each output once (deterministic). Average voxelisation's forward
-and the other backward passes scatter-add with atomics into a zeroed float32 (float64 for
-float64 inputs) buffer, cast to the input's dtype at the end: the order of the sums is the order
-in which programs arrive, so results differ from the plain-PyTorch ops in their last bits and
-from run to run. Under `--deterministic` ops.py does not call these (see ops._scatter_kernels).
-Average voxelisation's backward is a gather (each point reads its voxel's gradient times
-1/count), so deterministic.
+channels along rows, points along columns. Average voxelisation first counts each voxel's points
+(one program per point block and sample, int32 atomics: exact). Forward passes of grouping,
+devoxelisation and interpolation, and average voxelisation's backward (each point reads its
+voxel's gradient times 1/count), gather and store each output once: deterministic. Average
+voxelisation's forward and the other backward passes scatter-add with atomics: the sums run in
+the order programs arrive, so they differ from the plain-PyTorch ops in their last bits and from
+run to run. Under `--deterministic` ops.py does not call these (see ops._scatter_kernels).
 
-Inputs of half precision (what autocast hands over from convolutions) are read as they are and
-computed in float32; outputs have the dtype the plain-PyTorch op gives (the promotion of
-features and weights). Preconditions as pcdiff's kernels: indices in range, grid coordinates in
-[0, R - 1]; ops.py's callers produce both (ball query, 3-NN search, normalize_voxel_coords).
+Kernels accumulate and write float32 (float64 for float64 inputs); half-precision inputs (what
+autocast hands over from convolutions) are read as they are. torch casts the result once to the
+dtype the plain-PyTorch op gives (the promotion of features and weights), in round-to-nearest
+everywhere (Triton's interpreter truncates its own float32 -> bfloat16 casts). Preconditions as
+pcdiff's kernels: indices in range, grid coordinates in [0, R - 1]; ops.py's callers produce both
+(ball query, 3-NN search, normalize_voxel_coords).
 """
 
 import torch
