@@ -39,6 +39,18 @@ def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return d[:, 0] * d[:, 0] + d[:, 1] * d[:, 1] + d[:, 2] * d[:, 2]
 
 
+def _scatter_kernels(tensor: torch.Tensor, *no_gradient: torch.Tensor) -> bool:
+    """Whether a gather / scatter op runs gpu_scatter's Triton kernels: where backend.use_triton
+    says so, except under torch's deterministic mode (`--deterministic`: the kernels scatter-add
+    with atomics in arrival order, where torch's ops have deterministic kernels) and where an
+    input the kernels give no gradient for (coordinates, weights) requires one."""
+    return (
+        backend.use_triton(tensor)
+        and not torch.are_deterministic_algorithms_enabled()
+        and not any(t.requires_grad for t in no_gradient)
+    )
+
+
 def _chunks(batch: int, rows: int, cols: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * cols * 4))
 
@@ -106,6 +118,10 @@ def ball_query(
 
 def grouping(features: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """features (B, C, N) at neighbour indices (B, M, K): (B, C, M, K)."""
+    if _scatter_kernels(features):
+        from recipes.pointcloud import gpu_scatter
+
+        return gpu_scatter.grouping(features, indices)
     batch, m, k = indices.shape
     flat = indices.reshape(batch, 1, m * k).expand(-1, features.shape[1], -1)
     return features.gather(2, flat).view(batch, features.shape[1], m, k)
@@ -160,6 +176,10 @@ def interpolate(
     center_features: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_i features[index_i] * weight_i, summed in the kernel's order."""
+    if _scatter_kernels(center_features, weights):
+        from recipes.pointcloud import gpu_scatter
+
+        return gpu_scatter.interpolate(center_features, index, weights)
     f = [gather(center_features, index[:, i]) * weights[:, i, None] for i in range(3)]
     return f[0] + f[1] + f[2]
 
@@ -186,6 +206,10 @@ def avg_voxelize(
     """Mean of the features of the points in each voxel: (B, C, R, R, R), voxel of a point at
     round(grid coordinate) (half to even, as torch.round), x-major (x * R^2 + y * R + z). As
     the kernel, each point adds its features times 1/count of its voxel."""
+    if _scatter_kernels(features):
+        from recipes.pointcloud import gpu_scatter
+
+        return gpu_scatter.avg_voxelize(features, grid_coords, resolution)
     batch, channels, _ = features.shape
     r = resolution
     vox = torch.round(grid_coords).long()
@@ -204,6 +228,10 @@ def trilinear_devoxelize(
     """Grid features (B, C, R, R, R) trilinearly interpolated at float grid coordinates
     (B, 3, N) in [0, R - 1]: (B, C, N). As the kernel: the upper corner on an axis is the lower
     one + 1 only where the fraction is > 0, weights x * y * z, the 8 terms summed in its order."""
+    if _scatter_kernels(grid, grid_coords):
+        from recipes.pointcloud import gpu_scatter
+
+        return gpu_scatter.trilinear_devoxelize(grid, grid_coords, resolution)
     batch, channels = grid.shape[:2]
     r = resolution
     flat_grid = grid.reshape(batch, channels, r**3)
