@@ -8,7 +8,6 @@ CPU, which is how the CPU suite tests them against the brute-force references.""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -17,9 +16,8 @@ import torch
 CHOICES = ("auto", "torch", "triton")
 
 
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# looked up once at import (a cached function in the ops' path would be a Dynamo warning)
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def kernels_choice() -> str:
@@ -27,7 +25,7 @@ def kernels_choice() -> str:
     choice = os.environ.get("POINTCLOUD_KERNELS", "auto")
     if choice not in CHOICES:
         raise SystemExit(f"POINTCLOUD_KERNELS={choice!r}: use one of {', '.join(CHOICES)}")
-    if choice == "triton" and not triton_available():
+    if choice == "triton" and not TRITON_AVAILABLE:
         raise SystemExit("POINTCLOUD_KERNELS=triton, but triton is not installed")
     return choice
 
@@ -36,5 +34,5 @@ def use_triton(tensor: torch.Tensor) -> bool:
     """Whether an op on `tensor` runs the Triton kernels."""
     choice = kernels_choice()
     if choice == "auto":
-        return tensor.is_cuda and triton_available()
+        return tensor.is_cuda and TRITON_AVAILABLE
     return choice == "triton"
