@@ -221,7 +221,6 @@ def test_the_kernels_compile_for_an_h100_without_fused_multiply_adds():
         assert "fma.rn.f32" not in ptx, kernel.__name__
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_torch_compile_traces_the_kernels_as_one_graph(monkeypatch):
     """Dynamo sees the three ops as opaque custom ops (torch.library.triton_op): one graph, no
     break. Only traced: running a compiled kernel needs a GPU."""
