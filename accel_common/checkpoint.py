@@ -2,8 +2,9 @@
 
 `OUTPUT/checkpoints/step_N` holds `accelerator.save_state` (model, optimizer, scheduler, grad
 scaler, each rank's RNG) plus `progress.json` (epoch, samples seen in it, optimizer step, batch
-plan). It is written to `step_N.tmp` and renamed only when complete, and `progress.json` is written
-last, so a crash mid-save never produces a "latest" that cannot load. Only the loop uses it.
+plan, every rank's running loss sums: a resumed epoch logs the uninterrupted run's mean). It
+is written to `step_N.tmp` and renamed only when complete, and `progress.json` is written last,
+so a crash mid-save never produces a "latest" that cannot load. Only the loop uses it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class TrainProgress:
     stopped: bool = False
     # seconds spent training (in loop.batches()) up to this point, over every launch of the run
     train_seconds: float = 0.0
+    # the logged loss means' running sums, every process's (StepLogger.state); None in a
+    # checkpoint saved before they were stored
+    loss_sums: dict[str, Any] | None = None
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""
