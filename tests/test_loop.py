@@ -23,6 +23,7 @@ from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
+from accel_common.tracking import RunningMean
 from tests.processes import REPO, run_recipe
 from tests.results import exported_params, max_relative_difference
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
@@ -512,3 +513,17 @@ def test_a_best_epoch_export_under_fp16_records_the_runs_skipped_steps(tmp_path)
     """cricket's export under fp16 lacked skipped_steps: the best epoch's metrics were taken
     before the run's totals were added (tests/scaler_check.py, CPU stand-in scaler)."""
     check_a_best_epoch_export_counts_skipped_steps(tmp_path, gpu=False)
+
+
+def test_loss_sums_saved_by_two_processes_resume_on_one_as_their_total(tmp_path):
+    """A checkpoint of 2 processes resumed on 1 (the same global batch): the one holds both
+    ranks' sums and counts, so the mean still covers every step of the epoch."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = make_accelerator(output_dir=tmp_path, batch=BatchRequest(4), cpu=True)[0]
+    saved = {"sums": [3.0, 5.0], "counts": [2.0, 2.0]}  # rank 0: 1 + 2, rank 1: 2 + 3
+    mean = RunningMean()
+    mean.restore(saved, accelerator)
+    mean.add(torch.tensor(4.0))  # the resumed step
+    assert mean.compute(accelerator) == pytest.approx((1 + 2 + 2 + 3 + 4) / 5)  # float32
+    assert mean.state(accelerator) == {"sums": [0.0], "counts": [0.0]}  # compute reset it
+    AcceleratorState._reset_state(reset_partial_state=True)
