@@ -41,10 +41,9 @@ depend on the epoch are the same on 1 or N processes), and skips what a resumed 
 trained on. A run resumed after it had finished yields no epoch and `finish` leaves its export
 as it was (it says so); only if that export is missing (a crash between the final save and the
 export) does it yield one epoch with no batches, so the recipe's evaluation runs again and the
-export carries its metrics (the run's last training loss too). The checkpoint keeps the logged
-means' running sums, so a resumed epoch's train_loss is the uninterrupted run's; after a resume
-from a checkpoint without them the mean is marked partial, and an epoch in which nothing was
-trained since reports no training loss.
+export carries its metrics (the last training loss too). Checkpoints keep the logged means'
+running sums, so a resumed epoch's train_loss is the uninterrupted run's (without them, an older
+checkpoint's: marked partial, or none if nothing was trained since the resume).
 Nothing non-finite reaches a JSON file: a NaN evaluation metric stops the run like a NaN loss.
 
 Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
