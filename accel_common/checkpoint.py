@@ -191,6 +191,7 @@ def load_checkpoint(
         saved_plan = record["batch_plan"]
         saved_global = int(saved_plan["global_batch_size"])
         saved_processes = int(saved_plan["num_processes"])
+        check_loss_sums(progress.loss_sums, saved_processes)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
     run = record.get("run") or {}
@@ -209,6 +210,19 @@ def load_checkpoint(
             f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
         ) from err
     return progress, run
+
+
+def check_loss_sums(saved: dict[str, Any] | None, processes: int) -> None:
+    """The loss sums hold a number per saved process, or the file was edited or damaged
+    (ValueError, KeyError or TypeError, which `load_checkpoint` reports in one line)."""
+    if saved is None:
+        return  # saved before they were stored: the loop marks its means partial
+    for part in (saved["window"], saved["epoch"]):
+        sums, counts = [float(v) for v in part["sums"]], [float(v) for v in part["counts"]]
+        if len(sums) != processes or len(counts) != processes:
+            raise ValueError(f"loss_sums hold {len(sums)} sums for {processes} processes")
+    if saved["last_epoch"] is not None:
+        float(saved["last_epoch"])
 
 
 def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:

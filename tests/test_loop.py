@@ -240,6 +240,20 @@ def forget_loss_sums(checkpoint: Path) -> None:
     (checkpoint / "progress.json").write_text(json.dumps(record))
 
 
+@pytest.mark.parametrize(
+    "damaged", [{"epoch": 1.5}, {"window": {"sums": [1.0, 2.0], "counts": [1, 1]}}]
+)
+def test_damaged_loss_sums_are_one_line_naming_the_file(run, tmp_path, damaged):
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    progress = tmp_path / "checkpoints" / "step_8" / "progress.json"
+    record = json.loads(progress.read_text())
+    record["progress"]["loss_sums"] |= damaged
+    progress.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=rf"^{progress} is unreadable: "):
+        run(resume="latest")
+
+
 def test_a_run_resumed_mid_epoch_logs_and_exports_the_uninterrupted_runs_losses(run, tmp_path):
     """Issue 43: an epoch resumed mid-way logged (and exported) the mean loss of the steps after
     the resume only, and so did the first logging window: the running sums are checkpointed.
