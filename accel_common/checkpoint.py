@@ -2,8 +2,9 @@
 
 `OUTPUT/checkpoints/step_N` holds `accelerator.save_state` (model, optimizer, scheduler, grad
 scaler, each rank's RNG) plus `progress.json` (epoch, samples seen in it, optimizer step, batch
-plan). It is written to `step_N.tmp` and renamed only when complete, and `progress.json` is written
-last, so a crash mid-save never produces a "latest" that cannot load. Only the loop uses it.
+plan, every rank's running loss sums: a resumed epoch logs the uninterrupted run's mean). It
+is written to `step_N.tmp` and renamed only when complete, and `progress.json` is written last,
+so a crash mid-save never produces a "latest" that cannot load. Only the loop uses it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class TrainProgress:
     stopped: bool = False
     # seconds spent training (in loop.batches()) up to this point, over every launch of the run
     train_seconds: float = 0.0
+    # the logged loss means' running sums, every process's (StepLogger.state); None in a
+    # checkpoint saved before they were stored
+    loss_sums: dict[str, Any] | None = None
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""
@@ -187,6 +191,7 @@ def load_checkpoint(
         saved_plan = record["batch_plan"]
         saved_global = int(saved_plan["global_batch_size"])
         saved_processes = int(saved_plan["num_processes"])
+        check_loss_sums(progress.loss_sums, saved_processes)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
     run = record.get("run") or {}
@@ -205,6 +210,19 @@ def load_checkpoint(
             f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
         ) from err
     return progress, run
+
+
+def check_loss_sums(saved: dict[str, Any] | None, processes: int) -> None:
+    """The loss sums hold a number per saved process, or the file was edited or damaged
+    (ValueError, KeyError or TypeError, which `load_checkpoint` reports in one line)."""
+    if saved is None:
+        return  # saved before they were stored: the loop marks its means partial
+    for part in (saved["window"], saved["epoch"]):
+        sums, counts = [float(v) for v in part["sums"]], [float(v) for v in part["counts"]]
+        if len(sums) != processes or len(counts) != processes:
+            raise ValueError(f"loss_sums hold {len(sums)} sums for {processes} processes")
+    if saved["last_epoch"] is not None:
+        float(saved["last_epoch"])
 
 
 def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:

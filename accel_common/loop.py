@@ -41,7 +41,9 @@ depend on the epoch are the same on 1 or N processes), and skips what a resumed 
 trained on. A run resumed after it had finished yields no epoch and `finish` leaves its export
 as it was (it says so); only if that export is missing (a crash between the final save and the
 export) does it yield one epoch with no batches, so the recipe's evaluation runs again and the
-export carries its metrics. An epoch in which nothing was trained reports no training loss.
+export carries its metrics (the last training loss too). Checkpoints keep the logged means'
+running sums, so a resumed epoch's train_loss is the uninterrupted run's (without them, an older
+checkpoint's: marked partial, or none if nothing was trained since the resume).
 Nothing non-finite reaches a JSON file: a NaN evaluation metric stops the run like a NaN loss.
 
 Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
@@ -73,7 +75,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
-from accel_common.console import format_metrics, say
+from accel_common.console import say
 from accel_common.errors import NonFiniteError, Preempted
 from accel_common.evaluation import evaluation_generator, require_finite_metrics
 from accel_common.export import read_export_metadata
@@ -136,6 +138,8 @@ class TrainLoop:
             global_batch_size=plan.global_batch_size,
             desc=run.recipe,
         )
+        if self.progress.step and run.finished_export is None:
+            self._restore_loss_sums()
 
     @property
     def step(self) -> int:
@@ -381,24 +385,26 @@ class TrainLoop:
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
         # before they are logged
         require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
-        if self.log.epoch_loss.count == 0:  # resumed at the epoch's end: nothing trained in it
-            self.metrics = self._end_untrained_epoch(eval_metrics)
-        else:
-            self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics)
+        again = self._finished_before_epoch
+        self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics, again=again)
+        if "train_loss" in self.metrics:  # none when nothing was trained (after a resume)
             self._require_finite(self.metrics["train_loss"])
         # not again for a finished run evaluated once more: its last epoch counted before its save
-        if self.stopping.monitor and not self._finished_before_epoch:
+        if self.stopping.monitor and not again:
             self._track_best(model)
         return self.metrics
 
-    def _end_untrained_epoch(self, eval_metrics: dict[str, float]) -> dict[str, float]:
-        """Log and print an epoch's evaluation without a training loss (there is none: the
-        logger's mean over no steps would be NaN)."""
-        metrics = dict(eval_metrics)
-        self.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
-        if self.accelerator.is_main_process:
-            self.log.bar.write(f"epoch {self._epoch_number}: {format_metrics(metrics)}")
-        return metrics
+    def _restore_loss_sums(self) -> None:
+        """Continue the logged loss means where the checkpoint left them; one saved before
+        they were stored gives means over the steps since the resume: marked, and said once."""
+        self.log.restore(self.progress.loss_sums)
+        if self.progress.loss_sums is None:
+            say(
+                self.accelerator,
+                f"warning: {self.run.last_saved} stores no running loss sums (an older "
+                "checkpoint): the first train/loss and train_loss logged after the resume cover "
+                "only the steps since it, marked train/loss_partial and train_loss_partial",
+            )
 
     def _track_best(self, model: torch.nn.Module | None) -> None:
         """Export the model when the monitored metric improved; count the epochs it did not."""
@@ -424,6 +430,7 @@ class TrainLoop:
         Called only after the step's non-finite check, so the last checkpoint is always one to
         resume from."""
         self._count_time()  # the checkpoint records the training time up to here
+        self.progress.loss_sums = self.log.state()
         return self.run.save(self.policy.saves.keep_last)
 
     def finish(self, model: torch.nn.Module) -> dict[str, float]:

@@ -135,12 +135,14 @@ class RunningMean:
 
     Calling `.item()` every step would stall the GPU queue; the loop calls `add` each step (an
     in-place add, no allocation) and `compute` only at logging intervals, on every process (the
-    reduction is collective).
+    reduction is collective). The sums are resumable state (`state`, `restore`): a resumed run's
+    means cover the steps the uninterrupted run's cover, bit-equal with as many processes.
     """
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
-        self.count = 0
+        self.count = 0.0  # a float: restored on another process count, each holds a share
+        self.partial = False  # resumed from a checkpoint without sums: covers the steps since
 
     def add(self, value: torch.Tensor) -> None:
         if self.total is None:
@@ -149,12 +151,34 @@ class RunningMean:
         self.count += 1
 
     def compute(self, accelerator: Accelerator) -> float:
-        """Mean over all processes since the last compute; resets the sum."""
+        """Mean over all processes' values since the last compute; resets the sum."""
         if self.total is None:
             return float("nan")
-        mean = accelerator.reduce(self.total / self.count, reduction="mean").item()
-        self.total, self.count = None, 0
-        return mean
+        pair = torch.stack([self.total, torch.ones_like(self.total) * self.count])
+        total, count = accelerator.reduce(pair, reduction="sum")
+        self.total, self.count, self.partial = None, 0.0, False
+        return (total / count).item()
+
+    def state(self, accelerator: Accelerator) -> dict[str, list[float]]:
+        """Every process's sum and count, for a checkpoint (collective: a gather)."""
+        total = 0.0 if self.total is None else self.total.item()
+        mine = torch.tensor([total, self.count], dtype=torch.float32, device=accelerator.device)
+        pairs = accelerator.gather(mine).reshape(-1, 2).tolist()
+        return {"sums": [p[0] for p in pairs], "counts": [p[1] for p in pairs]}
+
+    def restore(self, saved: dict[str, list[float]], accelerator: Accelerator) -> None:
+        """Put back the sums `state` saved: each process its own, or, resumed on another number
+        of processes, an equal share of the total each (the mean is over all of them)."""
+        sums, counts = saved["sums"], saved["counts"]
+        if len(sums) == accelerator.num_processes:
+            total, count = sums[accelerator.process_index], counts[accelerator.process_index]
+        else:
+            share = accelerator.num_processes
+            total, count = sum(sums) / share, sum(counts) / share
+        self.total = None
+        if count:
+            self.total = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
+        self.count = count
 
 
 class Throughput:
@@ -196,6 +220,8 @@ class StepLogger:
         self.log_every = max(1, log_every)
         self.global_batch_size = global_batch_size
         self.window_loss, self.epoch_loss = RunningMean(), RunningMean()
+        self.initial_step = initial_step
+        self.last_epoch_loss: float | None = None  # a finished run evaluated again reports it
         self.throughput = Throughput()
         self.bar = progress_bar(
             accelerator,
@@ -225,6 +251,7 @@ class StepLogger:
         self.bar.update()
         if not self.logs_at(step):
             return None
+        partial = self.window_loss.partial
         record = {
             "train/loss": self.window_loss.compute(self.accelerator),
             "train/lr": scheduler.get_last_lr()[0],
@@ -232,19 +259,55 @@ class StepLogger:
         }
         if grad_norm is not None:
             record["train/grad_norm"] = grad_norm.item()
+        if partial:
+            record["train/loss_partial"] = True
         if self.accelerator.scaler is not None:  # fp16: a collapsing scale means overflowing grads
             record["train/loss_scale"] = self.accelerator.scaler.get_scale()
         self.accelerator.log(record, step=step)
         self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", refresh=False)
         return record["train/loss"]
 
-    def end_epoch(self, epoch: int, step: int, eval_metrics: dict[str, float]) -> dict[str, float]:
-        """Log the epoch's mean training loss and evaluation metrics; print them once."""
-        metrics = {"train_loss": self.epoch_loss.compute(self.accelerator), **eval_metrics}
+    def end_epoch(
+        self, epoch: int, step: int, eval_metrics: dict[str, float], *, again: bool = False
+    ) -> dict[str, float]:
+        """Log the mean training loss since the last call and the evaluation metrics; print them
+        once. An epoch in which nothing was trained has no training loss (a mean over no steps
+        is NaN), except a finished run's last epoch evaluated `again`: it reports the run's."""
+        mean, train = self.epoch_loss, {}
+        if mean.count:
+            partial = mean.partial
+            self.last_epoch_loss = train["train_loss"] = mean.compute(self.accelerator)
+            if partial:
+                train["train_loss_partial"] = True
+        else:
+            mean.partial = False  # nothing since the resume: the next epoch's mean is whole
+            if again and self.last_epoch_loss is not None:
+                train["train_loss"] = self.last_epoch_loss
+        metrics = {**train, **eval_metrics}
         self.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
         if self.accelerator.is_main_process:
             self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")
         return metrics
+
+    def state(self) -> dict[str, Any]:
+        """The running sums, for a checkpoint (collective)."""
+        return {
+            "window": self.window_loss.state(self.accelerator),
+            "epoch": self.epoch_loss.state(self.accelerator),
+            "last_epoch": self.last_epoch_loss,
+        }
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """Continue the means where a checkpoint's `state` left them. `None`, a checkpoint
+        from before they were stored: the first window's mean (unless it starts at the resume)
+        and the epoch's cover only the steps since the resume, and are marked partial."""
+        if saved is None:
+            self.window_loss.partial = self.initial_step % self.log_every != 0
+            self.epoch_loss.partial = True
+            return
+        self.window_loss.restore(saved["window"], self.accelerator)
+        self.epoch_loss.restore(saved["epoch"], self.accelerator)
+        self.last_epoch_loss = saved["last_epoch"]
 
     def close(self) -> None:
         self.bar.close()

@@ -23,6 +23,7 @@ from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
+from accel_common.tracking import RunningMean
 from tests.processes import REPO, run_recipe
 from tests.results import exported_params, max_relative_difference
 from tests.scaler_check import check_a_best_epoch_export_counts_skipped_steps
@@ -60,6 +61,7 @@ def run(tmp_path):
         config: dict | None = None,
         overwrite: bool = False,
         overwrite_later: bool = False,
+        log_every: int = 1,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -80,7 +82,8 @@ def run(tmp_path):
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
                 "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
-            ), out, StartRequest(resume, overwrite, overwrite_later), SavePolicy(1, save_every, 10),
+            ), out, StartRequest(resume, overwrite, overwrite_later),
+            SavePolicy(log_every, save_every, 10),
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
@@ -175,22 +178,23 @@ def test_a_finished_run_resumed_leaves_its_export_as_it_was(run, tmp_path, capsy
 
 def test_a_finished_run_without_its_export_is_evaluated_and_exported_again(run, tmp_path, capsys):
     """A run killed between its final save and its export: the resume evaluates once more and
-    exports, with no training loss (no step was trained) rather than NaN."""
+    exports, with the training loss of the run's last epoch (kept in the final checkpoint)."""
     accelerator, model, optimizer, loop, _ = run()
     train(accelerator, model, optimizer, loop)
-    loop.finish(model)
+    expected = loop.finish(model)
     shutil.rmtree(tmp_path / "model")
     capsys.readouterr()
     accelerator, model, optimizer, loop, _ = run(resume="latest")
     epochs, firsts, _ = train(accelerator, model, optimizer, loop)
     assert (epochs, firsts) == ([3], [])  # one epoch with no batches: the evaluation runs
     loop.finish(model)
-    assert "train_loss" not in capsys.readouterr().out
+    assert "nan" not in capsys.readouterr().out
     exported = json.loads((tmp_path / "model" / "model.json").read_text(), parse_constant=refuse)
     assert exported["step"] == 12 and exported["metrics"]["epoch"] == 3.0
-    assert "train_loss" not in exported["metrics"]
+    assert exported["metrics"]["train_loss"] == expected["train_loss"]
     logged = [json.loads(line, parse_constant=refuse) for line in metrics_lines(tmp_path)]
-    assert "eval/train_loss" not in logged[-1] and logged[-1]["eval/epoch"] == 3.0
+    assert logged[-1]["eval/train_loss"] == expected["train_loss"]
+    assert logged[-1]["eval/epoch"] == 3.0
 
 
 def refuse(constant: str) -> None:
@@ -201,9 +205,11 @@ def metrics_lines(out: Path) -> list[str]:
     return (out / "logs" / "metrics.jsonl").read_text().splitlines()
 
 
-def test_an_epoch_resumed_at_its_end_reports_no_training_loss(run, tmp_path, capsys):
+def test_an_epoch_resumed_at_its_end_reports_its_training_loss(run, tmp_path, capsys):
     """Saved after the last step of epoch 1 (step 5 of 5): the resumed run trains nothing in
-    that epoch before its evaluation, which used to print `train_loss nan`."""
+    that epoch before its evaluation, which used to print `train_loss nan`, then no training
+    loss; the checkpoint's loss sums give the uninterrupted run's. A checkpoint from before
+    they were stored still reports none (nothing was trained since the resume)."""
     accelerator, model, optimizer, loop, _ = run(save_every=5)
     train(accelerator, model, optimizer, loop)  # saves step_5 and step_10; not finished
     shutil.rmtree(tmp_path / "checkpoints" / "step_10")
@@ -212,10 +218,94 @@ def test_an_epoch_resumed_at_its_end_reports_no_training_loss(run, tmp_path, cap
     epochs, _, _ = train(accelerator, model, optimizer, loop)
     assert epochs == [1, 2, 3]
     printed = capsys.readouterr().out
+    assert "nan" not in printed
+    logged = [json.loads(line, parse_constant=refuse) for line in metrics_lines(tmp_path)]
+    first, resumed = [r["eval/train_loss"] for r in logged if r.get("eval/epoch") == 1.0]
+    assert resumed == first
+
+    forget_loss_sums(tmp_path / "checkpoints" / "step_5")
+    accelerator, model, optimizer, loop, _ = run(
+        resume=str(tmp_path / "checkpoints" / "step_5"), save_every=5, overwrite_later=True
+    )
+    train(accelerator, model, optimizer, loop)
+    printed = capsys.readouterr().out
     assert "epoch 1: epoch 1\n" in printed.replace("\r", "\n")  # its evaluation, no train_loss
     assert "nan" not in printed
-    for line in metrics_lines(tmp_path):
-        json.loads(line, parse_constant=refuse)
+
+
+def forget_loss_sums(checkpoint: Path) -> None:
+    """Make `checkpoint` look like one saved before the running loss sums were stored."""
+    record = json.loads((checkpoint / "progress.json").read_text())
+    del record["progress"]["loss_sums"]
+    (checkpoint / "progress.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "damaged", [{"epoch": 1.5}, {"window": {"sums": [1.0, 2.0], "counts": [1, 1]}}]
+)
+def test_damaged_loss_sums_are_one_line_naming_the_file(run, tmp_path, damaged):
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    progress = tmp_path / "checkpoints" / "step_8" / "progress.json"
+    record = json.loads(progress.read_text())
+    record["progress"]["loss_sums"] |= damaged
+    progress.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=rf"^{progress} is unreadable: "):
+        run(resume="latest")
+
+
+def test_a_run_resumed_mid_epoch_logs_and_exports_the_uninterrupted_runs_losses(run, tmp_path):
+    """Issue 43: an epoch resumed mid-way logged (and exported) the mean loss of the steps after
+    the resume only, and so did the first logging window: the running sums are checkpointed.
+    Resumed at step 8 (mid-epoch 2, 2 steps after a log at step 6)."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    accelerator, model, optimizer, loop, _ = run(out=full, log_every=3)
+    train(accelerator, model, optimizer, loop)
+    expected = loop.finish(model)
+    accelerator, model, optimizer, loop, _ = run(out=cut, log_every=3)
+    train(accelerator, model, optimizer, loop)  # saves step_4 and step_8; not finished
+    (cut / "logs" / "metrics.jsonl").unlink()
+    accelerator, model, optimizer, loop, _ = run(
+        out=cut, resume=str(cut / "checkpoints" / "step_8"), log_every=3
+    )
+    train(accelerator, model, optimizer, loop)
+    resumed = loop.finish(model)
+    del expected["train_seconds"], resumed["train_seconds"]
+    assert resumed == expected
+
+    def records(out: Path) -> list[dict]:
+        logged = [json.loads(line) for line in metrics_lines(out)]
+        timing = ("time", "train/samples_per_s")
+        return [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in logged
+            if r["step"] is not None and r["step"] > 8
+        ]
+
+    assert [r["step"] for r in records(cut)] == [9, 10, 12, 12]  # 2 windows, 2 epochs
+    assert records(cut) == records(full)
+
+
+def test_a_checkpoint_without_loss_sums_resumes_and_marks_its_means_partial(run, tmp_path, capsys):
+    """A checkpoint saved before the sums were stored: the first window's and the epoch's
+    means cover only the steps since the resume, which the logs and a warning say."""
+    accelerator, model, optimizer, loop, _ = run(log_every=3)
+    train(accelerator, model, optimizer, loop)
+    forget_loss_sums(tmp_path / "checkpoints" / "step_8")
+    (tmp_path / "logs" / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    accelerator, model, optimizer, loop, _ = run(resume="latest", log_every=3)
+    train(accelerator, model, optimizer, loop)
+    metrics = loop.finish(model)
+    printed = capsys.readouterr().out
+    warning = [line for line in printed.splitlines() if "stores no running loss sums" in line]
+    assert len(warning) == 1, printed
+    logged = [json.loads(line) for line in metrics_lines(tmp_path)]
+    windows = [r for r in logged if "train/loss" in r]
+    assert [r.get("train/loss_partial") for r in windows] == [True, None]
+    epochs = [r for r in logged if "eval/epoch" in r]
+    assert [r.get("eval/train_loss_partial") for r in epochs] == [True, None]
+    assert "train_loss_partial" not in metrics  # the last epoch was trained whole
 
 
 def test_a_non_finite_evaluation_metric_stops_the_run_before_it_reaches_a_json_file(run, tmp_path):
@@ -437,3 +527,17 @@ def test_a_best_epoch_export_under_fp16_records_the_runs_skipped_steps(tmp_path)
     """cricket's export under fp16 lacked skipped_steps: the best epoch's metrics were taken
     before the run's totals were added (tests/scaler_check.py, CPU stand-in scaler)."""
     check_a_best_epoch_export_counts_skipped_steps(tmp_path, gpu=False)
+
+
+def test_loss_sums_saved_by_two_processes_resume_on_one_as_their_total(tmp_path):
+    """A checkpoint of 2 processes resumed on 1 (the same global batch): the one holds both
+    ranks' sums and counts, so the mean still covers every step of the epoch."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = make_accelerator(output_dir=tmp_path, batch=BatchRequest(4), cpu=True)[0]
+    saved = {"sums": [3.0, 5.0], "counts": [2.0, 2.0]}  # rank 0: 1 + 2, rank 1: 2 + 3
+    mean = RunningMean()
+    mean.restore(saved, accelerator)
+    mean.add(torch.tensor(4.0))  # the resumed step
+    assert mean.compute(accelerator) == pytest.approx((1 + 2 + 2 + 3 + 4) / 5)  # float32
+    assert mean.state(accelerator) == {"sums": [0.0], "counts": [0.0]}  # compute reset it
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -185,3 +185,10 @@ def test_preemption_saves_the_step_in_progress_and_the_requeued_job_resumes(
     assert f"resumed from {out / 'checkpoints' / f'step_{step}'}:" in result.stdout
     assert json.loads((out / "model" / "model.json").read_text())["step"] == 40
     assert_bit_equal(uninterrupted, out)
+    # the one epoch's mean loss spans the preemption: each rank's running sum was saved (issue
+    # 43: it covered the steps since the requeue only)
+    metrics = [json.loads((run / "model" / "model.json").read_text())["metrics"]
+               for run in (uninterrupted, out)]  # fmt: skip
+    for exported in metrics:
+        del exported["train_seconds"]
+    assert metrics[0] == metrics[1]
