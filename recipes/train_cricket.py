@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.console import say
 from accel_common.data.cache import list_column
+from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
@@ -305,6 +306,7 @@ def prepare_data(
             retired_is_wicket=settings.retired_is_wicket,
             vocab=vocab,
         )
+    info["data_files"] = named_files(info["files"], folder)
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
     summary = info["summary"]
@@ -380,8 +382,8 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     derived["baseline"] = baseline.table.tolist()
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
-        derived=derived, monitor="val_mae", patience=settings.patience,
-        min_epochs=settings.min_epochs,
+        data_files=info["data_files"], derived=derived, monitor="val_mae",
+        patience=settings.patience, min_epochs=settings.min_epochs,
         min_delta=settings.min_delta,
     )  # fmt: skip
 
