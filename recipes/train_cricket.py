@@ -209,10 +209,15 @@ def network(
     return model
 
 
+def start_files(export: Path) -> tuple[Path, Path]:
+    """--init-from's weights file and the vocabulary beside it."""
+    weights = export / "model.safetensors" if export.is_dir() else export
+    return weights, weights.parent / VOCAB_FILE
+
+
 def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """--init-from: an export's weights and the vocabulary its embeddings were trained with."""
-    weights = export / "model.safetensors" if export.is_dir() else export
-    vocab_path = weights.parent / VOCAB_FILE
+    weights, vocab_path = start_files(export)
     if not weights.is_file():
         raise ConfigError(f"--init-from {export}: no exported model at {weights}")
     if not vocab_path.is_file():
@@ -307,6 +312,9 @@ def prepare_data(
             vocab=vocab,
         )
     info["data_files"] = named_files(info["files"], folder)
+    if vocab is not None:  # the given vocabulary decides the features as much as the matches
+        vocab_path = start_files(settings.init_from)[1]
+        info["data_files"] |= named_files([vocab_path], vocab_path.parent, "--init-from/")
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
     summary = info["summary"]

@@ -237,3 +237,15 @@ def test_a_file_the_run_does_not_read_may_change_between_resumes(tmp_path, monke
     csv.write_text("\n".join([header, f"{edited},{others}", rest]))
     message = resume_refused("template", TEMPLATE, argv, tmp_path, monkeypatch)
     assert "(changed: test.csv; fingerprint " in message
+
+
+def test_cricket_fine_tuning_declares_the_vocabulary_it_reads(tmp_path, monkeypatch):
+    """--init-from's vocab.json decides the features as much as the matches do."""
+    argv = [*cricket_data(tmp_path), "--max-steps", "1"]
+    train("cricket", CRICKET, argv, tmp_path, monkeypatch)
+    shutil.copytree(tmp_path / "run" / "model", tmp_path / "start")
+    shutil.rmtree(tmp_path / "run")
+    tuned = [*argv, "--init-from", str(tmp_path / "start")]
+    opened, declared = train("cricket", CRICKET, tuned, tmp_path, monkeypatch)
+    assert tmp_path / "start" / "vocab.json" in opened
+    assert sorted(opened - declared) == [] and sorted(declared - opened) == []
