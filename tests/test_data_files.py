@@ -169,20 +169,22 @@ RECIPES: dict[str, tuple[Path, Callable[[Path], list[str]]]] = {
     "quality": (QUALITY, quality_data),
     "captioning": (CAPTIONING, captioning_data),
     "crystal": (CRYSTAL, crystal_data),
-    "cricket": (CRICKET, cricket_data),
-}
+}  # cricket: in test_cricket_declares_the_files_it_opens_also_when_fine_tuning
+
+
+def exactly_declared(opened: set[Path], declared: set[Path]) -> None:
+    """A file opened but not declared resumes silently on changed data; one declared but not
+    read (a README) refuses a resume for nothing."""
+    assert opened, "the run opened no data file: the recording is broken"
+    assert sorted(opened - declared) == [], "opened, not in the fingerprint"
+    assert sorted(declared - opened) == [], "in the fingerprint, not opened"
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_each_recipe_declares_exactly_the_files_its_run_opens(recipe, tmp_path, monkeypatch):
-    """A file opened but not declared resumes silently on changed data; one declared but not
-    read (a README) refuses a resume for nothing."""
     script, write = RECIPES[recipe]
     argv = [*write(tmp_path), "--max-steps", "1"]
-    opened, declared = train(recipe, script, argv, tmp_path, monkeypatch)
-    assert opened, "the run opened no data file: the recording is broken"
-    assert sorted(opened - declared) == [], "opened, not in the fingerprint"
-    assert sorted(declared - opened) == [], "in the fingerprint, not opened"
+    exactly_declared(*train(recipe, script, argv, tmp_path, monkeypatch))
 
 
 def test_pointcloud_refuses_a_resume_on_a_changed_file_its_csv_lists_elsewhere(
@@ -239,13 +241,13 @@ def test_a_file_the_run_does_not_read_may_change_between_resumes(tmp_path, monke
     assert "(changed: test.csv; fingerprint " in message
 
 
-def test_cricket_fine_tuning_declares_the_vocabulary_it_reads(tmp_path, monkeypatch):
+def test_cricket_declares_the_files_it_opens_also_when_fine_tuning(tmp_path, monkeypatch):
     """--init-from's vocab.json decides the features as much as the matches do."""
     argv = [*cricket_data(tmp_path), "--max-steps", "1"]
-    train("cricket", CRICKET, argv, tmp_path, monkeypatch)
+    exactly_declared(*train("cricket", CRICKET, argv, tmp_path, monkeypatch))
     shutil.copytree(tmp_path / "run" / "model", tmp_path / "start")
     shutil.rmtree(tmp_path / "run")
     tuned = [*argv, "--init-from", str(tmp_path / "start")]
     opened, declared = train("cricket", CRICKET, tuned, tmp_path, monkeypatch)
     assert tmp_path / "start" / "vocab.json" in opened
-    assert sorted(opened - declared) == [] and sorted(declared - opened) == []
+    exactly_declared(opened, declared)
