@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -317,6 +317,7 @@ class SharedSettings(Settings):
         schedule: LRSchedule,
         *,
         recipe: str,
+        data_files: Mapping[str, Path],
         settings: Settings | None = None,
         derived: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
@@ -325,7 +326,9 @@ class SharedSettings(Settings):
         min_epochs: int = 0,
         min_delta: float = 0.0,
     ) -> TrainLoop:
-        """The run's TrainLoop (loop.TrainLoop). `settings` are the workload's own, `derived`
+        """The run's TrainLoop (loop.TrainLoop). `data_files` are every file the run's data
+        reader opens, by name (accel_common.data.fingerprint.named_files): their contents are the
+        data's part of the run's identity. `settings` are the workload's own, `derived`
         what the run computed from its data that single-device commands need too (a target's
         mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
         the checkpoints and the export, and is the run's identity but for the adjustable
@@ -350,6 +353,7 @@ class SharedSettings(Settings):
             run_config,
             output_dir=self.output_dir,
             data_dir=self.data or loaders.example_data_dir(recipe),
+            data_files=data_files,
             start=self.start_request,
             monitored=bool(monitor),
             tracking=Tracking(self.wandb_project, self.wandb_name),

@@ -2,10 +2,11 @@
 
 `Run.open` does everything a run does before its first step: it records the config, computes
 the run's identity (every setting but the adjustable ones, the recipe, the global batch, the
-data's content fingerprint), prints the plan, claims the output folder (or moves an old run
-aside with --overwrite), resumes (refusing another run's checkpoint, naming the flag that
-differs) and starts the trackers. The loop (accel_common.loop) only counts steps; it saves and
-exports through the `Run`, which records the run in every checkpoint and export.
+content fingerprint of the files its data reader opens), prints the plan, claims the output
+folder (or moves an old run aside with --overwrite), resumes (refusing another run's
+checkpoint, naming the flag that differs) and starts the trackers. The loop
+(accel_common.loop) only counts steps; it saves and exports through the `Run`, which records
+the run in every checkpoint and export.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,13 @@ from accel_common.checkpoint import (
     save_checkpoint,
 )
 from accel_common.console import print_banner, say
-from accel_common.data.files import CONTENT_FINGERPRINT, data_hash_cache, folder_fingerprint
+from accel_common.data.fingerprint import (
+    LISTED_FILES,
+    data_hash_cache,
+    files_fingerprint,
+    hash_cache_file,
+    refuse_other_data,
+)
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     META_FILE,
@@ -99,10 +107,12 @@ class Run:
         output_dir: Path,
         identity: dict[str, Any],
         total_steps: int,
+        data_digests: dict[str, str] | None = None,
     ) -> None:
         self.accelerator, self.plan, self.config = accelerator, plan, config
         self.recipe = config.recipe
         self.output_dir, self.identity, self.total_steps = Path(output_dir), identity, total_steps
+        self.data_digests = data_digests  # each data file's digest, by name (None: too many)
         self.id, self.progress = "", TrainProgress()
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
@@ -117,6 +127,7 @@ class Run:
         *,
         output_dir: Path,
         data_dir: Path | None = None,
+        data_files: Mapping[str, Path] | None = None,
         start: StartRequest = StartRequest(),
         monitored: bool = False,
         tracking: Tracking = Tracking(),
@@ -125,17 +136,18 @@ class Run:
         successful resume, so a bad --resume leaves the folder as it was). `monitored`: the run
         exports its best epoch (early stopping), which tells a finished run's export apart.
         Every process calls it, after `accelerator.prepare` (a resume restores the prepared
-        objects)."""
-        # the data's content fingerprint: read by the main process (once: its per-file digests
-        # are cached), the same for all
-        fingerprint = None
-        if accelerator.is_main_process and data_dir is not None and Path(data_dir).exists():
-            fingerprint = folder_fingerprint(data_dir, cache_dir=data_hash_cache())
-        fingerprint = broadcast_object_list([fingerprint])[0]
-        identity = run_identity(
-            config.recipe, config.values, plan, None, config.adjustable, fingerprint
-        )
-        run = cls(accelerator, plan, config, output_dir, identity, schedule.total_steps)
+        objects). `data_files` are the files the run's reader opens, by name
+        (accel_common.data.fingerprint.named_files): their contents are part of the identity;
+        `data_dir` (--data) names them in messages."""
+        # read by the main process (once: the per-file digests are cached), the same for all
+        found: list[Any] = [None, None]
+        if accelerator.is_main_process and data_files is not None:
+            cache = hash_cache_file(data_dir, data_hash_cache()) if data_dir is not None else None
+            fingerprint, digests = files_fingerprint(data_files, cache)
+            found = [fingerprint, digests if len(digests) <= LISTED_FILES else None]
+        fingerprint, digests = broadcast_object_list(found)
+        identity = run_identity(config.recipe, config.values, plan, config.adjustable, fingerprint)
+        run = cls(accelerator, plan, config, output_dir, identity, schedule.total_steps, digests)
         print_banner(
             accelerator,
             recipe=config.recipe,
@@ -157,8 +169,10 @@ class Run:
     # ------------------------------------------------------------------ saves and exports
 
     def record(self) -> dict[str, Any]:
-        """What every checkpoint records of the run: its id, identity and settings."""
-        return {"id": self.id, "identity": self.identity, "settings": self.config.as_json()}
+        """What every checkpoint records of the run: its id, identity, settings and data files'
+        digests (a resume on changed data names the files)."""
+        record = {"id": self.id, "identity": self.identity, "settings": self.config.as_json()}
+        return record | ({"data_files": self.data_digests} if self.data_digests else {})
 
     def save(self, keep_last: int) -> Path:
         """Save resumable state at the run's step (collective: every process calls it)."""
@@ -218,7 +232,9 @@ class Run:
             self._claim_output_dir(resume, overwrite)
             self.id = broadcast_object_list([uuid.uuid4().hex[:12]])[0]
             return
-        check = RunCheck(self.plan, self.identity, self.config, self.total_steps, data_dir)
+        check = RunCheck(
+            self.plan, self.identity, self.config, self.total_steps, data_dir, self.data_digests
+        )
         progress, run = load_checkpoint(self.accelerator, path, self.plan, accept=check)
         self._make_way_for(path, progress.step, resume, start.overwrite_later)
         noted = self.config.adjustable - LAUNCH_SETTINGS
@@ -361,6 +377,7 @@ class RunCheck:
     config: RunConfig | None = None  # which settings may change, and their defaults
     total_steps: int | None = None
     data_dir: Path | None = None
+    data_digests: dict[str, str] | None = None  # this run's data files' digests, by name
 
     def __call__(
         self, path: Path, progress: TrainProgress, saved_global: int, run: dict[str, Any]
@@ -395,7 +412,9 @@ class RunCheck:
         current = {
             k: v for k, v in current.items() if k in saved or defaults.get(k, added_since) != v
         }
-        check_same_data(path, saved, current, self.data_dir)
+        before, now = saved.pop(DATA_KEY, None), current.pop(DATA_KEY, None)
+        digests = (run.get("data_files"), self.data_digests)
+        refuse_other_data(path, (before, now), digests, self.data_dir)
         differences = describe_differences(saved, current, config.derived)
         if differences:
             raise CheckpointError(
@@ -403,25 +422,6 @@ class RunCheck:
                 "that run's settings, or start this one in another --output-dir (or pass "
                 "--overwrite without --resume to move the old run aside)"
             )
-
-
-def check_same_data(
-    path: Path, saved: dict[str, Any], current: dict[str, Any], data_dir: Path | None
-) -> None:
-    """Refuse a resume on data whose contents differ from those the checkpoint was trained on.
-    Both identities lose their fingerprint once compared: what remains are the settings. A
-    checkpoint of an earlier version recorded none, or only the files' names and sizes: those
-    cannot be compared with a content fingerprint, so they are not."""
-    before, now = saved.pop(DATA_KEY, None), current.pop(DATA_KEY, None)
-    if before is None or now is None or not str(before).startswith(CONTENT_FINGERPRINT):
-        return
-    if before != now:
-        data = f"--data {data_dir}" if data_dir is not None else "the data"
-        raise CheckpointError(
-            f"{data}: its files' contents differ from the data {path} was trained on "
-            f"(fingerprint {before} then, {now} now); resume with the data it was trained on, "
-            "or train on this data from the start in another --output-dir"
-        )
 
 
 def describe_differences(
@@ -452,17 +452,14 @@ def run_identity(
     recipe: str,
     config: dict[str, Any],
     plan: BatchPlan,
-    data_dir: Path | None,
     adjustable: frozenset[str] = frozenset(),
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """What makes a checkpoint this run's: every setting but the `adjustable` ones, the recipe,
-    the global batch and the data's content fingerprint (`fingerprint`, or computed from
-    `data_dir`, a folder or a file), as they read back from JSON."""
+    the global batch and the content fingerprint of the files it reads, as they read back from
+    JSON."""
     identity = {k: v for k, v in config.items() if k not in adjustable}
     identity |= {"recipe": recipe, "global_batch_size": plan.global_batch_size}
-    if fingerprint is None and data_dir is not None and Path(data_dir).exists():
-        fingerprint = folder_fingerprint(data_dir)
     if fingerprint is not None:
         identity[DATA_KEY] = fingerprint
     return json.loads(json.dumps(identity, default=str))

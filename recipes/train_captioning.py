@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
+from accel_common.data.fingerprint import named_files
 from accel_common.data.images import image_batches, list_images
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
@@ -54,7 +55,7 @@ from accel_common.losses import GlobalItemMean
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from accel_common.sharding import forward_is_collective
-from recipes.captioning.data import collate, prepare_split, read_split
+from recipes.captioning.data import collate, prepare_split, read_split, split_files
 from recipes.captioning.example import write_dataset
 from recipes.captioning.model import Captioner, greedy_captions
 from recipes.captioning.tokenizer import BOS, EOS, PAD_ID, shared_tokenizer, train_tokenizer
@@ -212,9 +213,11 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
     for method in ("encode", "decode"):  # greedy decoding's calls gather FSDP's shards too
         register_fsdp_forward_method(accelerator.unwrap_model(model), method)  # else a no-op
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
+    read = [*split_files(train_folder, train_records), *split_files(test_folder, test_records)]
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
-    )
+        accelerator, plan, train_loader, schedule,
+        recipe=RECIPE, data_files=named_files(read, data_dir), settings=settings, derived=derived,
+    )  # fmt: skip
     token_mean = GlobalItemMean(accelerator, plan)  # exact over varying caption lengths
 
     for _epoch in loop.epochs():

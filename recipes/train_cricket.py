@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.console import say
 from accel_common.data.cache import list_column
+from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
@@ -208,10 +209,15 @@ def network(
     return model
 
 
+def start_files(export: Path) -> tuple[Path, Path]:
+    """--init-from's weights file and the vocabulary beside it."""
+    weights = export / "model.safetensors" if export.is_dir() else export
+    return weights, weights.parent / VOCAB_FILE
+
+
 def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """--init-from: an export's weights and the vocabulary its embeddings were trained with."""
-    weights = export / "model.safetensors" if export.is_dir() else export
-    vocab_path = weights.parent / VOCAB_FILE
+    weights, vocab_path = start_files(export)
     if not weights.is_file():
         raise ConfigError(f"--init-from {export}: no exported model at {weights}")
     if not vocab_path.is_file():
@@ -305,6 +311,10 @@ def prepare_data(
             retired_is_wicket=settings.retired_is_wicket,
             vocab=vocab,
         )
+    info["data_files"] = named_files(info["files"], folder)
+    if vocab is not None:  # the given vocabulary decides the features as much as the matches
+        vocab_path = start_files(settings.init_from)[1]
+        info["data_files"] |= named_files([vocab_path], vocab_path.parent, "--init-from/")
     for file, note in info["not_matches"]:
         say(accelerator, f"warning: skipped {folder / file}: {note} (--strict stops instead)")
     summary = info["summary"]
@@ -380,8 +390,8 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     derived["baseline"] = baseline.table.tolist()
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
-        derived=derived, monitor="val_mae", patience=settings.patience,
-        min_epochs=settings.min_epochs,
+        data_files=info["data_files"], derived=derived, monitor="val_mae",
+        patience=settings.patience, min_epochs=settings.min_epochs,
         min_delta=settings.min_delta,
     )  # fmt: skip
 

@@ -59,6 +59,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 from accel_common.batching import total_optimizer_steps
 from accel_common.data.cache import list_lengths
+from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
@@ -278,8 +279,10 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     derived = {"mean": mean, "std": std}  # the target's scale, which predict needs too
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
-    )
+        accelerator, plan, train_loader, schedule,
+        recipe=RECIPE, data_files=named_files([path], path.parent), settings=settings,
+        derived=derived,
+    )  # fmt: skip
 
     for _epoch in loop.epochs():
         for graph in loop.batches():

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accel_common.console import format_metrics
+from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
@@ -291,9 +292,11 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
     if ema is not None:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
+    data_files = named_files([*train_set.files, *test_set.files], data_dir)
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings
-    )
+        accelerator, plan, train_loader, schedule,
+        recipe=RECIPE, data_files=data_files, settings=settings,
+    )  # fmt: skip
 
     def score() -> dict[str, float]:
         scored = accelerator.unwrap_model(model) if ema is None else ema.module

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accel_common.console import say
+from accel_common.data.fingerprint import named_files
 from accel_common.data.images import list_images
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
@@ -61,6 +62,7 @@ from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
 from recipes.quality.data import (
     GOLD_PAIR,
+    TRUTH_FILE,
     ImageReader,
     Images,
     Pairs,
@@ -387,7 +389,7 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
         skip_invalid_records=settings.skip_invalid_records,
     )
     records, annotators, names = data.records, data.annotators, data.images
-    truth = read_truth(data_dir / "truth.json", names, annotators)
+    truth = read_truth(data_dir / TRUTH_FILE, names, annotators)
     draws = sum(r[2] == 0 for r in records)
     found = f"{len(records)} comparisons ({draws} draws) by {len(annotators)} annotators"
     say(accelerator, f"read {found} of {len(names)} images in {image_dir} ({data.layout})")
@@ -444,9 +446,13 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     derived = {"annotators": annotators}  # the score command builds the model from these too
+    read = [*data.files, *([data_dir / TRUTH_FILE] if truth is not None else [])]
+    data_files = named_files(read, data_dir)
+    data_files |= named_files([image_dir / n for n in names], image_dir, "--image-dir/")
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
-    )
+        accelerator, plan, train_loader, schedule,
+        recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
+    )  # fmt: skip
     loss_of = likelihood(mode)
 
     def score() -> dict[str, float]:

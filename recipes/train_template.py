@@ -22,6 +22,8 @@ format: `accel-recipes make-data NAME DIR` finds it here), `load_split` (read yo
 `MLPSettings` (your model's settings: flags, `--help`, `--config` keys, the export's config and the
 resume check all come from it), `MLPRegressor` and `build_model`, `evaluate` (your quality measure
 next to a trivial baseline), `evaluate_export`, and in `train` the lines that load data, the
+files they read (`data_files`: their contents are part of the run's identity, so a resume on
+changed data is refused; tests/test_data_files.py checks the list against the files opened), the
 values the export needs besides the settings (`derived`), the forward pass and loss, and the
 evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
@@ -47,6 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
+from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
@@ -194,9 +197,12 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     # WORKLOAD: what evaluate_export needs besides the settings
     derived = {"target_mean": train_mean, "columns": train_set.columns}
+    # WORKLOAD: every file the data readers open
+    data_files = named_files([data_dir / "train.csv", data_dir / "test.csv"], data_dir)
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings, derived=derived
-    )
+        accelerator, plan, train_loader, schedule,
+        recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
+    )  # fmt: skip
     for _epoch in loop.epochs():
         for x, y in loop.batches():
             with accelerator.accumulate(model):

@@ -22,7 +22,7 @@ from accel_common.checkpoint import (
     save_checkpoint,
 )
 from accel_common.convert import convert_checkpoint
-from accel_common.data import files
+from accel_common.data import fingerprint
 from accel_common.errors import CheckpointError
 from accel_common.export import (
     load_exported,
@@ -354,29 +354,45 @@ def test_an_export_with_a_non_finite_metric_is_refused_and_nothing_written(tmp_p
 
 def test_the_data_fingerprint_covers_contents_and_reads_each_file_once(tmp_path, monkeypatch):
     """Issue 27: the fingerprint held names and sizes, so an edit of the same size resumed."""
-    data, cache = tmp_path / "data", tmp_path / "cache"
+    data, cache = tmp_path / "data", tmp_path / "cache" / "hashes.json"
     data.mkdir()
     (data / "train.csv").write_text("x,y\n1.5,2.0\n")
-    (data / ".cache").mkdir()
-    (data / ".cache" / "tmp").write_text("ignored")
-    first = files.folder_fingerprint(data, cache_dir=cache)
-    assert first.startswith("sha256:")
+    first, digests = fingerprint.files_fingerprint(
+        fingerprint.named_files([data / "train.csv"], data), cache
+    )
+    assert first.startswith("read-sha256:") and list(digests) == ["train.csv"]
     copy = tmp_path / "copy"
     shutil.copytree(data, copy)
-    (copy / ".cache" / "tmp").write_text("other")
-    assert files.folder_fingerprint(copy) == first  # the same data anywhere
+    assert fingerprint.files_fingerprint({"train.csv": copy / "train.csv"})[0] == first  # anywhere
 
     read = []
-    monkeypatch.setattr(files, "file_digest", lambda path: read.append(path) or "x")
-    assert files.folder_fingerprint(data, cache_dir=cache) == first  # from the cache
-    assert read == []
+    monkeypatch.setattr(fingerprint, "file_digest", lambda path: read.append(path) or "x")
+    assert fingerprint.files_fingerprint({"train.csv": data / "train.csv"}, cache)[0] == first
+    assert read == []  # from the cache
     monkeypatch.undo()
     stat = (data / "train.csv").stat()
     (data / "train.csv").write_text("x,y\n1.5,2.1\n")  # same size
     os.utime(data / "train.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime
     assert (data / "train.csv").stat().st_size == stat.st_size
-    assert files.folder_fingerprint(data, cache_dir=cache) != first
-    assert files.folder_fingerprint(data) == files.folder_fingerprint(data, cache_dir=cache)
+    edited, now = fingerprint.files_fingerprint({"train.csv": data / "train.csv"}, cache)
+    assert edited != first
+    assert fingerprint.files_fingerprint({"train.csv": data / "train.csv"})[0] == edited
+    assert fingerprint.describe_changes(digests, now) == "changed: train.csv"
+
+
+def test_data_files_are_named_relative_to_their_folder_or_else_absolute(tmp_path):
+    """A copy of --data elsewhere is the same data; a file outside it (a CSV row naming another
+    folder) keeps its full path; `root` a file is named by its name."""
+    data, other = tmp_path / "data", tmp_path / "other"
+    named = fingerprint.named_files([data / "a" / "x.npy", other / "y.npy"], data)
+    assert named == {"a/x.npy": data / "a" / "x.npy", str(other / "y.npy"): other / "y.npy"}
+    assert list(fingerprint.named_files([other / "y.png"], other, "--image-dir/")) == [
+        "--image-dir/y.png"
+    ]
+    assert list(fingerprint.named_files([data / "s.extxyz"], data / "s.extxyz")) == ["s.extxyz"]
+    assert list(fingerprint.named_files([tmp_path / "data2" / "z"], data)) == [
+        str(tmp_path / "data2" / "z")
+    ]  # a sibling whose name starts like the folder's is outside it
 
 
 # --------------------------------------------------------------------------- a full disk

@@ -106,20 +106,34 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accele
 def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, accelerator):
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
-    saved = {"recipe": "template", "hidden": 64, "data_fingerprint": "sha256:aaaa"}
+    saved = {"recipe": "template", "hidden": 64, "data_fingerprint": "read-sha256:aaaa"}
     path = save_checkpoint(
         accelerator, tmp_path, TrainProgress(step=64), plan=plan,
         run={"id": "abc", "identity": saved},
     )  # fmt: skip
-    now = {**saved, "data_fingerprint": "sha256:bbbb"}
+    now = {**saved, "data_fingerprint": "read-sha256:bbbb"}
     with pytest.raises(CheckpointError, match=r"^--data D: its files' contents differ from the "):
         load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, now, data_dir=Path("D")))
-    # an earlier version's fingerprint (names and sizes) cannot be compared with contents
-    old = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=65), plan=plan,
-        run={"id": "abc", "identity": {**saved, "data_fingerprint": "0123456789abcdef"}},
+    # an earlier version's fingerprints (names and sizes; the whole --data folder's contents)
+    # cannot be compared with one of the files read
+    for step, earlier in ((65, "0123456789abcdef"), (66, "sha256:0123456789abcdef")):
+        old = save_checkpoint(
+            accelerator, tmp_path, TrainProgress(step=step), plan=plan,
+            run={"id": "abc", "identity": {**saved, "data_fingerprint": earlier}},
+        )  # fmt: skip
+        assert load_checkpoint(accelerator, old, plan, accept=RunCheck(plan, now))[0].step == step
+    # with each file's digest recorded, the refusal names the files that differ
+    listed = save_checkpoint(
+        accelerator, tmp_path, TrainProgress(step=67), plan=plan,
+        run={"id": "abc", "identity": saved, "data_files": {"a.csv": "1", "b.csv": "2"}},
     )  # fmt: skip
-    assert load_checkpoint(accelerator, old, plan, accept=RunCheck(plan, now))[0].step == 65
+    digests = {"a.csv": "1", "b.csv": "3", "/elsewhere/c.png": "4"}
+    check = RunCheck(plan, now, data_dir=Path("D"), data_digests=digests)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(accelerator, listed, plan, accept=check)
+    assert "(changed: b.csv; added: /elsewhere/c.png; fingerprint read-sha256:aaaa then, " in str(
+        error.value
+    )
 
 
 def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batch(

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -160,93 +157,3 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-# what a content fingerprint starts with; earlier versions recorded names and sizes only, unprefixed
-CONTENT_FINGERPRINT = "sha256:"
-
-
-def folder_fingerprint(folder: Path, cache_dir: Path | None = None) -> str:
-    """A short hash of a data folder's contents (every file's relative name and bytes; a single
-    file's name and bytes): equal for a copy of the same data anywhere, different when a file is
-    added, removed, renamed or has any byte changed, whatever its size and times.
-
-    Cost: every byte is read once, about 1 s per GB on one core (sha256) or more where the
-    disk or a network file system is slower: a 20 GB image folder adds ~20 s to a run's first
-    start. With `cache_dir`, each file's digest is kept there, keyed by its path, size,
-    modification and change times and inode; later starts re-read only files whose entry
-    changed, so a resume costs a `stat` per file. (A change time cannot be set back, so an
-    edited file is never taken for the old one.)
-    """
-    folder = Path(folder)
-    if folder.is_file():
-        files = [(folder.name, folder)]
-    else:
-        files = []
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            relative = path.relative_to(folder)
-            if not any(part.startswith(".") for part in relative.parts):  # caches, editor files
-                files.append((relative.as_posix(), path))
-    cache_file = _hash_cache_file(folder, cache_dir) if cache_dir is not None else None
-    known = _read_hash_cache(cache_file)
-    seen: dict[str, list] = {}
-    digest = hashlib.sha256()
-    for name, path in files:
-        stat = path.stat()
-        key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-        cached = known.get(name)
-        contents = cached[4] if cached and cached[:4] == key else file_digest(path)
-        seen[name] = [*key, contents]
-        digest.update(f"{name}\0{contents}\n".encode())
-    if cache_file is not None and seen != known:
-        _write_hash_cache(cache_file, seen)
-    return CONTENT_FINGERPRINT + digest.hexdigest()[:16]
-
-
-def file_digest(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks (any size, little memory)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _hash_cache_file(folder: Path, cache_dir: Path) -> Path:
-    where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:20]
-    return Path(cache_dir) / f"file-hashes-{where}.json"
-
-
-def _read_hash_cache(cache_file: Path | None) -> dict[str, list]:
-    """The cached digests, or {} (no cache, unreadable: everything is read again)."""
-    if cache_file is None:
-        return {}
-    try:
-        found = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def _write_hash_cache(cache_file: Path, entries: dict[str, list]) -> None:
-    """Replace the cache whole (a temporary file renamed); a cache that cannot be written is
-    only a slower next start."""
-    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, cache_file)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-
-
-def data_hash_cache() -> Path:
-    """Where data fingerprints keep their per-file digests: beside the prepared tables
-    (accel_common.data.cache: HF_DATASETS_CACHE/accel-recipes, so HF_HOME moves both), found as
-    `datasets` finds its cache, without importing it."""
-    if os.environ.get("HF_DATASETS_CACHE"):
-        root = Path(os.environ["HF_DATASETS_CACHE"])
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", os.path.join("~", ".cache"))
-        root = Path(os.environ.get("HF_HOME", os.path.join(xdg, "huggingface"))) / "datasets"
-    return root.expanduser() / "accel-recipes"

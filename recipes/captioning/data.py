@@ -37,6 +37,7 @@ from accel_common.errors import DataError
 from recipes.captioning.tokenizer import PAD_ID
 
 HELD_OUT = ("test", "validation")  # the first that exists is the held-out split
+CAPTION_LISTS = ("metadata.jsonl", "metadata.csv", "captions.json")  # else .txt beside each image
 
 
 def _checked(folder: Path, source: str, name: object, caption: object) -> tuple[str, str]:
@@ -102,11 +103,8 @@ def _sidecars(folder: Path) -> list[tuple[str, str]]:
 def read_folder(folder: Path) -> list[tuple[str, str]]:
     """(image path relative to `folder`, caption) for every image, in whichever layout it uses.
     A folder with two caption lists is refused: one would be read and the other ignored."""
-    layouts = {
-        "metadata.jsonl": _imagefolder_jsonl,
-        "metadata.csv": _imagefolder_csv,
-        "captions.json": _manifest,
-    }
+    readers = (_imagefolder_jsonl, _imagefolder_csv, _manifest)
+    layouts = dict(zip(CAPTION_LISTS, readers, strict=True))
     found = [name for name in layouts if (folder / name).is_file()]
     if len(found) > 1:
         named = f"{', '.join(found[:-1])} and {found[-1]}"
@@ -122,6 +120,14 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
             "or images with same-named .txt captions)"
         )
     return records
+
+
+def split_files(folder: Path, records: list[tuple[str, str]]) -> list[Path]:
+    """Every file a split's records were read from (the run's data fingerprint): its caption
+    list, or each image's .txt caption, and its images."""
+    listed = [folder / name for name in CAPTION_LISTS if (folder / name).is_file()]
+    captions = listed or [(folder / name).with_suffix(".txt") for name, _ in records]
+    return [*captions, *(folder / name for name, _ in records)]
 
 
 def read_split(data_dir: Path, split: str) -> tuple[Path, list[tuple[str, str]]]:

@@ -560,6 +560,7 @@ def load_innings(
     rows = datasets.load_from_disk(str(target))
     info |= {"seconds": time.perf_counter() - start, "cached": was_cached}
     info["not_matches"] = not_matches
+    info["files"] = files  # every file read (the run's data fingerprint)
     return rows, info
 
 

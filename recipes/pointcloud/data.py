@@ -173,6 +173,7 @@ class SkullBreak(Dataset):
         # augment: its random rotation of both by up to 10 degrees about each axis (lines 63-70)
         self.train, self.augment = train, augment
         csv = root / f"{split}.csv"
+        self.files = [csv]  # every file the split reads (the run's data fingerprint)
         recorded: dict[Path, dict[str, list[float] | None]] = {}  # per case folder: its spacings
         self.entries, spacings = [], []
         for line, listed in read_path_list(csv, suffixes=(".npy", ".nrrd")):
@@ -180,6 +181,8 @@ class SkullBreak(Dataset):
             folder = case_folder(root, listed, stem)
             if folder not in recorded:
                 recorded[folder] = read_spacing(folder)
+                if (folder / SPACING_FILE).is_file():
+                    self.files.append(folder / SPACING_FILE)
             for defect in DEFECTS:
                 pair = tuple(point_file(folder, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
                 for path in pair:
@@ -191,6 +194,7 @@ class SkullBreak(Dataset):
                         )
                     load_points(path, header_only=True)
                 self.entries.append(pair)
+                self.files += pair
                 spacings.append(recorded[folder].get(pair[1].relative_to(folder).as_posix()))
         # distances in mm need every implant's voxel spacing; else they stay in the files' units
         self.unit = "mm" if all(spacings) else "units"

@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from accel_common.errors import DataError
 
 ORIGINAL_FILE = "comparison_data.json"
+TRUTH_FILE = "truth.json"  # synthetic data's true values, beside the comparisons
 # the original's choice words (create_user_choice_training_data.py: lower-cased and stripped)
 CHOICES = {"left": 1, "right": -1, "draw": 0, "tie": 0, "equal": 0}
 SHOWN = 5  # missing images named in the error, before "..."
@@ -76,6 +77,7 @@ class Comparisons:
     dropped: int  # records dropped by skip_missing_images
     invalid: dict[str, int]  # records dropped by skip_invalid_records, per reason
     categories: dict[str, str]  # gold images' categories (img1_category / img2_category)
+    files: list[Path]  # the annotation files read
 
 
 def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
@@ -195,6 +197,7 @@ def read_comparisons(
         dropped=len(missing_at),
         invalid=dict(invalid),
         categories=categories,
+        files=[path for path, _ in files],
     )
 
 
