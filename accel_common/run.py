@@ -98,11 +98,12 @@ class Run:
         config: RunConfig,
         output_dir: Path,
         identity: dict[str, Any],
-        total_steps: int,
+        schedule: LRSchedule,
     ) -> None:
         self.accelerator, self.plan, self.config = accelerator, plan, config
-        self.recipe = config.recipe
-        self.output_dir, self.identity, self.total_steps = Path(output_dir), identity, total_steps
+        self.recipe, self.schedule = config.recipe, schedule
+        self.output_dir, self.identity = Path(output_dir), identity
+        self.total_steps = schedule.total_steps
         self.id, self.progress = "", TrainProgress()
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
@@ -135,7 +136,7 @@ class Run:
         identity = run_identity(
             config.recipe, config.values, plan, None, config.adjustable, fingerprint
         )
-        run = cls(accelerator, plan, config, output_dir, identity, schedule.total_steps)
+        run = cls(accelerator, plan, config, output_dir, identity, schedule)
         print_banner(
             accelerator,
             recipe=config.recipe,
@@ -181,6 +182,11 @@ class Run:
             recipe=self.recipe,
             config=self.config.values,
             plan=self.plan,
+            # the banner's LR line and step count: what --dry-run's are held to
+            schedule={
+                "learning_rate": self.schedule.description,
+                "optimizer_steps": self.total_steps,
+            },
             step=self.progress.step,
             metrics=metrics,
         )

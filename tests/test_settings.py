@@ -136,7 +136,7 @@ def test_processes_without_dry_run_is_refused():
 
 
 def test_the_dry_run_counts_embeddings_apart():
-    from accel_common.dry_run import count_parameters
+    from accel_common.parameters import count_parameters
 
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
     assert count_parameters(model) == (10 * 4 + 4 * 2 + 2, 40)
