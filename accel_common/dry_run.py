@@ -99,13 +99,14 @@ def print_dry_run(
 def parameter_lines(
     recipe: str, build_model: Callable[[], nn.Module], per_device_batch_size: int
 ) -> list[str]:
-    """The network's counts (on the `meta` device) and memory; where its sizes come from data
-    this machine cannot read (`DataError`, as the run would stop), that instead of a guess."""
+    """The network's counts (on the `meta` device) and memory; where its sizes come from files
+    this machine lacks (data, an export to start from: the hook raises `DataError`, as the run
+    would stop), that instead of a guess."""
     try:
         with torch.device("meta"):
             model = build_model()
     except DataError as err:
-        return [f"  parameters: not counted: the network's sizes come from the data ({err})"]
+        return [f"  parameters: not counted: the network's sizes are read from files ({err})"]
     counts = parameter_counts(model)
     total = counts["parameters"]
     lines = [f"  {label}: {count}" for label, count in counts.items()]

@@ -250,6 +250,8 @@ def build_model(args: SharedSettings, settings: CricketSettings) -> nn.Module:
     vocabulary of --data or the example, read as the run reads it (its cache then serves the
     run). Embedding tables are most of the parameters; a guessed vocabulary missed them."""
     if settings.init_from is not None:
+        if not settings.init_from.exists():  # planned on another machine than the run's
+            raise DataError(f"--init-from {settings.init_from}: not on this machine")
         state, vocab = read_start(settings.init_from)
         model = network(settings, vocab_sizes(vocab))
         require_start_fits(model, state, settings.init_from)

@@ -37,7 +37,10 @@ TINY = {
         [*POINTCLOUD_TINY, "--bs", "2", "--num-ens", "1", "--sample-steps", "1"],
         "pointcloud_data",
     ),
-    "crystal": ([*CRYSTAL_TINY, "--angle-bins", "16", "--fc-features", "16"], "crystal_data"),
+    "crystal": (
+        [*CRYSTAL_TINY, "--angle-bins", "16", "--fc-features", "16", "--bs", "16"],
+        "crystal_data",
+    ),
     "cricket": ([*CRICKET_TINY, "--sample-every", "8", "--bs", "16"], "cricket_data"),
     "captioning": ([*CAPTIONING_TINY, "--bs", "8", "--grad-accum", "2"], "captioning_data"),
     "quality": (["--bs", "4"], "quality_data"),
@@ -145,14 +148,16 @@ def test_a_fine_tuning_dry_run_counts_the_exports_vocabulary(request, tmp_path):
 
 
 def test_a_dry_run_without_the_data_says_its_count_is_unknown(tmp_path):
-    """A --data this machine lacks (a cluster's path, planned on a laptop): the plan, and in
-    place of a guessed count, one line saying the sizes come from the data."""
+    """A --data (or --init-from) this machine lacks, a cluster's path planned on a laptop: the
+    plan, and in place of a guessed count, one line saying which file the sizes come from."""
     import recipes.train_cricket as cricket
 
     plan = dry_run_plan(cricket.train, ["--data", str(tmp_path / "absent"), *CRICKET_TINY])
     assert plan["parameters"] == (
-        f"not counted: the network's sizes come from the data (--data {tmp_path / 'absent'}: "
+        f"not counted: the network's sizes are read from files (--data {tmp_path / 'absent'}: "
         "no such folder)"
     )
     assert plan["batch"].startswith("global batch 64 = 64 per device")
     assert "memory per device" not in plan
+    plan = dry_run_plan(cricket.train, ["--init-from", str(tmp_path / "export"), *CRICKET_TINY])
+    assert plan["parameters"].endswith(f"(--init-from {tmp_path / 'export'}: not on this machine)")
