@@ -16,21 +16,14 @@ import torch
 from torch import nn
 
 from accel_common.batching import BatchRequest
+from accel_common.errors import DataError
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
+from accel_common.parameters import parameter_counts
 
 # fp32 weights, their gradients and Adam's two moments: what training holds per parameter
 # before any activation (halve the gradients' share for bf16 gradients; sharding divides it)
 TRAINING_BYTES_PER_PARAMETER = 16
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, those in nn.Embedding tables); shared tensors counted once."""
-    total = sum(p.numel() for p in model.parameters())
-    tables = {
-        id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)
-    }
-    return total, sum(tables.values())
 
 
 def world_size(processes: int | None) -> int:
@@ -99,21 +92,25 @@ def print_dry_run(
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:
+        lines += parameter_lines(recipe, build_model, plan.per_device_batch_size)
+    print("\n".join(["dry run: nothing is trained or written", *lines]), flush=True)
+
+
+def parameter_lines(
+    recipe: str, build_model: Callable[[], nn.Module], per_device_batch_size: int
+) -> list[str]:
+    """The network's counts (on the `meta` device) and memory; where its sizes come from files
+    this machine lacks (data, an export to start from: the hook raises `DataError`, as the run
+    would stop), that instead of a guess."""
+    try:
         with torch.device("meta"):
             model = build_model()
-        total, embeddings = count_parameters(model)
-        # a model may name parameters that are not its original's network (e.g. quality's
-        # annotator reliabilities): {label: parameter name}, each shown on its own line
-        apart = {
-            label: model.get_parameter(name).numel()
-            for label, name in getattr(model, "COUNTED_APART", {}).items()
-        }
-        total -= sum(apart.values())
-        lines.append(f"  parameters: {total}")
-        lines += [f"  {label}: {count} (not counted above)" for label, count in apart.items()]
-        if embeddings:
-            lines.append(f"  parameters excluding embeddings: {total - embeddings}")
-        lines.append(
-            f"  memory per device: {memory_line(recipe, total, plan.per_device_batch_size)}"
-        )
-    print("\n".join(["dry run: nothing is trained or written", *lines]), flush=True)
+    except DataError as err:
+        return [f"  parameters: not counted: the network's sizes are read from files ({err})"]
+    counts = parameter_counts(model)
+    total = counts["parameters"]
+    lines = [f"  {label}: {count}" for label, count in counts.items()]
+    for label in getattr(model, "COUNTED_APART", {}):
+        lines[list(counts).index(label)] += " (not counted above)"
+    lines.append(f"  memory per device: {memory_line(recipe, total, per_device_batch_size)}")
+    return lines

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError
+from accel_common.parameters import parameter_counts
 
 MODEL_FILE = "model.safetensors"
 META_FILE = "model.json"
@@ -155,17 +156,23 @@ def export_model(
     recipe: str,
     config: dict[str, Any],
     plan: BatchPlan,
+    schedule: dict[str, Any],
     step: int,
     metrics: dict[str, float],
 ) -> Path:
-    """Export the trained model; every process calls this (gathering shards is collective)."""
+    """Export the trained model; every process calls this (gathering shards is collective).
+    Its metadata records what `--dry-run` promises of the run (parameter counts as it counts
+    them, the batch plan, `schedule`: the LR line and optimizer steps), so each can be held to
+    the other."""
     state = accelerator.get_state_dict(model)
     path = Path(out_dir) / MODEL_FILE
     if accelerator.is_main_process:
         metadata = {
             "recipe": recipe,
             "config": config,
+            "parameters": parameter_counts(accelerator.unwrap_model(model)),
             "batch_plan": plan.as_dict(),
+            "schedule": schedule,
             "step": step,
             "metrics": metrics,
         }

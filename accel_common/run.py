@@ -106,12 +106,13 @@ class Run:
         config: RunConfig,
         output_dir: Path,
         identity: dict[str, Any],
-        total_steps: int,
+        schedule: LRSchedule,
         data_digests: dict[str, str] | None = None,
     ) -> None:
         self.accelerator, self.plan, self.config = accelerator, plan, config
-        self.recipe = config.recipe
-        self.output_dir, self.identity, self.total_steps = Path(output_dir), identity, total_steps
+        self.recipe, self.schedule = config.recipe, schedule
+        self.output_dir, self.identity = Path(output_dir), identity
+        self.total_steps = schedule.total_steps
         self.data_digests = data_digests  # each data file's digest, by name (None: too many)
         self.id, self.progress = "", TrainProgress()
         self.last_saved: Path | None = None
@@ -147,7 +148,7 @@ class Run:
             found = [fingerprint, digests if len(digests) <= LISTED_FILES else None]
         fingerprint, digests = broadcast_object_list(found)
         identity = run_identity(config.recipe, config.values, plan, config.adjustable, fingerprint)
-        run = cls(accelerator, plan, config, output_dir, identity, schedule.total_steps, digests)
+        run = cls(accelerator, plan, config, output_dir, identity, schedule, digests)
         print_banner(
             accelerator,
             recipe=config.recipe,
@@ -195,6 +196,11 @@ class Run:
             recipe=self.recipe,
             config=self.config.values,
             plan=self.plan,
+            # the banner's LR line and step count: what --dry-run's are held to
+            schedule={
+                "learning_rate": self.schedule.description,
+                "optimizer_steps": self.total_steps,
+            },
             step=self.progress.step,
             metrics=metrics,
         )

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.data.fingerprint import named_files
 from accel_common.data.images import image_batches, list_images
-from accel_common.data.loaders import resolve_data
+from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError
 from accel_common.export import load_for_inference, read_recipe_export
@@ -95,10 +95,11 @@ class CaptioningSettings(Settings):
 
 def build_model(args: SharedSettings, settings: CaptioningSettings) -> Captioner:
     """The network for `--dry-run`: its vocabulary counted from --data's training captions (a
-    tokenizer trained on them, as the run does), or the example's."""
+    tokenizer trained on them, as the run does), or the example's; a --data this machine lacks
+    leaves it uncounted (DataError)."""
     vocab_size = EXAMPLE_VOCAB
-    if args.data is not None and args.data.is_dir():
-        captions = [text for _, text in read_split(args.data, "train")[1]]
+    if args.data is not None:
+        captions = [text for _, text in read_split(existing_data(RECIPE, args.data), "train")[1]]
         vocab_size = train_tokenizer(captions).get_vocab_size()
     return Captioner(vocab_size, **settings.network())
 

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from accel_common.console import say
 from accel_common.data.cache import list_column
 from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import resolve_data
+from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
@@ -74,13 +74,10 @@ from recipes.cricket.data import (
     parse_match,
     vocab_sizes,
 )
-from recipes.cricket.example import example_vocab_sizes, write_dataset
+from recipes.cricket.example import write_dataset
 from recipes.cricket.model import MODELS, CricketHeteroGNN, CricketHeteroGNNFull
 
 RECIPE = "cricket"
-# the vocabulary --dry-run sizes the embeddings by when --data is given: the one this recipe builds
-# from Cricsheet's t20s_male_json.zip (3,046 matches, as the original has it) at its defaults
-T20_DOWNLOAD_VOCAB = {"players": 3563, "venues": 261, "teams": 104}
 
 
 @dataclass
@@ -229,20 +226,51 @@ def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return load_file(str(weights)), json.loads(vocab_path.read_text())
 
 
-def start_from(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -> None:
-    """Load `state` strictly, or stop with one line naming the first tensor that differs."""
+def require_start_fits(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -> None:
+    """Stop with one line naming the first tensor of `state` that `model` has not."""
     where = (
         f"--init-from {export}: not this network (--model, --hidden, --layers and --heads must "
         "be the export's)"
     )
     require_same_tensors(state, model.state_dict(), where)
-    model.load_state_dict(state, strict=True)
+
+
+def innings_options(args: SharedSettings, settings: CricketSettings) -> dict[str, Any]:
+    """`load_innings`' settings: the run and its --dry-run read the same vocabulary."""
+    return {
+        "match_types": [t for t in settings.match_types.split(",") if t],
+        "strict": settings.strict,
+        "ratios": (1 - settings.val_ratio - settings.test_ratio, settings.val_ratio),
+        "split_seed": settings.split_seed,
+        "split_by_date": settings.split_by_date,
+        "min_matches": settings.min_matches,
+        "workers": args.workers,
+        "cache_dir": settings.graph_cache_dir,
+        "retired_is_wicket": settings.retired_is_wicket,
+    }
 
 
 def build_model(args: SharedSettings, settings: CricketSettings) -> nn.Module:
-    """The network for `--dry-run`, before any data is read: embeddings sized by the example's
-    vocabulary, or with --data by the full T20 download's."""
-    return network(settings, T20_DOWNLOAD_VOCAB if args.data else example_vocab_sizes())
+    """The network for `--dry-run`, sized as the run sizes it: by --init-from's vocabulary (and
+    checked against its weights, as the run checks them), else by the training split's
+    vocabulary of --data or the example, read as the run reads it (its cache then serves the
+    run). Embedding tables are most of the parameters; a guessed vocabulary missed them."""
+    if settings.init_from is not None:
+        if not settings.init_from.exists():  # planned on another machine than the run's
+            raise DataError(f"--init-from {settings.init_from}: not on this machine")
+        state, vocab = read_start(settings.init_from)
+        model = network(settings, vocab_sizes(vocab))
+        require_start_fits(model, state, settings.init_from)
+        return model
+    folder = existing_data(RECIPE, args.data)
+    shown = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # the plan is the dry run's output
+    try:
+        _, info = load_innings(folder, **innings_options(args, settings))
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+    return network(settings, vocab_sizes(info["vocab"]))
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -298,19 +326,7 @@ def prepare_data(
     the training split's."""
     folder = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     with accelerator.main_process_first():
-        rows, info = load_innings(
-            folder,
-            match_types=[t for t in settings.match_types.split(",") if t],
-            strict=settings.strict,
-            ratios=(1 - settings.val_ratio - settings.test_ratio, settings.val_ratio),
-            split_seed=settings.split_seed,
-            split_by_date=settings.split_by_date,
-            min_matches=settings.min_matches,
-            workers=args.workers,
-            cache_dir=settings.graph_cache_dir,
-            retired_is_wicket=settings.retired_is_wicket,
-            vocab=vocab,
-        )
+        rows, info = load_innings(folder, **innings_options(args, settings), vocab=vocab)
     info["data_files"] = named_files(info["files"], folder)
     if vocab is not None:  # the given vocabulary decides the features as much as the matches
         vocab_path = start_files(settings.init_from)[1]
@@ -367,11 +383,13 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
         )
         for k in range(3)
     )
-    sizes = vocab_sizes(info["vocab"])
+    # a fine-tuned model keeps its own vocabulary (build_model sizes the dry run's alike)
+    sizes = vocab_sizes(start[1] if start else info["vocab"])
     std = float(y_train.std() or 1.0)
     model = network(settings, sizes, baseline.mean)
     if start is not None:  # fine-tuning: before the optimizer and DDP see the weights
-        start_from(model, start[0], settings.init_from)
+        require_start_fits(model, start[0], settings.init_from)
+        model.load_state_dict(start[0], strict=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # each step's deliveries spread over the processes by the nodes of their graphs (the
     # history's ball nodes vary, one node of every other type)

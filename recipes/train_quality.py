@@ -35,7 +35,6 @@ the scorer network (model.py), the example set (example.py).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import math
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from torch.utils.data import DataLoader
 from accel_common.console import say
 from accel_common.data.fingerprint import named_files
 from accel_common.data.images import list_images
-from accel_common.data.loaders import resolve_data
+from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export
@@ -63,10 +62,10 @@ from accel_common.settings import Settings, setting
 from recipes.quality.data import (
     GOLD_PAIR,
     TRUTH_FILE,
+    Comparisons,
     ImageReader,
     Images,
     Pairs,
-    annotation_files,
     gold_reliabilities,
     normalisation,
     quality_rank,
@@ -350,13 +349,24 @@ def gold_votes(
     return records, torch.tensor([etas[who] for who in annotators])
 
 
+def read_data(data_dir: Path, settings: QualitySettings) -> Comparisons:
+    """The records the run trains on (and their annotators, one reliability each)."""
+    return read_comparisons(
+        data_dir,
+        settings.image_dir or data_dir / "images",
+        skip_missing_images=settings.skip_missing_images,
+        skip_invalid_records=settings.skip_invalid_records,
+    )
+
+
 def build_model(args: SharedSettings, settings: QualitySettings) -> QualityScorer:
-    """The network for --dry-run: one reliability per annotator folder of --data (or file of
-    the flat layout), else per annotator of the example."""
+    """The network for --dry-run: one reliability per annotator the run reads from --data (its
+    records read as the run reads them: a flat layout's name their annotators), else per
+    annotator of the example; a --data this machine lacks leaves it uncounted (DataError)."""
     annotators = len(ANNOTATORS)
-    if args.data is not None and args.data.is_dir():
-        with contextlib.suppress(DataError):  # the run itself names what is wrong with it
-            annotators = len(annotation_files(args.data)[1])
+    if args.data is not None:
+        data_dir = existing_data(RECIPE, args.data)
+        annotators = len(read_data(data_dir, settings).annotators)
     return QualityScorer(settings.backbone, annotators, settings.dropout)
 
 
@@ -382,12 +392,7 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     image_dir = settings.image_dir or data_dir / "images"
-    data = read_comparisons(
-        data_dir,
-        image_dir,
-        skip_missing_images=settings.skip_missing_images,
-        skip_invalid_records=settings.skip_invalid_records,
-    )
+    data = read_data(data_dir, settings)
     records, annotators, names = data.records, data.annotators, data.images
     truth = read_truth(data_dir / TRUTH_FILE, names, annotators)
     draws = sum(r[2] == 0 for r in records)

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import resolve_data
+from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
 from accel_common.options import SharedSettings, model_option, train_command
@@ -134,11 +134,11 @@ class MLPRegressor(nn.Module):
 
 
 def build_model(args: SharedSettings, settings: MLPSettings) -> MLPRegressor:
-    """The network for `--dry-run`: as wide as --data's feature columns (or the example's)."""
+    """The network for `--dry-run`: as wide as --data's feature columns, read as the run reads
+    them (or the example's); a --data this machine lacks leaves it uncounted (DataError)."""
     features = FEATURES
-    if args.data is not None and (args.data / "train.csv").is_file():
-        with (args.data / "train.csv").open() as handle:
-            features = len(next(csv.reader(handle))) - 1
+    if args.data is not None:
+        features = load_split(existing_data(RECIPE, args.data), "train").tensors[0].shape[1]
     return MLPRegressor(features, settings.hidden, settings.depth)
 
 

@@ -101,11 +101,11 @@ def cricket_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # test_resume's cases, one independent run per recipe, are spread over both workers instead.
 HEAVIEST_FIRST = [
     "recipes/crystal", "recipes/captioning", "recipes/quality", "recipes/pointcloud",
-    "test_multinode", "test_sharded", "recipes/cricket", "test_recovery", "test_data_files",
-    "test_resume", "test_loop", "test_plan_measure", "test_bench", "test_distributed",
-    "test_nonfinite", "test_launchers", "test_runtime_guards", "recipes/template", "test_launch",
-    "test_cli_errors", "test_cli", "test_doctor", "test_processes", "test_documented_commands",
-    "test_settings",
+    "test_multinode", "test_sharded", "test_dry_run_plans", "recipes/cricket", "test_recovery",
+    "test_data_files", "test_resume", "test_loop", "test_plan_measure", "test_bench",
+    "test_distributed", "test_nonfinite", "test_launchers", "test_runtime_guards",
+    "recipes/template", "test_launch", "test_cli_errors", "test_cli", "test_doctor",
+    "test_processes", "test_documented_commands", "test_settings",
 ]  # fmt: skip
 SPREAD = {"test_resume"}
 

@@ -136,7 +136,7 @@ def test_processes_without_dry_run_is_refused():
 
 
 def test_the_dry_run_counts_embeddings_apart():
-    from accel_common.dry_run import count_parameters
+    from accel_common.parameters import count_parameters
 
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
     assert count_parameters(model) == (10 * 4 + 4 * 2 + 2, 40)
@@ -201,3 +201,15 @@ def test_the_command_lines_batch_replaces_the_files_either_way(tmp_path):
     assert dry_run(["--config", str(config)])["batch"].startswith("global batch 256 = 256")
     plan = dry_run(["--config", str(config), "--per-device-bs", "16", "--processes", "2"])
     assert plan["batch"] == "global batch 32 = 16 per device x 2 processes x 1 accumulation steps"
+
+
+def test_parameter_counts_see_zero3_partitioned_parameters():
+    """DeepSpeed ZeRO-3 leaves each parameter an empty tensor and its size in `ds_numel`: the
+    export records the full network's count, as the dry run printed it."""
+    from accel_common.parameters import parameter_counts
+
+    model = torch.nn.Linear(4, 2)
+    for parameter in model.parameters():
+        parameter.ds_numel = parameter.numel()
+        parameter.data = torch.empty(0)
+    assert parameter_counts(model) == {"parameters": 10}

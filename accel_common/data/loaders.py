@@ -62,6 +62,20 @@ def example_data_dir(workload: str) -> Path:
     return EXAMPLE_DATA_ROOT / workload
 
 
+def existing_data(workload: str, data: Path | None) -> Path:
+    """The folder `resolve_data` would give, for `--dry-run`'s network sizes, read as the run
+    reads them: --data, or the example once a run has written it; else a DataError saying why
+    (the dry run then says the count is unknown instead of guessing)."""
+    if data is not None:
+        if not data.is_dir():
+            raise DataError(f"--data {data}: no such folder")
+        return data
+    target = example_data_dir(workload)
+    if not target.is_dir():
+        raise DataError(f"no --data, and the example is not written yet: a run writes {target}")
+    return target
+
+
 def resolve_data(
     accelerator: Accelerator, workload: str, data: Path | None, make_example: Callable[[Path], Any]
 ) -> Path:

@@ -219,9 +219,3 @@ def write_dataset(out_dir: Path, *, matches: int = 200, seed: int = 0) -> Path:
         "cricket); see https://cricsheet.org/format/json/\n"
     )
     return out_dir
-
-
-def example_vocab_sizes() -> dict[str, int]:
-    """Every simulated player, venue and team: the vocabulary `--dry-run` sizes the embeddings by
-    without --data (a run's is at most this: 156 players of 160 at the defaults)."""
-    return {"players": len(TEAMS) * SQUAD, "venues": len(VENUES), "teams": len(TEAMS)}

@@ -31,7 +31,10 @@ class Backbone(nn.Module):
         import timm
 
         self.backbone = timm.create_model(name, pretrained=pretrained, num_classes=0)
-        self.output_dim = self.backbone.num_features
+        # the width of what forward() returns: timm's head_hidden_size (after the head's own
+        # layers: mobilenetv3's conv_head makes 576 pooled features 1024), not num_features
+        # (the pooled width); older timm has no head_hidden_size and no such head layers
+        self.output_dim = getattr(self.backbone, "head_hidden_size", self.backbone.num_features)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.backbone(images)

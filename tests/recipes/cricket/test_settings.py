@@ -10,7 +10,8 @@ import pytest
 
 import recipes.train_cricket as recipe
 from accel_common.errors import CheckpointError, ConfigError
-from recipes.cricket import example
+from accel_common.parameters import count_parameters
+from recipes.cricket.data import ENTITIES
 from tests.processes import CRICKET_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.cricket.helpers import train_here
 
@@ -20,8 +21,11 @@ ORIGINAL = REPO / "recipes" / "cricket" / "configs" / "original.yaml"
 dry_run = functools.partial(dry_run_plan, recipe.train)
 
 
-def parameters(settings: recipe.CricketSettings, vocab_sizes: dict[str, int]) -> str:
-    return str(sum(p.numel() for p in recipe.network(settings, vocab_sizes).parameters()))
+def without_embeddings(settings: recipe.CricketSettings) -> str:
+    """The parameters of the network these settings describe, less its embedding tables: what
+    no vocabulary changes."""
+    total, tables = count_parameters(recipe.network(settings, dict.fromkeys(ENTITIES, 1)))
+    return str(total - tables)
 
 
 def test_ratios_that_leave_no_training_matches_are_refused_naming_both_flags():
@@ -34,15 +38,17 @@ def test_ratios_that_leave_no_training_matches_are_refused_naming_both_flags():
     assert dry_run(["--val-ratio", "0.45", "--test-ratio", "0.5"])
 
 
-def test_the_original_preset_plans_its_run_and_writes_nothing(tmp_path, monkeypatch):
+def test_the_original_preset_plans_its_run_and_writes_nothing(cricket_data, tmp_path, monkeypatch):
     """recipes/cricket/configs/original.yaml: lyndonkl/cricketmodel's sizes and hyper-parameters
-    (batch 64, AdamW 1e-3, 100 epochs), its network at the recipe's T20-download vocabulary."""
+    (batch 64, AdamW 1e-3, 100 epochs), its network at the vocabulary of the data (read as the
+    run reads it; tests/test_dry_run_plans.py holds the count to the run's)."""
     monkeypatch.chdir(tmp_path)
-    plan = dry_run(["--config", str(ORIGINAL)])
-    original = recipe.CricketSettings(hidden=128, layers=3, heads=4, dropout=0.1)
-    assert plan["parameters"] == parameters(original, recipe.T20_DOWNLOAD_VOCAB)
+    cache = tmp_path.parent / f"{tmp_path.name}-cache"  # the cache, not the run's output
+    data = ["--data", str(cricket_data), "--graph-cache-dir", str(cache)]
+    plan = dry_run(["--config", str(ORIGINAL), *data])
     # cricketmodel's CricketHeteroGNN at these sizes, measured by running its code
     assert plan["parameters excluding embeddings"] == "17444737"
+    assert int(plan["parameters"]) > 17444737
     assert plan["batch"] == "global batch 64 = 64 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
     # trainer.py: no warm-up ramp, 5 epochs at the peak, then cosine stepped after each epoch
@@ -53,12 +59,15 @@ def test_the_original_preset_plans_its_run_and_writes_nothing(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
-def test_a_config_file_sets_settings_and_the_command_line_wins(tmp_path):
+def test_a_config_file_sets_settings_and_the_command_line_wins(cricket_data, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("hidden: 32\nheads: 2\nlayers: 1\nepochs: 3\n")
-    plan = dry_run(["--config", str(config), "--hidden", "16"])
+    plan = dry_run(["--config", str(config), "--hidden", "16", "--data", str(tmp_path / "no")])
+    assert plan["parameters"].startswith("not counted:")  # the vocabulary is the data's
+    data = ["--data", str(cricket_data), "--graph-cache-dir", str(tmp_path / "cache")]
+    plan = dry_run(["--config", str(config), "--hidden", "16", *data])
     expected = recipe.CricketSettings(hidden=16, heads=2, layers=1)  # --hidden wins
-    assert plan["parameters"] == parameters(expected, example.example_vocab_sizes())
+    assert plan["parameters excluding embeddings"] == without_embeddings(expected)
     assert plan["epochs"] == "3"
 
 

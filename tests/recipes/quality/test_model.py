@@ -53,3 +53,15 @@ def test_rank_correlations_handle_ties_whatever_the_row_order():
     assert rho == pytest.approx(0.8729, abs=1e-4)
     assert tau == pytest.approx(16 / (28 * 16) ** 0.5)
     assert rank_correlations(true, true) == pytest.approx((1.0, 1.0))
+
+
+@pytest.mark.parametrize("backbone", ["mobilenetv3_small_100", "efficientnet_b0"])
+def test_the_head_takes_the_width_the_backbone_returns(backbone):
+    """mobilenetv3's conv_head widens its 576 pooled features (timm's num_features) to 1024
+    (head_hidden_size): a head sized by num_features crashed at the first batch ('mat1 and mat2
+    shapes cannot be multiplied'). Every backbone's output fits its head, and the scorer runs."""
+    model = recipe.QualityScorer(backbone, num_annotators=2, dropout=0.0).eval()
+    images = torch.zeros(2, 3, 32, 32)
+    with torch.no_grad():
+        assert model.backbone(images).shape == (2, model.head[0].in_features)
+        assert model(images).shape == (2,)

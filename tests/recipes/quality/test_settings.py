@@ -50,11 +50,16 @@ def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
     plan = dry_run(["--config", str(config)])
     assert plan["parameters"] == parameters("resnet18")
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 32")
-    # --backbone on the command line wins; one reliability per annotator folder of --data
+    # --backbone on the command line wins; one reliability per annotator of --data's records,
+    # read as the run reads them (its images must be there)
     two = tmp_path / "two"
+    (two / "images").mkdir(parents=True)
+    for name in ("x.png", "y.png"):
+        (two / "images" / name).touch()
+    vote = '{"comparisons": [{"img1": "x.png", "img2": "y.png", "choice": "left"}]}'
     for annotator in ("a", "b"):
-        (two / annotator).mkdir(parents=True)
-        (two / annotator / "comparison_data.json").write_text('{"comparisons": []}')
+        (two / annotator).mkdir()
+        (two / annotator / "comparison_data.json").write_text(vote)
     plan = dry_run(
         ["--config", str(config), "--backbone", "test_efficientnet_gn", "--data", str(two)]
     )

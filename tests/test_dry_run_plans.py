@@ -1,0 +1,163 @@
+"""A dry run is a promise: every documented `--dry-run` command, and the cases where the plan was
+once another run's, is held to the run it describes.
+
+Each case runs the command twice in this process, with the recipe's tiny sizes, test data and
+`--max-steps 1`: with `--dry-run`, and as a run. What the dry run printed (parameter counts, the
+batch plan, the LR line with its warmup, the step limit) must be what the run's export records it
+used: the same count of the trained network (`model.json`'s `parameters`), its `batch_plan`, and
+its banner's LR line and optimizer steps (`schedule`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+from accel_common.batching import BatchPlan
+from accel_common.entry import train_in_python
+from tests.processes import (
+    CAPTIONING_TINY,
+    CRICKET_TINY,
+    CRYSTAL_TINY,
+    POINTCLOUD_TINY,
+    REPO,
+    dry_run_plan,
+)
+from tests.test_documented_commands import COMMANDS
+
+# each recipe at a size one CPU step takes in seconds, and its test data (a conftest fixture)
+TINY = {
+    "template": ([], "template_data"),
+    "pointcloud": (
+        [*POINTCLOUD_TINY, "--bs", "2", "--num-ens", "1", "--sample-steps", "1"],
+        "pointcloud_data",
+    ),
+    "crystal": (
+        [*CRYSTAL_TINY, "--angle-bins", "16", "--fc-features", "16", "--bs", "16"],
+        "crystal_data",
+    ),
+    "cricket": ([*CRICKET_TINY, "--sample-every", "8", "--bs", "16"], "cricket_data"),
+    "captioning": ([*CAPTIONING_TINY, "--bs", "8", "--grad-accum", "2"], "captioning_data"),
+    "quality": (["--bs", "4"], "quality_data"),
+}
+
+
+@pytest.fixture(scope="module")
+def cricket_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cricket-cache")
+
+
+def documented_dry_runs() -> list[tuple[str, str, list[str]]]:
+    """(where, recipe, flags) of each documented command that is a dry run, once per command:
+    its own flags, less --dry-run and --processes (a one-process run is what this machine can
+    hold it to; the plan for N processes is the same code at another world size)."""
+    found: dict[tuple[str, ...], tuple[str, str, list[str]]] = {}
+    for command in COMMANDS:
+        if "--dry-run" not in command.args:
+            continue
+        args, words = [], iter(command.args)
+        for word in words:
+            if word == "--processes":
+                next(words)
+            elif word == "--config":
+                args += [word, str(REPO / next(words))]
+            elif word != "--dry-run":
+                args.append(word)
+        found.setdefault((command.recipe, *args), (command.where, command.recipe, args))
+    return list(found.values())
+
+
+DOCUMENTED = documented_dry_runs()
+
+
+def plan_and_run(
+    recipe: str, args: list[str], request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[dict[str, str], dict]:
+    """The dry run's plan lines and the run's export metadata for the same flags, at the
+    recipe's tiny size on its test data, one optimizer step."""
+    tiny, data = TINY[recipe]
+    flags = [*args, *tiny, "--data", str(request.getfixturevalue(data)), "--max-steps", "1"]
+    if recipe == "cricket":  # keyed by the files and settings: the cases share what they can
+        flags += ["--graph-cache-dir", str(request.getfixturevalue("cricket_cache"))]
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    plan = dry_run_plan(module.train, flags)
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_in_python(
+            module.train, [*flags, "--output-dir", str(out)], out, script=Path(module.__file__)
+        )
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return plan, json.loads((out / "model" / "model.json").read_text())
+
+
+def assert_held_to_its_run(plan: dict[str, str], export: dict) -> None:
+    """Every number the dry run printed is the run's."""
+    counts = export["parameters"]
+    printed = {k: v.removesuffix(" (not counted above)") for k, v in plan.items()}
+    printed = {k: v for k, v in printed.items() if k in counts or k.startswith("parameters")}
+    assert printed == {k: str(v) for k, v in counts.items()}, (plan, counts)
+    assert plan["batch"] == BatchPlan(**export["batch_plan"]).describe()
+    assert plan["learning rate"] == export["schedule"]["learning_rate"]
+    assert plan["epochs"].endswith(", at most 1 steps")
+    assert export["schedule"]["optimizer_steps"] == export["step"] == 1
+
+
+def test_every_documented_dry_run_is_found():
+    """Not vacuous: the docs' dry runs of the presets are all here."""
+    recipes = {recipe for _, recipe, _ in DOCUMENTED}
+    assert recipes >= {"pointcloud", "template", "cricket", "crystal"}, DOCUMENTED
+
+
+@pytest.mark.parametrize(
+    ("recipe", "args"), [d[1:] for d in DOCUMENTED], ids=[d[0] for d in DOCUMENTED]
+)
+def test_a_documented_dry_run_prints_what_its_run_uses(recipe, args, request, tmp_path):
+    assert_held_to_its_run(*plan_and_run(recipe, args, request, tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "args"),
+    [
+        ("captioning", []),  # --max-steps cuts the warmup: the dry run printed 20, the run used 1
+        ("quality", ["--backbone", "mobilenetv3_small_100"]),  # the head's width: the run crashed
+        ("quality", ["--backbone", "resnet18"]),
+    ],
+    ids=["captioning", "quality-mobilenetv3", "quality-resnet18"],
+)
+def test_a_dry_run_prints_what_its_run_uses(recipe, args, request, tmp_path):
+    assert_held_to_its_run(*plan_and_run(recipe, args, request, tmp_path))
+
+
+def test_a_fine_tuning_dry_run_counts_the_exports_vocabulary(request, tmp_path):
+    """--init-from: the network is sized by the export's vocabulary (here a smaller one, from
+    --min-matches 20), not by this data's (nor a guessed one)."""
+    _, first = plan_and_run("cricket", ["--min-matches", "20"], request, tmp_path / "a")
+    export = tmp_path / "a" / "run" / "model"
+    plan, tuned = plan_and_run("cricket", ["--init-from", str(export)], request, tmp_path / "b")
+    assert_held_to_its_run(plan, tuned)
+    assert tuned["parameters"] == first["parameters"]
+
+
+def test_a_dry_run_without_the_data_says_its_count_is_unknown(tmp_path):
+    """A --data (or --init-from) this machine lacks, a cluster's path planned on a laptop: the
+    plan, and in place of a guessed count, one line saying which file the sizes come from."""
+    import recipes.train_cricket as cricket
+
+    plan = dry_run_plan(cricket.train, ["--data", str(tmp_path / "absent"), *CRICKET_TINY])
+    assert plan["parameters"] == (
+        f"not counted: the network's sizes are read from files (--data {tmp_path / 'absent'}: "
+        "no such folder)"
+    )
+    assert plan["batch"].startswith("global batch 64 = 64 per device")
+    assert "memory per device" not in plan
+    plan = dry_run_plan(cricket.train, ["--init-from", str(tmp_path / "export"), *CRICKET_TINY])
+    assert plan["parameters"].endswith(f"(--init-from {tmp_path / 'export'}: not on this machine)")
