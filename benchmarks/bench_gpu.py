@@ -115,6 +115,8 @@ class Bench:
             if self.out_of_time("compiled" if step.compiled else "eager"):
                 raise Skipped(f"time budget ({self.args.budget} s)")
             result = run(step, workload, self.pcdiff, self.args.smoke, steps, warmup)
+            row = asdict(step) | {"label": label, "size": workload.size}
+            row |= {"batch": workload.per_gpu_batch, "estimate_gib": self.estimate(step, workload)}
         except Skipped as why:
             self.record["skipped"][label] = str(why)
             print(f"skipped: {label}: {why}", flush=True)
@@ -123,8 +125,6 @@ class Bench:
             self.record["failed"][label] = f"{type(error).__name__}: {error}"
             print(f"error: {label} failed: {self.record['failed'][label]}", flush=True)
         else:
-            row = asdict(step) | {"label": label, "size": workload.size}
-            row |= {"batch": workload.per_gpu_batch, "estimate_gib": self.estimate(step, workload)}
             self.record["steps"].append(row | result)
             print(f"{label}: {json.dumps(result)}", flush=True)
         self.save()
