@@ -19,11 +19,13 @@ from outside still leaves what it measured.
 `--smoke` runs every path at a small size for one step on whatever device there is, the CPU
 included, and writes only into --out: every workload eager at every precision, pointcloud on
 its plain-PyTorch ops, the point ops (PyTorch backend; Triton and pcdiff say why they are
-skipped without CUDA or PCDIFF_SRC), and one compiled step only (captioning, fp32: a compile on
-2 CPU cores takes 40 s to minutes per workload). CI runs it (tests/test_gpu_bench.py), so a path
-that no longer runs fails there, not on the next GPU. A failure (an exception, or a loss or rate
-that is not finite) is reported and the rest still runs; the command then exits 1, unless only
-the original's network failed (pcdiff's code is not this project's: its failures are listed).
+skipped without CUDA or PCDIFF_SRC), and one workload compiled, captioning in fp32 and bf16,
+with dynamo's `aot_eager` backend (Inductor's code generation takes 40 s to minutes per workload
+on 2 CPU cores; `aot_eager` runs the same path through Accelerate and dynamo in seconds). CI
+runs it (tests/test_gpu_bench.py), so a path that no longer runs fails there, not on the next
+GPU. A failure (an exception, or a loss or rate that is not finite) is reported and the rest
+still runs; the command then exits 1, unless only the original's network failed (pcdiff's code
+is not this project's: its failures are listed).
 
     python benchmarks/bench_gpu.py --out runs/gpu [--docs docs/BENCHMARKS.md] [--budget 195]
     python benchmarks/bench_gpu.py --smoke --out runs/gpu-smoke

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -28,7 +29,12 @@ PRECISIONS = ("no", "bf16", "fp16")
 # the recipe's network on its default point ops (Triton on CUDA), on plain PyTorch, the original's
 RECIPE, TORCH_OPS, ORIGINAL = "recipe", "recipe, PyTorch ops", "original"
 COMPILED = ("pointcloud", "captioning", "crystal")  # the workloads measured compiled too
-SMOKE_COMPILED = ("captioning", "no")  # on a CPU a compile takes 40 s to minutes: one only
+# under --smoke only captioning compiles (5 s per precision on 2 CPU cores with SMOKE_BACKEND;
+# crystal's would add 50 s, and pointcloud's plain-PyTorch ops are not compiled at all)
+SMOKE_COMPILED = "captioning"
+# the compiler: Inductor (Triton on CUDA); under --smoke dynamo and AOT autograd without code
+# generation, the same path through Accelerate and dynamo in seconds instead of minutes on a CPU
+BACKEND, SMOKE_BACKEND = "inductor", "aot_eager"
 
 
 def precision_name(precision: str) -> str:
@@ -58,12 +64,12 @@ class Step:
 def plan(names: list[str], smoke: bool) -> tuple[list[Step], list[Step]]:
     """The steps to measure, in two lists: those the issue's targets read (run first, so that a
     time budget cuts the others), then the rest. Every workload eager at every precision; the
-    workloads of COMPILED compiled in fp32 and bf16 (under `smoke`, SMOKE_COMPILED only);
+    workloads of COMPILED compiled in fp32 and bf16 (under `smoke`, SMOKE_COMPILED's only);
     pointcloud also on plain-PyTorch ops (fp32) and as the original (fp32, bf16, both modes)."""
     steps = [Step(name, p) for name in names for p in PRECISIONS]
     for name in names:
         for p in ("no", "bf16"):
-            if name in COMPILED and (not smoke or (name, p) == SMOKE_COMPILED):
+            if name in COMPILED and (not smoke or name == SMOKE_COMPILED):
                 steps.append(Step(name, p, compiled=True))
             if name == "pointcloud":
                 steps += [Step(name, p, variant=ORIGINAL)]
@@ -144,13 +150,16 @@ def run(
         plain = not use_triton(torch.empty(0, device=device))
         if step.compiled and step.workload == "pointcloud" and step.variant != ORIGINAL and plain:
             raise Skipped("plain-PyTorch point ops: dynamo would unroll farthest-point sampling")
-        return measure(workload, step, steps, warmup)
+        return measure(workload, step, steps, warmup, SMOKE_BACKEND if smoke else BACKEND)
 
 
-def measure(workload: Workload, step: Step, steps: int, warmup: int) -> dict[str, float | None]:
+def measure(
+    workload: Workload, step: Step, steps: int, warmup: int, backend: str = BACKEND
+) -> dict[str, Any]:
     """One step measurement: samples/s, ms/step, peak GiB (CUDA only), TFLOP/s, the seconds of
     the warm-up steps (a compiled model's compile among them), the last loss, fp16's skipped
-    steps. Raises if the loss or the rate is not finite."""
+    steps, the compiler (`backend`, "no" uncompiled). Raises if the loss or the rate is not
+    finite."""
     AcceleratorState._reset_state(reset_partial_state=True)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -160,9 +169,8 @@ def measure(workload: Workload, step: Step, steps: int, warmup: int) -> dict[str
         # dynamo's recompile limit, past which it runs eager without saying so
         torch._dynamo.reset()
         warmup = max(warmup, 1)
-    accelerator = Accelerator(
-        mixed_precision=step.precision, dynamo_backend="inductor" if step.compiled else "no"
-    )
+    backend = backend if step.compiled else "no"
+    accelerator = Accelerator(mixed_precision=step.precision, dynamo_backend=backend)
     torch.manual_seed(0)
     with torch.device(accelerator.device):
         model = workload.build()
@@ -205,6 +213,7 @@ def measure(workload: Workload, step: Step, steps: int, warmup: int) -> dict[str
         "gflop_per_sample": flops / workload.per_gpu_batch / 1e9,
         "loss": loss.float().item(),
         "skipped_steps": skipped,
+        "compiler": backend,
     }
     if not all(math.isfinite(result[key]) for key in ("samples_per_s", "loss")):
         raise FloatingPointError(f"not finite: {result}")
