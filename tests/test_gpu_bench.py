@@ -18,12 +18,13 @@ import torch
 
 from accel_common.tools.bench.report import write_section
 from benchmarks import bench_gpu
-from benchmarks.gpu import report
+from benchmarks.gpu import point_ops, report
 from benchmarks.gpu.point_ops import OPS
 from benchmarks.gpu.steps import ORIGINAL, PRECISIONS, TORCH_OPS, Step
 from benchmarks.memory_estimate import estimate
 from benchmarks.original_sizes import workloads
 from tests.processes import REPO, recipe_env
+from tests.reference.pointcloud_kernels import ReferenceKernels
 
 WORKLOADS = {"pointcloud", "quality", "captioning", "crystal", "cricket"}
 
@@ -245,3 +246,24 @@ def test_smoke_refuses_to_write_the_docs(tmp_path, capsys):
     docs = tmp_path / "BENCHMARKS.md"
     assert bench_gpu.main(["--smoke", "--out", str(tmp_path), "--docs", str(docs)]) == 2
     assert "--smoke" in capsys.readouterr().err and not docs.exists()
+
+
+def test_the_point_ops_drive_pcdiffs_interface_as_its_kernels_take_it():
+    """pcdiff's side of the point-op timings, on the CPU: its backend's interface implemented by
+    the brute-force transcriptions of its kernels (tests/reference), so that a wrong argument
+    order or return shape fails here and not on the next GPU with PCDIFF_SRC."""
+    pointcloud = next(w for w in workloads(smoke=True) if w.name == "pointcloud")
+    reasons = {"torch": "", "triton": "not here", "pcdiff": ""}
+    ops = point_ops.run_ops(pointcloud, ReferenceKernels, reasons, repeats=1)
+    assert {c["op"] for c in ops["calls"]} == set(OPS)
+    for call in ops["calls"]:
+        assert "error" not in call["pcdiff"], call
+        no_backward = call["op"] in ("furthest_point_sample", "ball_query")
+        assert (call["pcdiff"]["backward_ms"] is None) == no_backward, call
+        assert "triton" not in call
+    table = "\n".join(report.ops_table(ops))
+    assert "- not run: triton: not here" in table
+    row = next(line for line in table.splitlines() if line.startswith("| grouping |"))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert len(cells) == 10 and cells[4:6] == ["", ""]  # Triton: not timed
+    assert all(float(cell) > 0 for cell in cells[2:4] + cells[6:8])  # PyTorch's, pcdiff's
