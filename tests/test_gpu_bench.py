@@ -18,7 +18,7 @@ import torch
 
 from accel_common.tools.bench.report import write_section
 from benchmarks import bench_gpu
-from benchmarks.gpu import point_ops, report
+from benchmarks.gpu import point_ops, report, steps
 from benchmarks.gpu.point_ops import OPS
 from benchmarks.gpu.steps import ORIGINAL, PRECISIONS, TORCH_OPS, Step
 from benchmarks.memory_estimate import estimate
@@ -267,3 +267,29 @@ def test_the_point_ops_drive_pcdiffs_interface_as_its_kernels_take_it():
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
     assert len(cells) == 10 and cells[4:6] == ["", ""]  # Triton: not timed
     assert all(float(cell) > 0 for cell in cells[2:4] + cells[6:8])  # PyTorch's, pcdiff's
+
+
+def test_the_full_plan_measures_the_targets_steps_first_and_every_variant():
+    names = ["pointcloud", "quality", "captioning", "crystal", "cricket"]
+    first, rest = steps.plan(names, smoke=False)
+    assert [s.label for s in first] == [
+        "pointcloud fp32 eager", "pointcloud bf16 eager", "captioning fp32 eager",
+        "captioning bf16 eager", "pointcloud (original) fp32 eager",
+        "pointcloud (original) bf16 eager", "captioning fp32 compiled", "captioning bf16 compiled",
+    ]  # fmt: skip
+    labels = {s.label for s in rest}
+    for name in ("pointcloud", "crystal"):
+        assert {f"{name} fp32 compiled", f"{name} bf16 compiled"} <= labels
+    assert {"pointcloud (original) fp32 compiled", "pointcloud (original) bf16 compiled"} <= labels
+    assert "pointcloud (recipe, PyTorch ops) fp32 eager" in labels
+    assert not any(s.compiled for s in rest if s.workload in ("quality", "cricket"))
+    assert len(first) + len(rest) == 5 * 3 + 3 * 2 + 4 + 1
+
+
+def test_pointcloud_on_plain_pytorch_ops_is_not_compiled(monkeypatch):
+    """dynamo would unroll farthest-point sampling's loop (13,600 centres at the original's
+    size) for minutes: the step is skipped, saying why."""
+    monkeypatch.setenv("POINTCLOUD_KERNELS", "torch")
+    pointcloud = next(w for w in workloads(smoke=True) if w.name == "pointcloud")
+    with pytest.raises(steps.Skipped, match="plain-PyTorch point ops"):
+        steps.run(steps.Step("pointcloud", "no", compiled=True), pointcloud, "", True, 1, 0)
