@@ -64,7 +64,8 @@ def test_the_dry_run_names_each_part_with_its_timeout_and_the_wheels_on_its_path
     assert "pip install --quiet --no-index --no-deps --target site wheels/*.whl" in text
     path = f"PYTHONPATH={REPO / 'site'}:{REPO} python3"
     assert f"timeout -k 5 270 env GPU_OUT={REPO / 'runs/gpu'} {path} -m pytest tests/gpu" in text
-    assert f"timeout -k 5 120 env {path} benchmarks/bench_gpu.py --out runs/gpu" in text
+    bench = f"timeout -k 5 210 env PCDIFF_SRC=/pcdiff {path} benchmarks/bench_gpu.py --out runs/gpu"
+    assert f"{bench} --docs docs/BENCHMARKS.md --budget 195 --steps 3 --warmup 1" in text
     assert f"timeout -k 5 60 env GPU_OUT={REPO / 'runs/gpu'} PCDIFF_SRC=/pcdiff {path}" in text
     assert ".venv" not in text  # no project install
 

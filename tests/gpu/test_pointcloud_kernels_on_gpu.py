@@ -9,9 +9,6 @@ test is skipped, saying which is missing, without them.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
@@ -19,7 +16,12 @@ from safetensors.torch import load_file
 
 from recipes.pointcloud.model import PVCNN2
 from tests.recipes.pointcloud.test_original import FIXTURES, RECORD
-from tests.reference.pointcloud_kernels import FLOAT_TOLERANCE, compare_ops
+from tests.reference.pointcloud_kernels import (
+    FLOAT_TOLERANCE,
+    compare_ops,
+    load_pcdiff,
+    original_pvcnn2,
+)
 from tests.reference.pointcloud_reference import fill_weights
 
 # (batch, points, centres, radius, neighbours, voxel resolution, channels): the CPU default's
@@ -36,17 +38,9 @@ SIZES = {
 @pytest.fixture(scope="module")
 def pcdiff_backend():
     """The original's modules.functional.backend with its compiled CUDA kernels installed."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    source = os.environ.get("PCDIFF_SRC")
-    if not source or not (Path(source) / "modules" / "functional" / "src").is_dir():
-        pytest.skip("set PCDIFF_SRC to the original's pcdiff/ folder (pcdiff-implant @115a399)")
-    if CUDA_HOME is None:
-        pytest.skip("the CUDA toolkit (nvcc) is needed to build the original's kernels")
-    sys.path.insert(0, source)
-    import modules.functional.backend as backend
-
-    backend._real_backend, backend._backend_type = backend._load_cuda_backend(), "cuda"
+    backend, reason = load_pcdiff(os.environ.get("PCDIFF_SRC"))
+    if backend is None:
+        pytest.skip(reason)
     return backend
 
 
@@ -54,40 +48,6 @@ def pcdiff_backend():
 def test_the_ops_match_the_originals_cuda_kernels(pcdiff_backend, size, record):
     measured = compare_ops(pcdiff_backend._real_backend, "cuda", channels=16, **SIZES[size])
     record(size=size, **measured)
-
-
-def original_pvcnn2(config: dict):
-    """The original's PVCNN2 (train_completion.py, line 1059) at the small fixture's sizes: its
-    class attributes with the centres, radii and neighbours of 576 points, as the fixture was
-    made (tests/fixtures/pointcloud/README.md)."""
-    from model.pvcnn_completion import PVCNN2Base
-
-    n, k, rm = config["num_points"], config["num_neighbors"], config["radius_multiplier"]
-
-    class OriginalPVCNN2(PVCNN2Base):
-        sa_blocks: ClassVar[list] = [
-            ((32, 2, 32), (n // 3, 0.1 * rm, k, (32, 64))),
-            ((64, 3, 16), (n // 12, 0.2 * rm, k, (64, 128))),
-            ((128, 3, 8), (n // 48, 0.4 * rm, k, (128, 256))),
-            (None, (n // 192, 0.8 * rm, k, (256, 256, 512))),
-        ]
-        fp_blocks: ClassVar[list] = [
-            ((256, 256), (256, 3, 8)),
-            ((256, 256), (256, 3, 8)),
-            ((256, 128), (128, 2, 16)),
-            ((128, 128, 64), (64, 2, 32)),
-        ]
-
-    return OriginalPVCNN2(
-        num_classes=3,
-        sv_points=n - config["num_nn"],
-        embed_dim=config["embed_dim"],
-        use_att=config["use_att"],
-        dropout=config["dropout"],
-        extra_feature_channels=0,
-        width_multiplier=config["width_multiplier"],
-        voxel_resolution_multiplier=config["voxel_resolution_multiplier"],
-    )
 
 
 def test_the_network_on_the_gpu_equals_the_original_on_its_kernels(pcdiff_backend, record):

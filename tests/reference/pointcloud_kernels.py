@@ -16,7 +16,10 @@ kernels' indices within 1e-5 relative (the kernels' atomic adds sum in another o
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -194,6 +197,63 @@ def compare_ops(
     worst = max(v for k, v in measured.items() if k.endswith(("forward", "backward", "weights")))
     assert worst <= FLOAT_TOLERANCE, measured
     return measured
+
+
+def load_pcdiff(source: str | None) -> tuple[ModuleType | None, str]:
+    """pcdiff's modules.functional.backend with its compiled CUDA kernels installed, built by
+    its own loader (modules/functional/backend.py: _load_cuda_backend), from `source` (its
+    pcdiff/ folder, PCDIFF_SRC); or None and why not (no folder, no CUDA, no nvcc). Shared by
+    the GPU suite (tests/gpu) and the GPU benchmark (benchmarks/gpu/)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if not source or not (Path(source) / "modules" / "functional" / "src").is_dir():
+        return None, "set PCDIFF_SRC to the original's pcdiff/ folder (pcdiff-implant @115a399)"
+    if not torch.cuda.is_available():
+        return None, "pcdiff's kernels need a CUDA GPU"
+    if CUDA_HOME is None:
+        return None, "the CUDA toolkit (nvcc) is needed to build the original's kernels"
+    if source not in sys.path:
+        sys.path.insert(0, source)
+    import modules.functional.backend as backend
+
+    if getattr(backend, "_backend_type", None) != "cuda":
+        backend._real_backend, backend._backend_type = backend._load_cuda_backend(), "cuda"
+    return backend, ""
+
+
+def original_pvcnn2(config: dict) -> torch.nn.Module:
+    """The original's PVCNN2 (train_completion.py, line 1059) at `config`'s sizes (the keys of
+    tests/fixtures/pointcloud/pvcnn2_keys.json's config): its class attributes with the centres,
+    radii and neighbours of config's points, as the fixtures were made
+    (tests/fixtures/pointcloud/README.md). Needs load_pcdiff first (pcdiff on sys.path)."""
+    from model.pvcnn_completion import PVCNN2Base
+
+    n, k, rm = config["num_points"], config["num_neighbors"], config["radius_multiplier"]
+
+    class OriginalPVCNN2(PVCNN2Base):
+        sa_blocks: ClassVar[list] = [
+            ((32, 2, 32), (n // 3, 0.1 * rm, k, (32, 64))),
+            ((64, 3, 16), (n // 12, 0.2 * rm, k, (64, 128))),
+            ((128, 3, 8), (n // 48, 0.4 * rm, k, (128, 256))),
+            (None, (n // 192, 0.8 * rm, k, (256, 256, 512))),
+        ]
+        fp_blocks: ClassVar[list] = [
+            ((256, 256), (256, 3, 8)),
+            ((256, 256), (256, 3, 8)),
+            ((256, 128), (128, 2, 16)),
+            ((128, 128, 64), (64, 2, 32)),
+        ]
+
+    return OriginalPVCNN2(
+        num_classes=3,
+        sv_points=n - config["num_nn"],
+        embed_dim=config["embed_dim"],
+        use_att=config["use_att"],
+        dropout=config["dropout"],
+        extra_feature_channels=0,
+        width_multiplier=config["width_multiplier"],
+        voxel_resolution_multiplier=config["voxel_resolution_multiplier"],
+    )
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
