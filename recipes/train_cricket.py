@@ -416,9 +416,9 @@ def predict(
     model_dir: Path = model_option(RECIPE),
 ) -> None:
     """Predict the model's target (--target) before every sample delivery of one match."""
+    require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
-    require_new_file(out)
     # an export is a folder, or a .safetensors whose vocabulary lies beside it (convert's OUT)
     vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
     if not vocab_path.is_file():

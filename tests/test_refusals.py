@@ -19,7 +19,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from accel_common.errors import CheckpointError, ConfigError
+from accel_common.errors import CheckpointError, ConfigError, DataError
 from accel_common.run import RunCheck, describe_differences
 from tests.processes import run_recipe
 from tests.recipes.template.conftest import finished_run  # noqa: F401 (a fixture)
@@ -239,3 +239,44 @@ def test_overwrite_later_without_resume_is_refused(run, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match=r"^--overwrite-later goes with --resume CHECKPOINT"):
         run(overwrite_later=True)
     assert not (tmp_path / "checkpoints").exists()
+
+
+# single-device commands that write --out, with their other arguments: the model named is
+# missing, so only an --out checked before the model is read is refused for --out
+SINGLE_DEVICE_COMMANDS = [
+    ("captioning", "caption", ["--images", "images"], "captions.tsv"),
+    ("cricket", "predict", ["--match", "match.json"], "predictions.csv"),
+    ("crystal", "predict", ["--data", "structures.extxyz"], "predictions.csv"),
+    ("quality", "score_folder", ["--images", "images"], "scores.csv"),
+    ("quality", "export_onnx", [], "scorer.onnx"),
+    ("pointcloud", "complete", ["--skull", "skull.npy"], "implant.npy"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "command", "args", "name"), SINGLE_DEVICE_COMMANDS)
+def test_an_out_in_a_read_only_folder_is_refused_before_the_work(
+    recipe, command, args, name, tmp_path, read_only_folder
+):
+    """Issue 43: an existing read-only folder for --out was found only when the result was
+    written, after the work, in a traceback."""
+    import importlib
+
+    from accel_common.errors import exit_on_error
+    from tests.processes import invoke_train
+
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    out = read_only_folder / name
+    flags = [*args, "--model", str(tmp_path / "missing"), "--out", str(out)]
+    result = invoke_train(exit_on_error(getattr(module, command)), flags)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: --out {out}: cannot write in {read_only_folder}")
+    assert result.stderr.count("\n") == 1
+
+
+def test_prepare_into_a_read_only_folder_is_refused_before_any_volume(tmp_path, read_only_folder):
+    pytest.importorskip("mcubes")
+    from recipes.pointcloud.prepare import prepare_skullbreak
+
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(DataError, match=f"^--out {read_only_folder}: cannot write in"):
+        prepare_skullbreak(tmp_path / "raw", read_only_folder, points=8, workers=1, overwrite=False)
