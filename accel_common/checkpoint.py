@@ -18,10 +18,17 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError
-from accel_common.export import WRITE_ADVICE, disk_full, strict_json, write_failure
+from accel_common.export import (
+    WRITE_ADVICE,
+    as_write_error,
+    disk_full,
+    strict_json,
+    write_failure,
+)
 
 CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
@@ -129,7 +136,9 @@ def save_checkpoint(
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-    except OSError as err:
+    except (OSError, RuntimeError, SafetensorError) as raw:  # torch.save's full disk: RuntimeError
+        if (err := as_write_error(raw, tmp)) is None:
+            raise
         if accelerator.is_main_process:  # never complete; on a full disk, space again
             shutil.rmtree(tmp, ignore_errors=True)
         latest = list_checkpoints(output_dir)
