@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from accel_common.batching import BatchPlan
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, ConfigError
 from accel_common.launch_guard import require_writable_folder
 
 MODEL_FILE = "model.safetensors"
@@ -279,6 +279,44 @@ def read_export_weights(path: Path, device: str | torch.device = "cpu") -> dict[
         return load_file(str(model_path), device=str(device))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+
+
+def require_start_export(
+    source: Path, recipe: str, original: str | None, flag: str = "--init-from"
+) -> Path:
+    """The weights file of an export of `recipe` to start training from, checked before the
+    work: an original's checkpoint (a torch.save file, or a folder of them) is one line naming the
+    convert command that makes it an export; another recipe's export is one naming that recipe
+    (not a misfit of widths); no export there, one saying what to give."""
+    source = Path(source)
+    convert = (
+        f"convert it first: accel-recipes convert --from {original} {source} OUT"
+        if original
+        else f"convert it first: accel-recipes convert {source} OUT"
+    ) + f", then {flag} OUT"
+    if source.is_file() and source.suffix != ".safetensors":
+        kind = f"{original}'s checkpoint or another torch.save file" if original else "a file"
+        raise ConfigError(f"{flag} {source}: not an export but {kind}; {convert}")
+    weights, meta_path = export_paths(source)
+    if not weights.is_file():
+        saved = sorted(p.name for p in source.glob("*.pt*")) if source.is_dir() else []
+        if saved:
+            raise ConfigError(
+                f"{flag} {source}: no export there but checkpoint files ({', '.join(saved[:3])});"
+                f" {convert.replace(str(source), str(source / saved[0]))}"
+            )
+        raise ConfigError(
+            f"{flag} {source}: no export there (no {weights}); give the model folder a {recipe} "
+            "training run wrote (OUTPUT/model), or its NAME.safetensors"
+        )
+    other = read_export_metadata(weights).get("recipe") if meta_path.is_file() else None
+    if other is not None and other != recipe:
+        made = f" (or convert --from {original})" if original else ""
+        raise ConfigError(
+            f"{flag} {source} is the {other} recipe's export, not the {recipe} recipe's; give "
+            f"the model folder a {recipe} training run{made} wrote"
+        )
+    return weights
 
 
 def load_exported(

@@ -51,11 +51,17 @@ from accel_common.data.cache import list_column
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
+from accel_common.export import (
+    load_for_inference,
+    read_recipe_export,
+    require_same_tensors,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
+from recipes.cricket.convert import ORIGINAL
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
     FEATURES,
@@ -210,10 +216,8 @@ def network(
 
 def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """--init-from: an export's weights and the vocabulary its embeddings were trained with."""
-    weights = export / "model.safetensors" if export.is_dir() else export
+    weights = require_start_export(export, RECIPE, ORIGINAL)
     vocab_path = weights.parent / VOCAB_FILE
-    if not weights.is_file():
-        raise ConfigError(f"--init-from {export}: no exported model at {weights}")
     if not vocab_path.is_file():
         raise ConfigError(
             f"--init-from {export}: no {VOCAB_FILE} beside it (the vocabulary its embeddings "

@@ -62,11 +62,17 @@ from accel_common.data.cache import list_lengths
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import load_exported, load_for_inference, read_recipe_export
+from accel_common.export import (
+    load_exported,
+    load_for_inference,
+    read_recipe_export,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
+from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
     TARGET_HELP,
     CrystalGraphs,
@@ -217,6 +223,8 @@ def build_model(args: SharedSettings | None, settings: CrystalSettings) -> Comfo
 )
 def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     """Train the crystal graph transformer on an extended XYZ file (or a generated example)."""
+    if settings.init_from is not None:  # before the data is read
+        require_start_export(settings.init_from, RECIPE, ORIGINAL)
     # synchronised BatchNorms keep their running statistics equal on every process (and the
     # other buffers are constants): DDP's broadcast of them before every forward would be one
     # more collective per step for nothing. Per-process BatchNorms keep it: evaluation and the

@@ -280,3 +280,49 @@ def test_prepare_into_a_read_only_folder_is_refused_before_any_volume(tmp_path, 
     (tmp_path / "raw").mkdir()
     with pytest.raises(DataError, match=f"^--out {read_only_folder}: cannot write in"):
         prepare_skullbreak(tmp_path / "raw", read_only_folder, points=8, workers=1, overwrite=False)
+
+
+# the recipes that start from an export (--init-from), and the original each converts
+INIT_FROM_RECIPES = {
+    "crystal": "comformer",
+    "quality": "crowd-bt",
+    "cricket": "cricketmodel",
+    "pointcloud": "pcdiff",
+}
+
+
+@pytest.mark.parametrize("recipe", INIT_FROM_RECIPES)
+def test_init_from_an_original_checkpoint_or_another_recipes_export_says_which(recipe, tmp_path):
+    """Issue 43: --init-from an original's checkpoint ended in a traceback (or a safetensors
+    parse error), and another recipe's export asked about width/depth flags. One line: the
+    convert command that makes an original's checkpoint an export; the other export's recipe.
+    Both are refused before any data is read (--data names a folder that does not exist)."""
+    import importlib
+
+    import torch
+
+    from accel_common.entry import train_in_python
+    from accel_common.export import write_export
+    from tests.processes import REPO
+
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    original = INIT_FROM_RECIPES[recipe]
+    checkpoint = tmp_path / "best_model.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, checkpoint)
+    other = "template" if recipe != "template" else "crystal"
+    write_export({"w": torch.zeros(2)}, tmp_path / "other", {"recipe": other, "config": {}})
+    says = {
+        checkpoint: f"--init-from {checkpoint}: not an export but {original}'s checkpoint",
+        tmp_path: f"--init-from {tmp_path}: no export there but checkpoint files (best_model.pt)",
+        tmp_path / "other": f"--init-from {tmp_path / 'other'} is the {other} recipe's export",
+    }
+    for source, message in says.items():
+        argv = ["--data", str(tmp_path / "no-data"), "--init-from", str(source)]
+        with pytest.raises(ConfigError) as refused:
+            train_in_python(
+                module.train, argv, tmp_path / "run", script=REPO / f"recipes/train_{recipe}.py"
+            )
+        assert str(refused.value).startswith(message), str(refused.value)
+        if source != tmp_path / "other":
+            assert f"accel-recipes convert --from {original} {source}" in str(refused.value)
+        assert "width" not in str(refused.value) and "\n" not in str(refused.value)
