@@ -81,6 +81,8 @@ from recipes.crystal.data import (
     extxyz_file,
     load_graphs,
     read_frames,
+    require_lattice,
+    require_lattices,
     split_indices,
     structures_table,
     target_value,
@@ -246,6 +248,8 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
             non_periodic=settings.non_periodic, workers=args.workers,
             cache=settings.cache_graphs, cache_dir=settings.graph_cache_dir,
         )  # fmt: skip
+    if settings.non_periodic:
+        require_lattices(rows, settings.model, path)
     accelerator.print(
         f"{len(rows)} graphs {'read from the cache' if cached else 'built'} in {seconds:.2f}s"
     )
@@ -328,6 +332,8 @@ def predict(
     targets = []
     for i, atoms in enumerate(frames):
         check_periodic(atoms, f"{data}, frame {i}", settings.non_periodic)
+        if not atoms.pbc.all():
+            require_lattice(settings.model, f"{data}, frame {i}")
         try:
             where = f"{data}, frame {i}"
             targets.append(target_value(atoms, settings.target, where, settings.per_atom))
