@@ -106,7 +106,11 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as a checkpoint pcdiff's evaluation loads
     (`model.load_state_dict(checkpoint['model_state'])`: its uncompiled `Model`, keys `model.*`,
-    as test_completion.py and the trainer with --disable_compile build it)."""
+    as test_completion.py builds it). Not a checkpoint its trainer resumes: train_completion.py
+    --model also reads `optimizer_state` (its Adam's, with its learning rate and schedule) into a
+    compiled model (`model._orig_mod.*`); no Adam state of this recipe's run maps onto it, and a
+    fresh one would replace the trainer's learning rate with a made-up one, so none is written
+    and the note printed says so (fine-tuning: this recipe's --init-from)."""
     from recipes.train_pointcloud import PointCloudSettings, network
 
     weights, _ = export_paths(model_dir)
@@ -144,7 +148,12 @@ def describe_for_original(settings: PointCloudSettings) -> None:
     if settings.timesteps != 1000:  # the recipe scales the linear betas by 1000 / T (diffusion.py)
         scale = 1000 / settings.timesteps
         flags += f" --beta_start {1e-4 * scale:g} --beta_end {0.02 * scale:g}"
-    print(f"note: run the original's test_completion.py with {flags}", file=sys.stderr)
+    print(
+        f"note: run the original's test_completion.py with {flags} (its train_completion.py "
+        "--model resumes only its own checkpoints: their compiled key names and Adam state; to "
+        "train on from these weights, use this recipe's --init-from)",
+        file=sys.stderr,
+    )
     differing = [
         f"--{name.replace('_', '-')} {getattr(settings, name)}"
         for name, fixed in ORIGINAL_FIXED.items()
