@@ -60,7 +60,7 @@ from accel_common.export import (
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.cricket.convert import ORIGINAL
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
@@ -140,7 +140,7 @@ class CricketSettings(Settings):
         "(FiLM, hybrid readout, innings-conditional head; its tuned model).",
     )
     hidden: int = setting(128, "Hidden width (128).", min=8)
-    layers: int = setting(3, "HeteroConv layers (3).", min=1)
+    layers: int = setting(3, "HeteroConv layers (3).", min=1, max=MAX_BLOCKS)
     heads: int = setting(4, "Attention heads (4).", min=1)
     dropout: float = setting(0.1, "Dropout (0.1).", min=0.0, max=0.9)
     huber_delta: float = setting(

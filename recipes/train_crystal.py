@@ -71,7 +71,7 @@ from accel_common.export import (
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
     TARGET_HELP,
@@ -128,7 +128,7 @@ class CrystalSettings(Settings):
         "configs/original_ecomformer.yaml, 3 layers).",
     )
     width: int = setting(16, "Node and edge feature width: node_features (256).", min=8)
-    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
+    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1, max=MAX_BLOCKS)
     heads: int = setting(1, "Attention heads per convolution: node_layer_head (1).", min=1)
     rbf_bins: int = setting(
         64, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
