@@ -142,7 +142,11 @@ def save_checkpoint(
         if accelerator.is_main_process:  # never complete; on a full disk, space again
             shutil.rmtree(tmp, ignore_errors=True)
         latest = list_checkpoints(output_dir)
-        last = f"the last complete checkpoint is {latest[-1]}" if latest else "no checkpoint is"
+        last = (
+            f"the last complete checkpoint is {latest[-1]}"
+            if latest
+            else "there is no complete checkpoint yet"
+        )
         raise CheckpointError(
             f"{write_failure(err)} while saving {final.name}; {last} (nothing of {final.name} "
             f"was kept in {final.parent}): {WRITE_ADVICE[disk_full(err)]}, then continue with "
