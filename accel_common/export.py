@@ -259,7 +259,10 @@ def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> d
     if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
         return meta["config"]
     if "converted_from" in meta:
-        origin = f"converted by `accel-recipes convert` from {meta['converted_from']}"
+        origin = (
+            f"converted by `accel-recipes convert` from {meta['converted_from']}, for the "
+            f"{meta.get('recipe')!r} recipe"
+        )
     else:
         settings = ", ".join(f"{k}={v}" for k, v in list((meta.get("config") or {}).items())[-6:])
         origin = f"exported by the {meta.get('recipe')!r} recipe ({settings})"

@@ -247,3 +247,18 @@ def test_convert_into_an_output_it_cannot_write_is_one_line_before_reading(
         line = one_error_line(invoke("convert", str(source), str(out), direction, original))
         assert line.startswith(f"error: OUTPUT {out}: {says}"), line
     assert afile.read_text() == "mine" and not list(read_only_folder.iterdir())
+
+
+def test_convert_to_an_original_names_the_recipe_of_a_converted_export(tmp_path):
+    """Issue 43: --to comformer of an export converted from pcdiff said only that it was converted,
+    not that it belongs to the pointcloud recipe."""
+    import torch
+
+    from accel_common.export import write_export
+
+    other = tmp_path / "pcdiff_model"
+    meta = {"recipe": "pointcloud", "converted_from": "pcdiff: model_best.pth"}
+    write_export({"w": torch.zeros(2)}, other, meta)
+    out = str(tmp_path / "x.pt")
+    line = one_error_line(invoke("convert", str(other), out, "--to", "comformer"))
+    assert "from pcdiff: model_best.pth, for the 'pointcloud' recipe" in line, line
