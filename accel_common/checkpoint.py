@@ -19,10 +19,17 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError
-from accel_common.export import WRITE_ADVICE, disk_full, strict_json, write_failure
+from accel_common.export import (
+    WRITE_ADVICE,
+    as_write_error,
+    disk_full,
+    strict_json,
+    write_failure,
+)
 
 CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
@@ -133,11 +140,17 @@ def save_checkpoint(
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-    except OSError as err:
+    except (OSError, RuntimeError, SafetensorError) as raw:  # torch.save's full disk: RuntimeError
+        if (err := as_write_error(raw, tmp)) is None:
+            raise
         if accelerator.is_main_process:  # never complete; on a full disk, space again
             shutil.rmtree(tmp, ignore_errors=True)
         latest = list_checkpoints(output_dir)
-        last = f"the last complete checkpoint is {latest[-1]}" if latest else "no checkpoint is"
+        last = (
+            f"the last complete checkpoint is {latest[-1]}"
+            if latest
+            else "there is no complete checkpoint yet"
+        )
         raise CheckpointError(
             f"{write_failure(err)} while saving {final.name}; {last} (nothing of {final.name} "
             f"was kept in {final.parent}): {WRITE_ADVICE[disk_full(err)]}, then continue with "

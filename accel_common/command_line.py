@@ -109,6 +109,12 @@ def from_config_file(path: Path, ctx: typer.Context, annotations: dict[str, Any]
     for name, value in read_config_file(path, names).items():
         if name in given:
             continue
+        if value is None and base_type(annotations[name]) is annotations[name]:
+            raise ConfigError(
+                f"--config {path}: {name.replace('_', '-')}: null, but {flag(name)} takes a "
+                f"value; give one, or leave the key out for the default "
+                f"({params[name].default})"
+            )
         if value is not None:
             refuse_wrong_kind(path, name, base_type(annotations[name]), value)
             try:

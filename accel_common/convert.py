@@ -5,6 +5,8 @@ objects: what `accel-recipes convert` and a recipe's `--weights` read.
 
 from __future__ import annotations
 
+import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,61 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
             f"{source} is corrupt, truncated or not a PyTorch file: {err}"
         ) from err
     return unwrap_state_dict(obj, str(source))
+
+
+def load_original_checkpoint(source: Path, original: str, state_key: str) -> Any:
+    """`torch.load(source, weights_only=True)` of a checkpoint saved by `original`'s trainer (a
+    dict holding the state dict under `state_key`), every way that fails as one line naming the
+    file: missing, a folder, empty, a safetensors or text file, truncated, or holding pickled
+    objects (never unpickled here: that can run code)."""
+    source = Path(source)
+    expected = f"the file {original}'s trainer saves ({{'{state_key}': state_dict, ...}})"
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file; give {expected}")
+    if source.is_dir():
+        raise CheckpointError(f"{source} is a folder; give {expected}")
+    if source.stat().st_size == 0:
+        raise CheckpointError(f"{source} is empty (0 bytes: an interrupted copy?); give {expected}")
+    kind = file_kind(source)
+    if kind == "safetensors":
+        raise CheckpointError(
+            f"{source} is a safetensors file (as this project's exports are), not {expected}; "
+            "an export needs no --from: use it as it is"
+        )
+    if kind is None:
+        raise CheckpointError(
+            f"{source}: not a torch checkpoint, or a damaged one (torch.save writes a zip archive "
+            f"or a pickle; this file starts with neither); give {expected}"
+        )
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises whatever its unpickler or zip reader met
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
+            raise CheckpointError(
+                f"{source}: holds a pickled {refused.group(1)} object, which is not unpickled "
+                "here (weights_only: unpickling can run code). If you trust the file, save the "
+                f"weights alone and convert that: torch.save({{'{state_key}': torch.load("
+                f"'{source}', weights_only=False)['{state_key}']}}, 'weights.pth')"
+            ) from None
+        detail = str(err).split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
+        first = detail.splitlines()[0] if detail else ""
+        raise CheckpointError(
+            f"{source}: not a torch checkpoint, or a damaged one: truncated? "
+            f"({type(err).__name__}{': ' + first if first else ''}); copy it again from where "
+            "it was saved"
+        ) from None
+
+
+def require_tensors(state: Any, source: Path, where: str) -> dict[str, torch.Tensor]:
+    """`state` if it is a non-empty dict of tensors, else one line naming `source` and `where`
+    in it the state dict was looked for (a checkpoint with lists or numbers in its place)."""
+    if isinstance(state, Mapping) and state and all(torch.is_tensor(v) for v in state.values()):
+        return dict(state)
+    got = type(state).__name__ if not isinstance(state, Mapping) else "a dict of other values"
+    if isinstance(state, Mapping) and not state:
+        got = "an empty dict"
+    raise CheckpointError(f"{source}: {where} is {got}, not a state dict of tensors")
 
 
 def convert_checkpoint(

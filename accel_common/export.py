@@ -6,11 +6,14 @@ write-failure messages serve resumable state too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from accel_common.batching import BatchPlan
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, ConfigError
+from accel_common.launch_guard import require_writable_folder
 from accel_common.parameters import parameter_counts
 
 MODEL_FILE = "model.safetensors"
@@ -37,6 +41,12 @@ WRITE_ADVICE = {
 }
 
 
+# a folder with less space left than this after a failed write was filled by it
+FULL_BELOW = 64 * 2**20
+# what torch.save's C++ writer says when it cannot open or write its file (it keeps no errno)
+TORCH_WRITE_FAILURE = r"inline_container|PytorchStreamWriter|cannot be opened|Parent directory"
+
+
 def disk_full(err: OSError) -> bool:
     return err.errno in (errno.ENOSPC, errno.EDQUOT)
 
@@ -48,6 +58,26 @@ def write_failure(err: OSError) -> str:
     if err.errno == errno.EDQUOT:
         return "disk quota exceeded"
     return f"could not write ({err.strerror or err})"
+
+
+def as_write_error(err: Exception, folder: Path) -> OSError | None:
+    """The OSError behind a failed write into `folder`, or None if `err` is no write failure.
+
+    Only Python's own writes raise OSError: safetensors reports a full disk as a SafetensorError
+    ending in '(os error 28)', and torch.save's C++ writer as a RuntimeError with no errno at all
+    ('unexpected pos 576 vs 534'), so a full disk is told by the space left in `folder`."""
+    if isinstance(err, OSError):
+        return err
+    text = str(err)
+    if isinstance(err, SafetensorError) and (found := re.search(r"\(os error (\d+)\)", text)):
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    if isinstance(err, RuntimeError) and re.search(TORCH_WRITE_FAILURE, text):
+        existing = next(p for p in (folder, *Path(folder).absolute().parents) if p.exists())
+        if shutil.disk_usage(existing).free < FULL_BELOW:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return OSError(errno.EIO, text.splitlines()[0] if text else "torch.save failed")
+    return None
 
 
 def _clean_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,6 +105,7 @@ def require_export_target(target: Path, force: bool) -> Path:
             f"{model_path.parent} is a file; give a folder to write {MODEL_FILE} into, or a "
             "NAME.safetensors path"
         )
+    require_writable_folder(model_path.parent, "OUTPUT", target)
     require_new_files([model_path, meta_path], force)
     return model_path
 
@@ -103,9 +134,12 @@ def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict
         # safetensors writes through a private temporary file (mode 0600): give the export the
         # permissions any file the user creates gets, so colleagues and serving jobs can read it
         os.chmod(tmp_model, 0o666 & ~current_umask())
-    except OSError as err:
-        tmp_model.unlink(missing_ok=True)
-        tmp_meta.unlink(missing_ok=True)
+    except (OSError, SafetensorError) as raw:
+        if (err := as_write_error(raw, model_path.parent)) is None:
+            raise
+        with contextlib.suppress(OSError):
+            tmp_model.unlink(missing_ok=True)
+            tmp_meta.unlink(missing_ok=True)
         raise CheckpointError(
             f"{write_failure(err)} while writing the export {model_path}; an export already "
             f"there is unchanged: {WRITE_ADVICE[disk_full(err)]}, then export again (a training "
@@ -114,6 +148,28 @@ def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict
     os.replace(tmp_model, model_path)
     os.replace(tmp_meta, meta_path)
     return model_path
+
+
+def save_file_atomically(target: Path, write: Callable[[Path], object], what: str) -> Path:
+    """`write(temporary)` then rename it to `target`: a failed write (a full disk, a folder that
+    cannot be written) leaves a file already at `target` unchanged and no partial one, and is
+    one line naming `target` and `what` to do (e.g. 'convert again')."""
+    target = Path(target)
+    partial = target.with_name(target.name + ".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write(partial)
+        partial.replace(target)
+    except (OSError, RuntimeError, SafetensorError) as raw:
+        if (err := as_write_error(raw, target.parent)) is None:
+            raise
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"{write_failure(err)} while writing {target}; a file already there is unchanged: "
+            f"{WRITE_ADVICE[disk_full(err)].replace('--output-dir', 'the output')}, then {what}"
+        ) from None
+    return target
 
 
 def strict_json(data: Any, path: Path) -> str:
@@ -186,9 +242,12 @@ def read_export_metadata(path: Path) -> dict[str, Any]:
     path = Path(path)
     meta_path = path / META_FILE if path.is_dir() else path.with_suffix(".json")
     try:
-        return json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{meta_path}: cannot read the export's metadata ({err})") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: not an export's metadata (a JSON object)")
+    return meta
 
 
 def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> dict[str, Any]:
@@ -198,11 +257,19 @@ def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> d
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise CheckpointError(f"{flag} {model_dir}: no such folder (training writes OUTPUT/model)")
+    if model_dir.is_file() and model_dir.suffix != ".safetensors":
+        raise CheckpointError(
+            f"{flag} {model_dir} is not an export: give the model folder training writes "
+            "(OUTPUT/model: model.safetensors + model.json), or a NAME.safetensors export"
+        )
     meta = read_export_metadata(model_dir)
     if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
         return meta["config"]
     if "converted_from" in meta:
-        origin = f"converted by `accel-recipes convert` from {meta['converted_from']}"
+        origin = (
+            f"converted by `accel-recipes convert` from {meta['converted_from']}, for the "
+            f"{meta.get('recipe')!r} recipe"
+        )
     else:
         settings = ", ".join(f"{k}={v}" for k, v in list((meta.get("config") or {}).items())[-6:])
         origin = f"exported by the {meta.get('recipe')!r} recipe ({settings})"
@@ -212,18 +279,63 @@ def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> d
     )
 
 
+def read_export_weights(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of an export (its folder or its .safetensors), or one line naming the file."""
+    path = Path(path)
+    model_path = path / MODEL_FILE if path.is_dir() else path
+    if not model_path.is_file():
+        raise CheckpointError(f"no exported model at {model_path}")
+    try:
+        return load_file(str(model_path), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+
+
+def require_start_export(
+    source: Path, recipe: str, original: str | None, flag: str = "--init-from"
+) -> Path:
+    """The weights file of an export of `recipe` to start training from, checked before the
+    work: an original's checkpoint (a torch.save file, or a folder of them) is one line naming the
+    convert command that makes it an export; another recipe's export is one naming that recipe
+    (not a misfit of widths); no export there, one saying what to give."""
+    source = Path(source)
+    convert = (
+        f"convert it first: accel-recipes convert --from {original} {source} OUT"
+        if original
+        else f"convert it first: accel-recipes convert {source} OUT"
+    ) + f", then {flag} OUT"
+    if source.is_file() and source.suffix != ".safetensors":
+        kind = f"{original}'s checkpoint or another torch.save file" if original else "a file"
+        raise ConfigError(f"{flag} {source}: not an export but {kind}; {convert}")
+    weights, meta_path = export_paths(source)
+    if not weights.is_file():
+        saved = sorted(p.name for p in source.glob("*.pt*")) if source.is_dir() else []
+        if saved:
+            raise ConfigError(
+                f"{flag} {source}: no export there but checkpoint files ({', '.join(saved[:3])});"
+                f" {convert.replace(str(source), str(source / saved[0]))}"
+            )
+        raise ConfigError(
+            f"{flag} {source}: no export there (no {weights}); give the model folder a {recipe} "
+            "training run wrote (OUTPUT/model), or its NAME.safetensors"
+        )
+    other = read_export_metadata(weights).get("recipe") if meta_path.is_file() else None
+    if other is not None and other != recipe:
+        made = f" (or convert --from {original})" if original else ""
+        raise ConfigError(
+            f"{flag} {source} is the {other} recipe's export, not the {recipe} recipe's; give "
+            f"the model folder a {recipe} training run{made} wrote"
+        )
+    return weights
+
+
 def load_exported(
     path: Path, model: torch.nn.Module, device: str | torch.device = "cpu"
 ) -> dict[str, Any]:
     """Load an export (its folder or its .safetensors) strictly into `model`; return its JSON."""
     path = Path(path)
     model_path = path / MODEL_FILE if path.is_dir() else path
-    if not model_path.is_file():
-        raise CheckpointError(f"no exported model at {model_path}")
-    try:
-        state = load_file(str(model_path), device=str(device))
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{model_path} is not a readable safetensors file: {err}") from err
+    state = read_export_weights(model_path, device)
     misfit = (
         f"{model_path} does not fit this model (were the width/depth flags the same as in "
         f"training? see {META_FILE} beside it)"

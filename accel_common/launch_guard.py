@@ -6,7 +6,8 @@ it, before a process trains on the wrong devices or writes where it cannot:
 
 - `require_requested_devices`: a GPU launch config on a machine without GPUs;
 - `require_requested_sharding`: an FSDP/DeepSpeed config Accelerate dropped on the CPU;
-- `require_writable_output_dir`, `require_new_file`: output paths checked before the work;
+- `require_writable_output_dir`, `require_writable_folder`, `require_new_file`: output paths
+  checked before the work;
 - `exit_when_launcher_dies`: a worker whose launcher was killed stops instead of writing on.
 
 `accel_common.accelerator.make_accelerator` runs the launch checks; `accel-recipes doctor`
@@ -207,15 +208,32 @@ def require_writable_output_dir(output_dir: Path) -> None:
         ) from None
 
 
+def require_writable_folder(folder: Path, flag: str, named: Path | None = None) -> None:
+    """`folder` (there or to be made) can take new files: its nearest existing folder is a folder
+    this process may create files in. Checked before the work, creating nothing: an existing
+    read-only folder otherwise fails only when the result is written, after the work. The
+    message names `flag` and `named` (the path given, `folder` by default)."""
+    named = folder if named is None else named
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise DataError(f"{flag} {named}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise DataError(
+            f"{flag} {named}: cannot write in {existing} ({err.strerror}); choose a writable "
+            "place (nothing was written)"
+        ) from None
+
+
 def require_new_file(out: Path, flag: str = "--out") -> None:
     """A single-device command's --out (or another output `flag`), checked before the work: a
     result already there is never overwritten, and its folder is made now, so a path under a
-    file or an unwritable one fails in one line instead of after the work."""
+    file or in an unwritable folder fails in one line instead of after the work."""
     if out.exists():
         raise DataError(f"{flag} {out} exists; choose another {flag} (nothing was overwritten)")
-    existing = next(parent for parent in out.absolute().parents if parent.exists())
-    if not existing.is_dir():
-        raise DataError(f"{flag} {out}: {existing} is a file, not a folder")
+    require_writable_folder(out.parent, flag, out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:

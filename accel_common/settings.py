@@ -32,6 +32,11 @@ from accel_common.errors import ConfigError
 S = TypeVar("S", bound="Settings")
 
 
+# the most blocks (layers) a network setting may ask for: the model is built block by block, so
+# a mistyped depth (99999999999999999999) would build for hours, even for --dry-run's count
+MAX_BLOCKS = 1000
+
+
 def setting(
     default: Any,
     help: str,

@@ -53,7 +53,7 @@ from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
 from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split, split_files
 from recipes.captioning.example import write_dataset
@@ -76,8 +76,8 @@ class CaptioningSettings(Settings):
     image_size: int = setting(32, "Images are resized to this square (224).", min=8)
     patch: int = setting(8, "Patch size of the encoder (original-style: 16).", min=1)
     dim: int = setting(64, "Width of encoder and decoder (512).", min=8)
-    depth: int = setting(2, "Encoder blocks (6).", min=1)
-    decoder_depth: int = setting(2, "Decoder blocks (6).", min=1)
+    depth: int = setting(2, "Encoder blocks (6).", min=1, max=MAX_BLOCKS)
+    decoder_depth: int = setting(2, "Decoder blocks (6).", min=1, max=MAX_BLOCKS)
     heads: int = setting(4, "Attention heads; must divide --dim.", min=1)
     max_tokens: int = setting(24, "Longest caption in tokens, with BOS/EOS.", min=3)
     init_scale: float = setting(2.0**15, "fp16: initial loss scale (dynamic).")

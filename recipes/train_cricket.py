@@ -52,11 +52,17 @@ from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import load_for_inference, read_recipe_export, require_same_tensors
+from accel_common.export import (
+    load_for_inference,
+    read_recipe_export,
+    require_same_tensors,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
+from recipes.cricket.convert import ORIGINAL
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
     FEATURES,
@@ -132,7 +138,7 @@ class CricketSettings(Settings):
         "(FiLM, hybrid readout, innings-conditional head; its tuned model).",
     )
     hidden: int = setting(128, "Hidden width (128).", min=8)
-    layers: int = setting(3, "HeteroConv layers (3).", min=1)
+    layers: int = setting(3, "HeteroConv layers (3).", min=1, max=MAX_BLOCKS)
     heads: int = setting(4, "Attention heads (4).", min=1)
     dropout: float = setting(0.1, "Dropout (0.1).", min=0.0, max=0.9)
     huber_delta: float = setting(
@@ -214,9 +220,8 @@ def start_files(export: Path) -> tuple[Path, Path]:
 
 def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """--init-from: an export's weights and the vocabulary its embeddings were trained with."""
-    weights, vocab_path = start_files(export)
-    if not weights.is_file():
-        raise ConfigError(f"--init-from {export}: no exported model at {weights}")
+    weights = require_start_export(export, RECIPE, ORIGINAL)
+    vocab_path = weights.parent / VOCAB_FILE
     if not vocab_path.is_file():
         raise ConfigError(
             f"--init-from {export}: no {VOCAB_FILE} beside it (the vocabulary its embeddings "
@@ -444,9 +449,9 @@ def predict(
     model_dir: Path = model_option(RECIPE),
 ) -> None:
     """Predict the model's target (--target) before every sample delivery of one match."""
+    require_new_file(out)
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
-    require_new_file(out)
     # an export is a folder, or a .safetensors whose vocabulary lies beside it (convert's OUT)
     vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
     if not vocab_path.is_file():

@@ -63,11 +63,17 @@ from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import load_exported, load_for_inference, read_recipe_export
+from accel_common.export import (
+    load_exported,
+    load_for_inference,
+    read_recipe_export,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
+from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
     TARGET_HELP,
     CrystalGraphs,
@@ -76,6 +82,8 @@ from recipes.crystal.data import (
     extxyz_file,
     load_graphs,
     read_frames,
+    require_lattice,
+    require_lattices,
     split_indices,
     structures_table,
     target_value,
@@ -121,7 +129,7 @@ class CrystalSettings(Settings):
         "configs/original_ecomformer.yaml, 3 layers).",
     )
     width: int = setting(16, "Node and edge feature width: node_features (256).", min=8)
-    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1)
+    layers: int = setting(4, "Node convolutions: conv_layers (4).", min=1, max=MAX_BLOCKS)
     heads: int = setting(1, "Attention heads per convolution: node_layer_head (1).", min=1)
     rbf_bins: int = setting(
         64, "RBF centres of -0.75/|r| and the lattice lengths: edge_features (256).", min=2
@@ -218,6 +226,8 @@ def build_model(args: SharedSettings | None, settings: CrystalSettings) -> Comfo
 )
 def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     """Train the crystal graph transformer on an extended XYZ file (or a generated example)."""
+    if settings.init_from is not None:  # before the data is read
+        require_start_export(settings.init_from, RECIPE, ORIGINAL)
     # synchronised BatchNorms keep their running statistics equal on every process (and the
     # other buffers are constants): DDP's broadcast of them before every forward would be one
     # more collective per step for nothing. Per-process BatchNorms keep it: evaluation and the
@@ -239,6 +249,8 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
             non_periodic=settings.non_periodic, workers=args.workers,
             cache=settings.cache_graphs, cache_dir=settings.graph_cache_dir,
         )  # fmt: skip
+    if settings.non_periodic:
+        require_lattices(rows, settings.model, path)
     accelerator.print(
         f"{len(rows)} graphs {'read from the cache' if cached else 'built'} in {seconds:.2f}s"
     )
@@ -323,6 +335,8 @@ def predict(
     targets = []
     for i, atoms in enumerate(frames):
         check_periodic(atoms, f"{data}, frame {i}", settings.non_periodic)
+        if not atoms.pbc.all():
+            require_lattice(settings.model, f"{data}, frame {i}")
         try:
             where = f"{data}, frame {i}"
             targets.append(target_value(atoms, settings.target, where, settings.per_atom))

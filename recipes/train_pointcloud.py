@@ -48,11 +48,18 @@ from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import export_paths, inference_device, load_exported, read_recipe_export
+from accel_common.export import (
+    export_paths,
+    inference_device,
+    load_exported,
+    read_recipe_export,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
+from recipes.pointcloud.convert import ORIGINAL
 from recipes.pointcloud.data import (
     SPACING_FILE,
     SkullBreak,
@@ -248,6 +255,8 @@ def csv_folder(data: Path, flag: str, split: str) -> Path:
 )
 def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
+    if settings.init_from:  # before the data is read
+        require_start_export(Path(settings.init_from), RECIPE, ORIGINAL)
     if args.data is not None:  # the original passes train.csv
         args.data = csv_folder(args.data, "--data/--path", "train")
     accelerator, plan = args.make_accelerator()
@@ -329,17 +338,7 @@ def initialise_from(model: PVCNN2, source: Path) -> dict[str, Any]:
     """`--init-from`: an export's weights, loaded strictly; returns its JSON. A pcdiff checkpoint
     or a missing path is one line naming the flag and what to do (not a safetensors parse
     error)."""
-    if source.is_file() and source.suffix != ".safetensors":
-        raise ConfigError(
-            f"--init-from {source}: give an export (a folder, or NAME.safetensors); a pcdiff "
-            f"checkpoint is converted first: accel-recipes convert {source} OUT --from pcdiff"
-        )
-    weights, _ = export_paths(source)
-    if not weights.is_file():
-        raise ConfigError(
-            f"--init-from {source}: no export there (no {weights}); give the model folder a "
-            "training run wrote (OUTPUT/model), or its NAME.safetensors"
-        )
+    require_start_export(source, RECIPE, ORIGINAL)
     return load_exported(source, model, device="cpu")
 
 

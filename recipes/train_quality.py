@@ -54,11 +54,12 @@ from accel_common.data.images import list_images
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import load_for_inference, read_recipe_export
+from accel_common.export import load_for_inference, read_recipe_export, require_start_export
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
+from recipes.quality.convert import ORIGINAL
 from recipes.quality.data import (
     GOLD_PAIR,
     TRUTH_FILE,
@@ -389,6 +390,8 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     --data takes the original project's folder as it is: DATA/<annotator>/comparison_data.json
     (its quack_v2_data_user_logs/, synced from S3), or DATA/annotations/<annotator>.json; the
     images are under --image-dir. See docs/recipes/quality.md."""
+    if settings.init_from is not None:  # before the data is read
+        require_start_export(settings.init_from, RECIPE, ORIGINAL)
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     image_dir = settings.image_dir or data_dir / "images"

@@ -54,7 +54,7 @@ from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
 from accel_common.options import SharedSettings, model_option, train_command
-from accel_common.settings import Settings, setting
+from accel_common.settings import MAX_BLOCKS, Settings, setting
 
 RECIPE = "template"
 FEATURES = 8  # columns x0..x7 in the generated example
@@ -115,7 +115,7 @@ class MLPSettings(Settings):
     """The model's settings: each one is a flag, a `--config` key and part of the run identity."""
 
     hidden: int = setting(64, "Width of the MLP's hidden layers.", min=1)
-    depth: int = setting(2, "Number of hidden layers.", min=1)
+    depth: int = setting(2, "Number of hidden layers.", min=1, max=MAX_BLOCKS)
 
 
 class MLPRegressor(nn.Module):

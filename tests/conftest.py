@@ -143,3 +143,32 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
             "install the pytest range of pyproject.toml's dev extra",
             returncode=4,
         )
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path):
+    """A folder in which no file can be created, even by root, who ignores permission bits:
+    mode 0555 and, as root, the immutable attribute (chattr +i). Skipped where neither holds."""
+    import subprocess
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    immutable = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["chattr", "+i", str(folder)], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
+    try:
+        (folder / "probe").touch()
+    except OSError:
+        yield folder
+    else:
+        (folder / "probe").unlink()
+        pytest.skip("no folder can be made read-only here")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)

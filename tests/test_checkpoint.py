@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -398,21 +399,42 @@ def test_data_files_are_named_relative_to_their_folder_or_else_absolute(tmp_path
 # --------------------------------------------------------------------------- a full disk
 
 
-def no_space(output_dir: str) -> None:
-    """accelerator.save_state on a full disk: part of the weights written, then ENOSPC."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "model.safetensors"), "wb") as half_written:
-        half_written.write(b"\x00" * 10)
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
+# what a full disk raises, by writer: Python's own writes an OSError; torch.save's C++ writer a
+# RuntimeError without errno (measured on a full tmpfs); safetensors an error naming os error 28
+FULL_DISK_ERRORS = {
+    "python": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    "torch.save": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576"),
+    "safetensors": SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    ),
+}
 
 
+def filling_the_disk(error: Exception, monkeypatch: pytest.MonkeyPatch):
+    """accelerator.save_state on a full disk: part of the weights written, then `error`; the
+    disk reports no space left."""
+    free = shutil.disk_usage("/")._replace(free=0)
+    monkeypatch.setattr("accel_common.export.shutil.disk_usage", lambda _path: free)
+
+    def no_space(output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "model.safetensors"), "wb") as half_written:
+            half_written.write(b"\x00" * 10)
+        raise error
+
+    return no_space
+
+
+@pytest.mark.parametrize("writer", FULL_DISK_ERRORS)
 def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(
-    tmp_path, accelerator, monkeypatch
+    writer, tmp_path, accelerator, monkeypatch
 ):
-    """Issue 27: a full disk during a save printed a 78-line traceback."""
+    """Issue 27: a full disk during a save printed a 78-line traceback. Issue 43: it still did
+    where torch.save or safetensors filled the disk (their errors are no OSError)."""
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
     good = save_checkpoint(accelerator, tmp_path, TrainProgress(step=5), plan=plan)
+    no_space = filling_the_disk(FULL_DISK_ERRORS[writer], monkeypatch)
     monkeypatch.setattr(accelerator, "save_state", no_space)
     with pytest.raises(CheckpointError) as error:
         save_checkpoint(accelerator, tmp_path, TrainProgress(step=10), plan=plan)
@@ -426,13 +448,14 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(
     assert load_checkpoint(accelerator, good, plan)[0].step == 5
 
 
-def test_a_full_disk_during_an_export_keeps_the_export_before_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer", ["python", "safetensors"])
+def test_a_full_disk_during_an_export_keeps_the_export_before_it(writer, tmp_path, monkeypatch):
     target = tmp_path / "model"
     write_export(reference_state(), target, {"step": 1})
     before = {p.name: p.read_bytes() for p in target.iterdir()}
 
     def full(*_args, **_kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise FULL_DISK_ERRORS[writer]
 
     monkeypatch.setattr("accel_common.export.save_file", full)
     with pytest.raises(CheckpointError, match=r"^no space left on device while writing .*model"):

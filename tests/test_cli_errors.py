@@ -189,3 +189,76 @@ def test_convert_to_an_original_names_source_for_another_recipes_export(tmp_path
     line = one_error_line(invoke("convert", str(other), str(tmp_path / "x.pth"), "--to", "pcdiff"))
     assert "exported by the 'template' recipe" in line and "Point SOURCE at" in line, line
     assert "--model" not in line
+
+
+ORIGINALS = ["cricketmodel", "comformer", "crowd-bt", "pcdiff"]
+
+
+def unusable_checkpoints(folder: Path) -> dict[str, Path]:
+    """Files a user may hand `convert --from`: empty, text with a checkpoint's suffix, a
+    safetensors file, a truncated torch.save archive, values where the state dict should be,
+    another network's state dict, a folder."""
+    import torch
+
+    folder.mkdir()
+    torch.save({"model": {"w": torch.zeros(256)}}, folder / "whole.pt")
+    files = {
+        "empty.pt": b"",
+        "notes.pth": b"not a checkpoint\n",
+        "config.pt": b'{"model": [1, 2]}',
+        "truncated.pt": (folder / "whole.pt").read_bytes()[:300],
+        "weights.safetensors": b'\x08\x00\x00\x00\x00\x00\x00\x00{"a": 1}',
+    }
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    torch.save([1, 2, 3], folder / "list.pt")
+    wrappers = ("model_state_dict", "model_state", "model")
+    torch.save({key: [1.0, 2.0] for key in wrappers}, folder / "ill-typed.pt")
+    other_net = {"fc.weight": torch.zeros(2, 2)}
+    torch.save({key: other_net for key in wrappers}, folder / "other-net.pt")
+    (folder / "folder.pt").mkdir()
+    return {path.name: path for path in folder.iterdir() if path.name != "whole.pt"}
+
+
+@pytest.mark.parametrize("original", ORIGINALS)
+def test_convert_from_an_unusable_checkpoint_is_one_line_naming_it(original, tmp_path):
+    """Issue 43: an empty file, a truncated or ill-typed checkpoint ended in a traceback."""
+    out = tmp_path / "out"
+    for name, source in unusable_checkpoints(tmp_path / "in").items():
+        line = one_error_line(invoke("convert", str(source), str(out), "--from", original))
+        assert line.startswith(f"error: {source}"), (name, line)
+        assert not out.exists(), name  # nothing written
+
+
+@pytest.mark.parametrize("direction", ["--from", "--to"])
+@pytest.mark.parametrize("original", ORIGINALS)
+def test_convert_into_an_output_it_cannot_write_is_one_line_before_reading(
+    original, direction, tmp_path, read_only_folder
+):
+    """Issue 43: an OUTPUT under a file or in a read-only folder failed after the conversion,
+    in a traceback. The source is never read: the output is checked first."""
+    source = tmp_path / "never-read.pt"
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, says in (
+        (afile / "sub" / "x.pt", f"{afile} is a file, not a folder"),
+        (read_only_folder / "x.pt", f"cannot write in {read_only_folder}"),
+    ):
+        line = one_error_line(invoke("convert", str(source), str(out), direction, original))
+        assert line.startswith(f"error: OUTPUT {out}: {says}"), line
+    assert afile.read_text() == "mine" and not list(read_only_folder.iterdir())
+
+
+def test_convert_to_an_original_names_the_recipe_of_a_converted_export(tmp_path):
+    """Issue 43: --to comformer of an export converted from pcdiff said only that it was converted,
+    not that it belongs to the pointcloud recipe."""
+    import torch
+
+    from accel_common.export import write_export
+
+    other = tmp_path / "pcdiff_model"
+    meta = {"recipe": "pointcloud", "converted_from": "pcdiff: model_best.pth"}
+    write_export({"w": torch.zeros(2)}, other, meta)
+    out = str(tmp_path / "x.pt")
+    line = one_error_line(invoke("convert", str(other), out, "--to", "comformer"))
+    assert "from pcdiff: model_best.pth, for the 'pointcloud' recipe" in line, line

@@ -19,7 +19,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from accel_common.errors import CheckpointError, ConfigError
+from accel_common.errors import CheckpointError, ConfigError, DataError
 from accel_common.run import RunCheck, describe_differences
 from tests.processes import run_recipe
 from tests.recipes.template.conftest import finished_run  # noqa: F401 (a fixture)
@@ -253,3 +253,90 @@ def test_overwrite_later_without_resume_is_refused(run, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match=r"^--overwrite-later goes with --resume CHECKPOINT"):
         run(overwrite_later=True)
     assert not (tmp_path / "checkpoints").exists()
+
+
+# single-device commands that write --out, with their other arguments: the model named is
+# missing, so only an --out checked before the model is read is refused for --out
+SINGLE_DEVICE_COMMANDS = [
+    ("captioning", "caption", ["--images", "images"], "captions.tsv"),
+    ("cricket", "predict", ["--match", "match.json"], "predictions.csv"),
+    ("crystal", "predict", ["--data", "structures.extxyz"], "predictions.csv"),
+    ("quality", "score_folder", ["--images", "images"], "scores.csv"),
+    ("quality", "export_onnx", [], "scorer.onnx"),
+    ("pointcloud", "complete", ["--skull", "skull.npy"], "implant.npy"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "command", "args", "name"), SINGLE_DEVICE_COMMANDS)
+def test_an_out_in_a_read_only_folder_is_refused_before_the_work(
+    recipe, command, args, name, tmp_path, read_only_folder
+):
+    """Issue 43: an existing read-only folder for --out was found only when the result was
+    written, after the work, in a traceback."""
+    import importlib
+
+    from accel_common.errors import exit_on_error
+    from tests.processes import invoke_train
+
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    out = read_only_folder / name
+    flags = [*args, "--model", str(tmp_path / "missing"), "--out", str(out)]
+    result = invoke_train(exit_on_error(getattr(module, command)), flags)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: --out {out}: cannot write in {read_only_folder}")
+    assert result.stderr.count("\n") == 1
+
+
+def test_prepare_into_a_read_only_folder_is_refused_before_any_volume(tmp_path, read_only_folder):
+    pytest.importorskip("mcubes")
+    from recipes.pointcloud.prepare import prepare_skullbreak
+
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(DataError, match=f"^--out {read_only_folder}: cannot write in"):
+        prepare_skullbreak(tmp_path / "raw", read_only_folder, points=8, workers=1, overwrite=False)
+
+
+# the recipes that start from an export (--init-from), and the original each converts
+INIT_FROM_RECIPES = {
+    "crystal": "comformer",
+    "quality": "crowd-bt",
+    "cricket": "cricketmodel",
+    "pointcloud": "pcdiff",
+}
+
+
+@pytest.mark.parametrize("recipe", INIT_FROM_RECIPES)
+def test_init_from_an_original_checkpoint_or_another_recipes_export_says_which(recipe, tmp_path):
+    """Issue 43: --init-from an original's checkpoint ended in a traceback (or a safetensors
+    parse error), and another recipe's export asked about width/depth flags. One line: the
+    convert command that makes an original's checkpoint an export; the other export's recipe.
+    Both are refused before any data is read (--data names a folder that does not exist)."""
+    import importlib
+
+    import torch
+
+    from accel_common.entry import train_in_python
+    from accel_common.export import write_export
+    from tests.processes import REPO
+
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    original = INIT_FROM_RECIPES[recipe]
+    checkpoint = tmp_path / "best_model.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, checkpoint)
+    other = "template" if recipe != "template" else "crystal"
+    write_export({"w": torch.zeros(2)}, tmp_path / "other", {"recipe": other, "config": {}})
+    says = {
+        checkpoint: f"--init-from {checkpoint}: not an export but {original}'s checkpoint",
+        tmp_path: f"--init-from {tmp_path}: no export there but checkpoint files (best_model.pt)",
+        tmp_path / "other": f"--init-from {tmp_path / 'other'} is the {other} recipe's export",
+    }
+    for source, message in says.items():
+        argv = ["--data", str(tmp_path / "no-data"), "--init-from", str(source)]
+        with pytest.raises(ConfigError) as refused:
+            train_in_python(
+                module.train, argv, tmp_path / "run", script=REPO / f"recipes/train_{recipe}.py"
+            )
+        assert str(refused.value).startswith(message), str(refused.value)
+        if source != tmp_path / "other":
+            assert f"accel-recipes convert --from {original} {source}" in str(refused.value)
+        assert "width" not in str(refused.value) and "\n" not in str(refused.value)

@@ -89,6 +89,10 @@ def test_config_file_sets_values_and_the_command_line_wins(tmp_path):
         ("hidden: 16.5\n", r"hidden: 16.5 is not a whole number; give one as for --hidden$"),
         ("deterministic: 1\n", r"deterministic: 1 is not a boolean; give true or false as for"),
         ("mixed-precision: no\n", r"mixed-precision: False is a boolean .*in quotes \('no'\)"),
+        # issue 43: null reached the model as None (a TypeError), and a mistyped depth built
+        # for hours, even for --dry-run's parameter count
+        ("hidden: null\n", r"hidden: null, but --hidden takes a value; .*default \(64\)$"),
+        ("depth: 99999999999999999999\n", r"depth: .*less than or equal to 1000"),
         ("- lr\n", r"expected a mapping of flag names to values"),
         ("lr: [1\n", r"is not readable YAML"),
     ],

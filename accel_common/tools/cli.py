@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -14,8 +15,13 @@ from rich.table import Table
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
-from accel_common.export import require_export_target, require_new_files, write_export
-from accel_common.launch_guard import require_new_file
+from accel_common.export import (
+    require_export_target,
+    require_new_files,
+    save_file_atomically,
+    write_export,
+)
+from accel_common.launch_guard import require_new_file, require_writable_folder
 from accel_common.lr import LRScaling, scale_lr
 from accel_common.tools.bench.report import run_benchmark
 from accel_common.tools.doctor.base import Backend, DoctorOptions
@@ -212,6 +218,7 @@ def convert(
         _, module = converter(to_original)
         if output.is_dir():
             raise RecipeError(f"{output} is a folder; --to writes a file, e.g. {output}/model.pt")
+        require_writable_folder(output.parent, "OUTPUT", output)
         side_files = getattr(module, "side_files", None)
         require_new_files([output, *(side_files(source, output) if side_files else [])], force)
         console.print(f"wrote {module.export_checkpoint(source, output)}")
@@ -232,7 +239,8 @@ def convert(
         require_new_files([model_path.parent / name for name in files], force)
         path = write_export(state, output, metadata)
         for name, text in files.items():
-            (path.parent / name).write_text(text)
+            write = functools.partial(Path.write_text, data=text)
+            save_file_atomically(path.parent / name, write, "convert again")
             console.print(f"wrote {path.parent / name}")
     else:
         path = convert_checkpoint(

@@ -32,11 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from accel_common.convert import load_original_checkpoint, require_tensors
 from accel_common.errors import CheckpointError
-from accel_common.export import require_same_tensors
+from accel_common.export import (
+    read_export_weights,
+    read_recipe_export,
+    require_same_tensors,
+    save_file_atomically,
+)
 from recipes.cricket.data import VOCAB_FILE
+from recipes.cricket.model import MODELS
 
 ORIGINAL = "cricketmodel"
 STATE_KEY = "model_state_dict"
@@ -45,6 +51,9 @@ TRAINING_KEYS = {"huber_delta": "huber_delta", "patience": "patience", "min_epoc
 # the original's graph keeps every earlier ball; the longest T20 innings has 144 deliveries
 ALL_BALLS = 150
 MAPPER_FILE = "entity_mapper.pkl"
+# its TrainingConfig's defaults, which train.py --test-only builds its Trainer's optimizer from:
+# AdamW at lr 1e-3, weight decay 0.01; CosineAnnealingLR over epochs 100 - warmup_epochs 5
+ORIGINAL_LR, ORIGINAL_WD, ORIGINAL_T_MAX = 1e-3, 0.01, 95
 # what the original's graphs and target fix, as this recipe's flags: {setting: the original's}
 ORIGINAL_FIXED = {"retired_is_wicket": True, "unknown_player_team": False, "target": "original"}
 # EntityMapper.save's dicts of names and ids: {its key: this recipe's vocab.json key}
@@ -117,29 +126,24 @@ def export_files(source: Path) -> dict[str, str]:
     mapper = find_mapper(source)
     if mapper is None:
         return {}
-    sizes = architecture(_read(source)[STATE_KEY])["vocab_sizes"]
+    sizes = architecture(_read(source)[STATE_KEY], source)["vocab_sizes"]
     return {VOCAB_FILE: json.dumps(read_mapper(mapper, sizes))}
 
 
 def _read(source: Path) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(Path(source), map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{source}: no such file") from None
-    except Exception as err:
-        raise CheckpointError(
-            f"{source}: not a checkpoint of cricketmodel's trainer that loads with "
-            f"weights_only=True ({str(err).splitlines()[0]})"
-        ) from None
+    checkpoint = load_original_checkpoint(source, ORIGINAL, STATE_KEY)
     if not isinstance(checkpoint, dict) or STATE_KEY not in checkpoint:
         raise CheckpointError(
             f"{source}: no '{STATE_KEY}' in it; cricketmodel's trainer saves a dict with "
             "model_state_dict and config"
         )
+    checkpoint[STATE_KEY] = require_tensors(checkpoint[STATE_KEY], source, f"its '{STATE_KEY}'")
+    if not isinstance(checkpoint.get("config") or {}, dict):
+        raise CheckpointError(f"{source}: its 'config' is not a dict (the TrainingConfig's)")
     return checkpoint
 
 
-def architecture(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, Any]:
     """The model class, vocabulary sizes, width, depth and heads that `state` was made with."""
     try:
         rows = {
@@ -153,7 +157,7 @@ def architecture(state: dict[str, torch.Tensor]) -> dict[str, Any]:
                      if k.startswith("conv_stack.0.conv.") and k.endswith(".att"))  # fmt: skip
     except (KeyError, StopIteration) as err:
         raise CheckpointError(
-            f"no tensor {err or 'conv_stack.0.conv.convs.*.att'} in the checkpoint: not a "
+            f"{source}: no tensor {err or 'conv_stack.0.conv.convs.*.att'}: not a "
             "CricketHeteroGNN or CricketHeteroGNNFull"
         ) from None
     layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"conv_stack\.(\d+)\.", k)))
@@ -167,7 +171,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     checkpoint = _read(source)
     state = {k.removeprefix("module."): v for k, v in checkpoint[STATE_KEY].items()}
-    shape = architecture(state)
+    shape = architecture(state, source)
     training = checkpoint.get("config") or {}
     overrides = {ours: training[theirs] for theirs, ours in TRAINING_KEYS.items()
                  if theirs in training}  # fmt: skip
@@ -194,7 +198,12 @@ def name_vocabulary(model_dir: Path) -> tuple[Path, dict[str, Any] | None]:
     EntityMapper does (only one imported from cricketmodel does), else None."""
     model_dir = Path(model_dir)
     vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
-    vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
+    try:
+        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{vocab_path}: not a readable vocabulary ({err})") from None
+    if not isinstance(vocab, dict):
+        raise CheckpointError(f"{vocab_path}: not a vocabulary (a JSON object)")
     return vocab_path, vocab if vocab.get("player_key") == "name" else None
 
 
@@ -204,25 +213,37 @@ def side_files(model_dir: Path, target: Path) -> list[Path]:
     return [Path(target).parent / MAPPER_FILE] if name_vocabulary(model_dir)[1] is not None else []
 
 
+def fresh_training_states(shape: dict[str, Any]) -> dict[str, Any]:
+    """What the original's Trainer.load_checkpoint reads besides the weights (train.py --test-only
+    and resuming call it): the state of a fresh AdamW and CosineAnnealingLR as its Trainer builds
+    them at TrainingConfig's defaults, over this network's parameters, and no best loss yet."""
+    sizes = shape["vocab_sizes"]
+    with torch.device("meta"):  # only the parameters' number and order matter
+        model = MODELS[shape["model"]](sizes, shape["hidden"], shape["layers"], shape["heads"], 0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ORIGINAL_LR, weight_decay=ORIGINAL_WD)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=ORIGINAL_T_MAX)
+    return {
+        "optimizer_state_dict": optimizer.state_dict(),
+        "scheduler_state_dict": scheduler.state_dict(),
+        "best_val_loss": float("inf"),
+    }
+
+
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
-    """This recipe's export as a checkpoint cricketmodel's code loads
-    (`model.load_state_dict(torch.load(target)['model_state_dict'])`, its ModelConfig at
-    the sizes in 'model_config')."""
-    model_dir = Path(model_dir)
-    weights = model_dir / "model.safetensors" if model_dir.is_dir() else model_dir
-    meta_path = weights.with_suffix(".json") if not model_dir.is_dir() else model_dir / "model.json"
-    if not weights.is_file() or not meta_path.is_file():
-        raise CheckpointError(
-            f"{model_dir}: no model.safetensors and model.json (a cricket export)"
-        )
-    config = json.loads(meta_path.read_text()).get("config", {})
-    state = load_file(str(weights))
-    shape = architecture(state)
+    """This recipe's export as a checkpoint cricketmodel's code loads: by
+    `model.load_state_dict(torch.load(target)['model_state_dict'])` (its ModelConfig at the sizes
+    in 'model_config'), and by its Trainer.load_checkpoint (train.py --test-only), which also
+    reads an optimizer and a scheduler state: fresh ones, as its Trainer starts with."""
+    model_dir, target = Path(model_dir), Path(target)
+    config = read_recipe_export(model_dir, "cricket", flag="SOURCE")
+    state = read_export_weights(model_dir)
+    shape = architecture(state, model_dir)
     sizes = shape["vocab_sizes"]
     checkpoint = {
         "epoch": 0,
         "global_step": int(config.get("step", 0) or 0),
         STATE_KEY: state,
+        **fresh_training_states(shape),
         "config": {"huber_delta": float(config.get("huber_delta", 10.0))},
         "model_class": shape["model"],
         "model_config": {
@@ -232,13 +253,14 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
             "dropout": float(config.get("dropout", 0.1)),
         },
     }  # fmt: skip
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, target)
+    vocab_path, vocab = name_vocabulary(model_dir)  # read before anything is written
+    save_file_atomically(target, lambda path: torch.save(checkpoint, path), "convert again")
     warn_for_original(config)
-    vocab_path, vocab = name_vocabulary(model_dir)
     if vocab is not None:
-        write_mapper(vocab, target.parent / MAPPER_FILE)
+        mapper = mapper_bytes(vocab)
+        save_file_atomically(
+            target.parent / MAPPER_FILE, lambda p: p.write_bytes(mapper), "convert again"
+        )
     else:  # this recipe keys players by Cricsheet registry id, the original's code by name
         print(
             f"note: no {MAPPER_FILE} written: {vocab_path} is not a vocabulary of player names "
@@ -270,8 +292,8 @@ def warn_for_original(config: dict[str, Any]) -> None:
         )
 
 
-def write_mapper(vocab: dict[str, Any], target: Path) -> None:
-    """`vocab` as the dict EntityMapper.save pickles (EntityMapper.load reads it back)."""
+def mapper_bytes(vocab: dict[str, Any]) -> bytes:
+    """`vocab` as the pickled dict EntityMapper.save writes (EntityMapper.load reads it back)."""
     data: dict[str, Any] = {}
     for theirs, ours in MAPPER_IDS.items():
         ids = vocab[ours]
@@ -280,5 +302,4 @@ def write_mapper(vocab: dict[str, Any], target: Path) -> None:
         data[f"_next_{theirs.removesuffix('_to_id')}_id"] = len(ids) + 1
     for theirs, ours in MAPPER_NAMES.items():
         data[theirs] = dict(vocab.get(ours, {}))
-    with target.open("wb") as handle:
-        pickle.dump(data, handle)
+    return pickle.dumps(data)

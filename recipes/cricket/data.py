@@ -72,10 +72,35 @@ ORIGINAL_COLUMNS = ("n_wickets", "n_retired", "wicket_kind", "run_out")
 VOCAB_FILE = "vocab.json"
 FORMAT = 3  # bump when the cached columns change
 UNKNOWN = 0  # vocabulary index of names not seen (often enough) in the training split
+# bounds of a match's counts, beyond which a file is malformed (and the int16/int32 columns would
+# overflow): no delivery scores 100 runs (a no-ball hit for six with 5 penalty runs is 12), no
+# innings lasts 1000 overs (the longest Test innings had 271), no over has 13 balls by law
+MAX_RUNS, MAX_OVERS, MAX_BALLS_PER_OVER = 100, 1000, 12
 
 
 class NotAMatch(Exception):
     """A .json file that is not a Cricsheet match (skipped with a warning, or --strict)."""
+
+
+def count(value: Any, what: str, where: str, low: int, high: int) -> int:
+    """A whole number of a match file in [low, high], else one line naming the file, the place
+    and the value: a fraction or a string is not silently cut, an absurd count not overflowed."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise DataError(
+            f"{where}: {what} is {value!r}; give a whole number from {low} to {high} (fix or "
+            "remove this file)"
+        )
+    return value
+
+
+def listed(value: Any, what: str, where: str, kind: type = dict) -> list:
+    """A list of `kind` (overs, deliveries, wickets), else one line naming the file."""
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise DataError(
+            f"{where}: {what} is not a list of {kind.__name__}s ({value!r:.60}); fix or remove "
+            "this file"
+        )
+    return value
 
 
 def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dict[str, Any]]]:
@@ -99,8 +124,10 @@ def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dic
         return "no_result", []
     registry = info.get("registry", {}).get("people", {})
     teams = list(info["teams"])
-    balls_per_over = int(info.get("balls_per_over", 6))
-    max_balls = int(info.get("overs", 20)) * balls_per_over
+    listed(innings, "innings", str(path))
+    bpo = info.get("balls_per_over", 6)
+    balls_per_over = count(bpo, "info.balls_per_over", str(path), 1, MAX_BALLS_PER_OVER)
+    max_balls = count(info.get("overs", 20), "info.overs", str(path), 1, MAX_OVERS) * balls_per_over
     records, first_total = [], None
     for number, inning in enumerate(innings, start=1):
         where = f"{path}, innings {number}"
@@ -114,12 +141,20 @@ def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dic
             target = inning.get("target") or {}
             record["target_runs"] = -1
             # the chase as cricketmodel sees it: only a target the file gives (1.1.0)
+            if not isinstance(target, dict):
+                raise DataError(
+                    f"{where}: target is {target!r:.60}, not an object; fix or remove it"
+                )
             record["file_target"] = int(target.get("runs", -1)) if regular == 2 else -1
             record["max_balls"] = max_balls
             if regular == 2:
-                record["target_runs"] = int(target.get("runs", (first_total or 0) + 1))
+                runs = target.get("runs", (first_total or 0) + 1)
+                record["target_runs"] = count(runs, "target.runs", where, 0, MAX_RUNS * max_balls)
                 if "overs" in target:
-                    record["max_balls"] = round(float(target["overs"]) * balls_per_over)
+                    overs = target["overs"]
+                    if not isinstance(overs, int | float) or not 0 < overs <= MAX_OVERS:
+                        count(overs, "target.overs", where, 1, MAX_OVERS)  # refuses it
+                    record["max_balls"] = round(float(overs) * balls_per_over)
             if regular == 1:
                 first_total = sum(record["runs_total"])
         bowling = [t for t in teams if t != inning.get("team")]
@@ -144,26 +179,31 @@ def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[st
     # what cricketmodel's features read besides (recipes/cricket/features.py)
     for key in ("over", "ball_in_over", *ORIGINAL_COLUMNS):
         columns[key] = []
-    for over in inning.get("overs", []):
-        for ball, delivery in enumerate(over.get("deliveries", []), start=1):
+    overs = listed(inning.get("overs", []), "overs", where)
+    if not overs:  # no delivery: no sample, and features of nothing
+        raise DataError(
+            f"{where}: no overs (an innings without deliveries); fix or remove this file"
+        )
+    for over in overs:
+        at = f"{where}, over {over.get('over', '?')}"
+        number = count(over.get("over", 0), "the over number", at, 0, MAX_OVERS)
+        for ball, delivery in enumerate(listed(over.get("deliveries"), "deliveries", at), 1):
             try:
                 runs = delivery["runs"]
                 names = [delivery[k] for k in ("batter", "non_striker", "bowler")]
-                runs_batter, runs_total = int(runs["batter"]), int(runs["total"])
-                runs_extras = int(runs.get("extras", 0))
+                runs_batter, runs_total = runs["batter"], runs["total"]
+                runs_extras = runs.get("extras", 0)
             except (KeyError, TypeError, ValueError) as err:
                 raise DataError(
-                    f"{where}, over {over.get('over', '?')}, delivery {ball}: malformed "
-                    f"delivery (missing or bad {err}); fix or remove this file"
+                    f"{at}, delivery {ball}: malformed delivery (missing or bad {err}); fix or "
+                    "remove this file"
                 ) from None
-            if min(runs_batter, runs_extras, runs_total) < 0:  # would train as a score going down
-                counts = {"batter": runs_batter, "extras": runs_extras, "total": runs_total}
-                key = next(k for k, v in counts.items() if v < 0)
-                raise DataError(
-                    f"{where}, over {over.get('over', '?')}, delivery {ball}: runs.{key} is "
-                    f"{counts[key]}; runs cannot be negative: correct the delivery or remove "
-                    "this file"
-                )
+            counted = [
+                count(value, f"runs.{key}", f"{at}, delivery {ball}", 0, MAX_RUNS)
+                for key, value in (("batter", runs_batter), ("extras", runs_extras),
+                                   ("total", runs_total))
+            ]  # fmt: skip
+            runs_batter, runs_total = counted[0], counted[2]
             extras = delivery.get("extras") or {}
             flags = (
                 WIDE * ("wides" in extras)
@@ -171,13 +211,13 @@ def _read_innings(inning: dict, where: str, registry: dict[str, str]) -> dict[st
                 | BYE * ("byes" in extras)
                 | LEGBYE * ("legbyes" in extras)
             )
-            wickets = delivery.get("wickets") or []
+            wickets = listed(delivery.get("wickets") or [], "wickets", f"{at}, delivery {ball}")
             for wicket in wickets:
                 flags |= RETIRED if wicket.get("kind") in NOT_DISMISSED else WICKET
             first = wickets[0] if wickets and isinstance(wickets[0], dict) else {}
             out = first.get("player_out", "")
             kind = wicket_kind(first.get("kind")) if wickets else 0
-            columns["over"].append(int(over.get("over", 0)))
+            columns["over"].append(number)
             columns["ball_in_over"].append(ball - 1)
             columns["n_wickets"].append(len(wickets))
             columns["n_retired"].append(sum(w.get("kind") in NOT_DISMISSED for w in wickets))

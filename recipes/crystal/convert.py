@@ -16,10 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from accel_common.convert import load_original_checkpoint
 from accel_common.errors import CheckpointError
-from accel_common.export import read_recipe_export, require_same_tensors, strip_wrapper_prefixes
+from accel_common.export import (
+    read_export_weights,
+    read_recipe_export,
+    require_same_tensors,
+    save_file_atomically,
+    strip_wrapper_prefixes,
+)
 from recipes.crystal.model import VARIANTS, build_network
 
 ORIGINAL = "comformer"
@@ -56,9 +62,12 @@ def _original_config(source: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        original = json.loads(path.read_text())
     except ValueError as err:
         raise CheckpointError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(original, dict) or not isinstance(original.get("model", {}), dict):
+        raise CheckpointError(f"{path}: not ComFormer's training config (a JSON object)")
+    return original
 
 
 def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Path) -> None:
@@ -91,10 +100,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     from recipes.train_crystal import CrystalSettings
 
     source = Path(source)
-    try:
-        loaded = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as err:  # any unreadable file: say which and why
-        raise CheckpointError(f"{source}: not a checkpoint torch can read safely ({err})") from None
+    loaded = load_original_checkpoint(source, ORIGINAL, "model")
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{source}: expected {{'model': state_dict}} as best_model.pt holds")
@@ -135,11 +141,9 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     name = config.get("model", "iComformer")
     if name not in VARIANTS:
         raise CheckpointError(f"{model_dir}: model {name}; only {', '.join(VARIANTS)} convert")
-    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    state = read_export_weights(model_dir)
     state = {re.sub(r"^_orig_mod\.", "", k): v for k, v in state.items()}
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": state}, target)
     model = {
         "name": name,
         "conv_layers": config["layers"],
@@ -172,5 +176,9 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
         "mean_train": config.get("mean", 0.0),
         "std_train": config.get("std", 1.0),
     }
-    (target.parent / CONFIG).write_text(json.dumps(original, indent=4))
+    save_file_atomically(target, lambda path: torch.save({"model": state}, path), "convert again")
+    text = json.dumps(original, indent=4)
+    save_file_atomically(
+        target.parent / CONFIG, lambda path: path.write_text(text), "convert again"
+    )
     return target

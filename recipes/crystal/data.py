@@ -159,8 +159,34 @@ def check_periodic(atoms: object, where: str, allow_molecules: bool) -> None:
     if not allow_molecules and not atoms.pbc.all():
         raise DataError(
             f"{where}: not a periodic crystal (pbc {atoms.pbc.tolist()}); pass --non-periodic "
-            "to build plain neighbour graphs for molecules"
+            "with --model eComformer to build plain neighbour graphs for molecules"
         )
+
+
+# networks whose edges attend over their structure's three lattice vectors (lengths, and angles
+# with the bond): the original's iComformer; eComformer reads only the bonds
+LATTICE_MODELS = ("iComformer",)
+
+
+def require_lattice(model: str, where: str) -> None:
+    """A molecule (no lattice: its vectors are zeros here) for a network that needs one: the
+    lattice lengths' RBF divides by zero, so the loss is NaN from the first step whatever --lr;
+    refused naming the frame and the flags that work."""
+    if model in LATTICE_MODELS:
+        raise DataError(
+            f"{where}: a molecule (pbc not all true: no lattice), but --model {model} attends over "
+            "each structure's three lattice vectors, which would be zeros (NaN from the first "
+            "step); use --model eComformer for --non-periodic data, or leave molecules out "
+            "with --index"
+        )
+
+
+def require_lattices(rows: datasets.Dataset, model: str, path: Path) -> None:
+    """`require_lattice` for every built graph (a molecule's lattice is all zeros)."""
+    if model in LATTICE_MODELS:
+        for index, lattice in zip(rows["index"], rows["lattice"], strict=True):
+            if not np.any(lattice):
+                require_lattice(model, f"{path}, frame {index}")
 
 
 BOND_TOL = 0.15  # jarvis-tools' get_all_neighbors drops neighbours this close (angstrom)

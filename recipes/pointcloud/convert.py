@@ -9,9 +9,6 @@ are this recipe's PVCNN2's own, one to one.
 
 from __future__ import annotations
 
-import contextlib
-import pickle
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from accel_common.convert import load_original_checkpoint
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     export_paths,
     load_exported,
     read_recipe_export,
     require_same_tensors,
+    save_file_atomically,
 )
 
 if TYPE_CHECKING:
@@ -48,25 +47,7 @@ def strip_prefixes(key: str) -> str:
 def read_state(source: Path) -> dict[str, torch.Tensor]:
     """The model state of a pcdiff checkpoint (or a bare state dict), read without unpickling
     anything but tensors and plain containers."""
-    try:
-        loaded = torch.load(source, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{source}: no such file") from None
-    except Exception as err:  # an object weights_only refuses, or not a torch.save file
-        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
-        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
-            raise CheckpointError(
-                f"{source}: holds a pickled {refused.group(1)} object, which is not unpickled "
-                "here (weights_only: unpickling can run code). If you trust the file, save the "
-                f"weights alone and convert that: torch.save({{'model_state': torch.load("
-                f"'{source}', weights_only=False)['model_state']}}, 'weights.pth')"
-            ) from None
-        # torch's own text is a paragraph (the unpickler's) or a sentence (the zip reader's)
-        detail = str(err).split("WeightsUnpickler error:")[-1].strip().split(". ")[0]
-        first = f"{err.__class__.__name__}: {detail.splitlines()[0] if detail else ''}"
-        raise CheckpointError(
-            f"{source}: not a torch checkpoint, or a damaged one ({first})"
-        ) from None
+    loaded = load_original_checkpoint(source, ORIGINAL, "model_state")
     state = loaded.get("model_state", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
@@ -81,7 +62,7 @@ def read_state(source: Path) -> dict[str, torch.Tensor]:
     return cleaned
 
 
-def settings_for(state: dict[str, torch.Tensor]) -> PointCloudSettings:
+def settings_for(state: dict[str, torch.Tensor], source: Path) -> PointCloudSettings:
     """The recipe's settings for the original's network these weights come from: its preset
     (original.yaml), with the width multiplier, embedding size and attention read off the
     tensors (the voxel-resolution multiplier changes no tensor: the preset's 1 is assumed)."""
@@ -94,7 +75,7 @@ def settings_for(state: dict[str, torch.Tensor]) -> PointCloudSettings:
     embed = state.get("embedf.0.weight")
     if first is None or embed is None:
         missing = "sa_layers.0.0.voxel_layers.0.weight" if first is None else "embedf.0.weight"
-        raise CheckpointError(f"not a PVCNN2 state dict: it has no '{missing}'")
+        raise CheckpointError(f"{source}: not a PVCNN2 state dict: it has no '{missing}'")
     preset["width_mult"] = first.shape[0] / 32
     preset["embed_dim"] = embed.shape[0]
     preset["attention"] = "global_att.q.weight" in state
@@ -106,7 +87,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     from recipes.train_pointcloud import network
 
     state = read_state(Path(source))
-    settings = settings_for(state)
+    settings = settings_for(state, source)
     try:  # a width whose channels GroupNorm cannot split in 8 groups
         settings.validate()
     except ConfigError as err:
@@ -125,7 +106,11 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 def export_checkpoint(model_dir: Path, target: Path) -> Path:
     """This recipe's export as a checkpoint pcdiff's evaluation loads
     (`model.load_state_dict(checkpoint['model_state'])`: its uncompiled `Model`, keys `model.*`,
-    as test_completion.py and the trainer with --disable_compile build it)."""
+    as test_completion.py builds it). Not a checkpoint its trainer resumes: train_completion.py
+    --model also reads `optimizer_state` (its Adam's, with its learning rate and schedule) into a
+    compiled model (`model._orig_mod.*`); no Adam state of this recipe's run maps onto it, and a
+    fresh one would replace the trainer's learning rate with a made-up one, so none is written
+    and the note printed says so (fine-tuning: this recipe's --init-from)."""
     from recipes.train_pointcloud import PointCloudSettings, network
 
     weights, _ = export_paths(model_dir)
@@ -144,15 +129,8 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
         raise CheckpointError(
             f"{target} is a folder; --to pcdiff writes a file, e.g. model_best.pth"
         )
-    partial = target.with_name(target.name + ".tmp")
-    try:  # via a temporary name: a failed write leaves a checkpoint already there unchanged
-        target.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"epoch": -1, "model_state": state, "loss": float("nan")}, partial)
-        partial.replace(target)
-    except (OSError, RuntimeError) as err:  # torch.save reports an unwritable path as RuntimeError
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write {target}: {str(err).splitlines()[0]}") from None
+    checkpoint = {"epoch": -1, "model_state": state, "loss": float("nan")}
+    save_file_atomically(target, lambda path: torch.save(checkpoint, path), "convert again")
     describe_for_original(settings)
     return target
 
@@ -170,7 +148,12 @@ def describe_for_original(settings: PointCloudSettings) -> None:
     if settings.timesteps != 1000:  # the recipe scales the linear betas by 1000 / T (diffusion.py)
         scale = 1000 / settings.timesteps
         flags += f" --beta_start {1e-4 * scale:g} --beta_end {0.02 * scale:g}"
-    print(f"note: run the original's test_completion.py with {flags}", file=sys.stderr)
+    print(
+        f"note: run the original's test_completion.py with {flags} (its train_completion.py "
+        "--model resumes only its own checkpoints: their compiled key names and Adam state; to "
+        "train on from these weights, use this recipe's --init-from)",
+        file=sys.stderr,
+    )
     differing = [
         f"--{name.replace('_', '-')} {getattr(settings, name)}"
         for name, fixed in ORIGINAL_FIXED.items()

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from accel_common.data.files import read_path_list
 from accel_common.errors import ConfigError, DataError
+from accel_common.launch_guard import require_writable_folder
 from recipes.pointcloud.data import (
     DEFECTS,
     SPACING_FILE,
@@ -228,6 +229,7 @@ def prepare_skullbreak(
         ) from None
     if not raw.is_dir():
         raise DataError(f"--raw {raw}: not a folder")
+    require_writable_folder(out, "--out")  # before any volume is meshed, not at its first write
     relatives = volume_relatives(raw)
     splits = plan_splits(raw, out, relatives)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from accel_common.convert import load_original_checkpoint
 from accel_common.errors import CheckpointError
-from accel_common.export import read_recipe_export, require_same_tensors
+from accel_common.export import (
+    read_export_weights,
+    read_recipe_export,
+    require_same_tensors,
+    save_file_atomically,
+)
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer
 
 ORIGINAL = "crowd-bt"
@@ -45,13 +50,7 @@ def check_state(state: dict[str, torch.Tensor], backbone: str, source: Path) -> 
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The original's checkpoint as this recipe's state dict and export config."""
     source = Path(source)
-    try:
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as err:  # a pickle with objects, a truncated file, ...
-        raise CheckpointError(
-            f"{source}: not a checkpoint of the original's trainer readable without unpickling "
-            f"arbitrary objects ({type(err).__name__}: {str(err).splitlines()[0]:.200})"
-        ) from None
+    checkpoint = load_original_checkpoint(source, ORIGINAL, "model")
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source}: expected the dict crowd-bt's train.py saves")
     # model.py load_model: {'model': ...}, {'state_dict': ...} or the state dict itself
@@ -59,6 +58,8 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{source}: its 'model' entry is not a state dict of tensors")
     config = checkpoint.get("config") or {}
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: its 'config' is {type(config).__name__}, not a dict")
     backbone = config.get("backbone_name", "efficientnet_b4")  # train.py's default
     image_size = int(config.get("input_size", 448))
     check_state(state, backbone, source)
@@ -83,7 +84,7 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     model_dir, target = Path(model_dir), Path(target)
     config = read_recipe_export(model_dir, "quality", flag="SOURCE")
     path = model_dir / "model.safetensors" if model_dir.is_dir() else model_dir
-    state = load_file(str(path))
+    state = read_export_weights(path)
     logits = state.pop(RELIABILITY_KEY, None)
     check_state(state, config["backbone"], path)
     # the original has one shared eta in [0.5, 1]: the global mode's logit is it; a per-annotator
@@ -96,6 +97,4 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
         "config": {"backbone_name": config["backbone"], "input_size": config["image_size"]},
         "eta_logit": float(logits[0]) if global_logit else DEFAULT_ETA_LOGIT,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, target)
-    return target
+    return save_file_atomically(target, lambda file: torch.save(checkpoint, file), "convert again")

@@ -167,8 +167,8 @@ def test_negative_runs_name_the_match_innings_over_and_delivery(tmp_path, key):
     runs[key] = -runs["total"] - 1
     path = write(tmp_path / "negative.json", match)
     expected = (
-        f"{path}, innings 1, over 3, delivery 2: runs.{key} is {runs[key]}; runs cannot be "
-        "negative: correct the delivery or remove this file"
+        f"{path}, innings 1, over 3, delivery 2: runs.{key} is {runs[key]}; give a whole "
+        "number from 0 to 100 (fix or remove this file)"
     )
     with pytest.raises(DataError) as raised:
         cricket.parse_match(path, T20)
@@ -233,7 +233,7 @@ def test_a_match_with_negative_runs_stops_the_reading_of_the_folder(folder):
     match = json.loads(path.read_text())
     match["innings"][1]["overs"][0]["deliveries"][0]["runs"]["batter"] = -4
     write(path, match)
-    expected = f"{path}, innings 2, over 0, delivery 1: runs.batter is -4; runs cannot be negative"
+    expected = f"{path}, innings 2, over 0, delivery 1: runs.batter is -4; give a whole number"
     with pytest.raises(DataError, match="^" + re.escape(expected)):
         cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
 
@@ -274,3 +274,36 @@ def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
     ids = np.asarray(rows[row]["actor_ids"])
     expected = [players.get(registry[n], 0) for n in tied["players"][tied["teams"][0]]]
     assert set(ids.tolist()) <= {0, *expected, *players.values()}
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda m: m["innings"][0].pop("overs"), "innings 1: no overs"),
+        (lambda m: m["innings"][0].__setitem__("overs", None), "innings 1: overs is not a list"),
+        (lambda m: first_runs(m).update(total=10**30), "runs.total is 1" + "0" * 30),
+        (lambda m: first_runs(m).update(batter=40000, total=40000), "runs.batter is 40000"),
+        (lambda m: first_runs(m).update(total=1.5), "runs.total is 1.5"),
+        (lambda m: m["innings"][0]["overs"][0].__setitem__("over", 99999), "over number is 99999"),
+        (lambda m: m["info"].__setitem__("overs", 10**12), "info.overs is 1000000000000"),
+        (lambda m: m.__setitem__("innings", [1, 2]), "innings is not a list of dicts"),
+    ],
+)
+def test_an_innings_without_overs_or_an_absurd_count_is_one_line_naming_the_file(
+    folder, edit, says
+):
+    """Issue 43: an innings with no overs, or a run count past the int16 column, ended in a
+    traceback (bitwise_and on an empty array, ArrowInvalid, OverflowError); 1.5 runs was cut to
+    1 without a word. One line naming the file, the innings and the value."""
+    path = sorted(folder.glob("1*.json"))[0]
+    match = json.loads(path.read_text())
+    edit(match)
+    write(path, match)
+    with pytest.raises(DataError) as refused:
+        cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+    assert str(refused.value).startswith(f"{path}") and says in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def first_runs(match: dict) -> dict:
+    return match["innings"][0]["overs"][0]["deliveries"][0]["runs"]

@@ -334,3 +334,27 @@ def test_convert_never_replaces_a_file_beside_the_one_named(tmp_path):
         f"{back / MAPPER_FILE} exists; pass --force to overwrite it"
     ), output
     assert not (back / "b.pt").exists() and (back / MAPPER_FILE).read_bytes() == mapper
+
+
+@pytest.mark.parametrize("model", ["CricketHeteroGNN", "CricketHeteroGNNFull"])
+def test_to_cricketmodel_writes_what_the_originals_load_checkpoint_reads(model, tmp_path):
+    """Issue 43: the original's `train.py --test-only` calls Trainer.load_checkpoint, which reads
+    an optimizer and a scheduler state besides the weights (src/training/trainer.py 540-559 at
+    a97d68e: KeyError 'optimizer_state_dict'). Loaded here as it loads them: into an AdamW and a
+    CosineAnnealingLR built as its Trainer builds them from TrainingConfig's defaults."""
+    from recipes.cricket.convert import export_checkpoint
+    from recipes.cricket.model import MODELS
+
+    export = convert_original(tmp_path, model)
+    target = export_checkpoint(export, tmp_path / "back" / "best_model.pt")
+    checkpoint = torch.load(target, map_location="cpu", weights_only=True)
+    config = json.loads((export / "model.json").read_text())["config"]
+    sizes = [config[key] for key in ("vocab_sizes", "hidden", "layers", "heads", "dropout")]
+    network = MODELS[model](*sizes)
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100 - 5)
+    network.load_state_dict(checkpoint["model_state_dict"])
+    optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+    scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
+    assert (checkpoint["epoch"], checkpoint["best_val_loss"]) == (0, float("inf"))
+    assert isinstance(checkpoint["global_step"], int)

@@ -85,3 +85,30 @@ def test_graphs_are_built_once_and_rebuilt_when_the_file_or_a_setting_changes(
     ase.io.write(path, labelled_frames()[:1], format="extxyz")
     changed, _, cached = load_graphs(path, cutoff=5.0, max_neighbors=6, **options)
     assert not cached and len(changed) == 1  # another file
+
+
+def test_non_periodic_with_icomformer_names_the_molecule_not_the_learning_rate(tmp_path):
+    """Issue 43: --non-periodic with iComformer (the default) trained to NaN at step 1 with advice
+    to lower --lr: a molecule's lattice vectors are zeros, and iComformer's edges attend over
+    them. Refused naming the frame and --model eComformer, which trains on them."""
+    import recipes.train_crystal as recipe
+    from accel_common.entry import train_in_python
+    from tests.processes import CRYSTAL, CRYSTAL_TINY
+
+    frames = [random_crystal(np.random.default_rng(seed)) for seed in range(19)]
+    frames.insert(3, Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]]))
+    for atoms in frames:
+        atoms.info["y"] = float(len(atoms))
+    path = tmp_path / "mixed.extxyz"
+    ase.io.write(path, frames, format="extxyz")
+    argv = ["--data", str(path), "--target", "y", "--non-periodic", "--no-cache-graphs"]
+    argv += [*CRYSTAL_TINY, "--bs", "4", "--max-steps", "1", "--output-dir", str(tmp_path / "r")]
+    with pytest.raises(DataError) as refused:
+        train_in_python(recipe.train, argv, tmp_path / "r", script=CRYSTAL)
+    message = str(refused.value)
+    assert message.startswith(f"{path}, frame 3: a molecule") and "--lr" not in message
+    assert "--model eComformer" in message
+    metrics, _ = train_in_python(
+        recipe.train, [*argv, "--model", "eComformer"], tmp_path / "r", script=CRYSTAL
+    )
+    assert np.isfinite(metrics["train_loss"])
