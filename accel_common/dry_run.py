@@ -3,7 +3,9 @@
 A user checks an 8-GPU or 2-node command on a laptop: the settings are resolved as the run
 would resolve them (flags, `--config`, the recipe's defaults), the batch plan is made for the
 launch's process count (or `--processes N`), the network is built on the `meta` device (no
-memory, no data), and nothing is trained or written.
+memory), sized by the data where the run sizes it so (cricket's vocabulary, quality's
+annotators: read as the run reads them, its preprocessing cache kept), and nothing is trained or
+written to --output-dir.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def print_dry_run(
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:
         lines += parameter_lines(recipe, build_model, plan.per_device_batch_size)
-    print("\n".join(["dry run: nothing is trained or written", *lines]), flush=True)
+    print("\n".join(["dry run: nothing is trained or written to --output-dir", *lines]), flush=True)
 
 
 def parameter_lines(

@@ -192,5 +192,5 @@ def dry_run_plan(train: Callable[..., Any], args: list[str]) -> dict[str, str]:
     """A recipe's `--dry-run` in this process: the `name: value` lines of its plan."""
     result = invoke_train(train, [*args, "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("dry run: nothing is trained or written")
+    assert result.output.startswith("dry run: nothing is trained or written to --output-dir")
     return dict(line.strip().split(": ", 1) for line in result.output.splitlines()[1:])
