@@ -81,11 +81,11 @@ def pcdiff_kernels() -> tuple[Any, str]:
 
 
 def triton_reason() -> str:
-    from recipes.pointcloud.backend import triton_available
+    from recipes.pointcloud.backend import TRITON_AVAILABLE
 
     if not torch.cuda.is_available():
         return "no CUDA GPU (the CPU suite tests the Triton kernels under TRITON_INTERPRET=1)"
-    return "" if triton_available() else "triton is not installed"
+    return "" if TRITON_AVAILABLE else "triton is not installed"
 
 
 class Bench:

@@ -213,13 +213,14 @@ def _crystal(smoke: bool) -> Workload:
 CRICKET_MATCHES = 5  # simulated matches the graphs are drawn from: ~1,100 deliveries
 
 
-def cricket_graphs(recipe: ModuleType, history: int) -> Any:
+def cricket_graphs(recipe: ModuleType, history: int) -> tuple[Any, dict[str, int]]:
     """The recipe's graphs of simulated deliveries (`accel-recipes make-data cricket`), read,
-    featurised and assembled by its own data path, with at most `history` earlier balls each:
-    a cricket sample's shape is its innings so far, which random tensors cannot give."""
+    featurised and assembled by its own data path, with at most `history` earlier balls each
+    (a cricket sample's shape is its innings so far, which random tensors cannot give), and the
+    sizes of their vocabulary."""
     recipe.datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:
-        rows, _ = recipe.load_innings(
+        rows, info = recipe.load_innings(
             recipe.write_dataset(Path(tmp) / "matches", matches=CRICKET_MATCHES),
             match_types=list(recipe.DEFAULT_MATCH_TYPES),
             strict=True,
@@ -233,20 +234,33 @@ def cricket_graphs(recipe: ModuleType, history: int) -> Any:
         deliveries = recipe.Deliveries(rows)  # arrays in memory: the folder may go
     keep = np.ones(len(deliveries.y), dtype=bool)  # every split: only the shapes matter
     baseline = recipe.PhaseBaseline.fit(deliveries.over, deliveries.wickets, deliveries.y)
-    return recipe.CricketGraphs(deliveries, keep, history, baseline)
+    graphs = recipe.CricketGraphs(deliveries, keep, history, baseline)
+    return graphs, recipe.vocab_sizes(info["vocab"])
+
+
+# the vocabulary of Cricsheet's t20s_male_json as the recipe reads it (docs/recipes/cricket.md)
+T20_DOWNLOAD_VOCAB = {"players": 3563, "venues": 261, "teams": 104}
 
 
 def _cricket(smoke: bool) -> Workload:
     small = {"hidden": 16, "layers": 1, "heads": 1, "history": 10} if smoke else {}
-    recipe, args, settings = preset("cricket", smoke, **small)
-    graphs: list[Any] = []  # built on the first batch: the memory estimate may not need them
+    recipe, _, settings = preset("cricket", smoke, **small)
+    graphs: list[Any] = []  # built when first needed: the memory estimate may not need them
+
+    def built() -> tuple[Any, dict[str, int]]:
+        if not graphs:
+            graphs.append(cricket_graphs(recipe, settings.history))
+        return graphs[0]
+
+    def network() -> nn.Module:
+        """At full size, embeddings as large as the T20 download's vocabulary (not on this
+        machine; the recipe's dry run reads it from --data); in smoke, the simulated data's."""
+        return recipe.network(settings, built()[1] if smoke else T20_DOWNLOAD_VOCAB)
 
     def batch(n: int, device: torch.device) -> Any:
         """The first n of one fixed shuffle: a batch of n + 1 is this one and one more."""
-        if not graphs:
-            graphs.append(cricket_graphs(recipe, settings.history))
-        order = np.random.default_rng(0).permutation(len(graphs[0]))
-        return graphs[0].collate(order[:n].tolist()).to(device)
+        order = np.random.default_rng(0).permutation(len(built()[0]))
+        return built()[0].collate(order[:n].tolist()).to(device)
 
     def loss(model: nn.Module, graph: Any) -> torch.Tensor:
         return F.smooth_l1_loss(model(graph).float(), graph.y, beta=settings.huber_delta)
@@ -257,7 +271,7 @@ def _cricket(smoke: bool) -> Workload:
         f"CricketHeteroGNN hidden {settings.hidden}, {settings.layers} layers, {settings.heads} "
         f"heads, up to {settings.history} earlier balls, {vocab}",
         SMOKE_BATCH if smoke else 64,
-        lambda: recipe.build_model(args, settings),
+        network,
         batch,
         loss,
         meta_ok=False,  # PyG's pooling reads the batch vector
