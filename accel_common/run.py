@@ -33,6 +33,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from accel_common.compilation import compile_line
 from accel_common.console import print_banner, say
 from accel_common.data.files import CONTENT_FINGERPRINT, data_hash_cache, folder_fingerprint
 from accel_common.errors import CheckpointError, ConfigError
@@ -142,6 +143,7 @@ class Run:
             plan=plan,
             lr_line=schedule.description,
             total_steps=schedule.total_steps,
+            extra={"compile": compile_line(bool(config.values.get("compile")))},
         )
         run._resume(start, data_dir, monitored)
         if run.finished_export is None:  # a finished run logs nothing more
