@@ -41,6 +41,10 @@ def _chunks(batch: int, rows: int, cols: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * cols * 4))
 
 
+# Eager under --compile (one graph break per call): dynamo would unroll the loop over samples
+# (10240 + 2560 + 640 + 160 iterations at the original's size: minutes of tracing per compile)
+# for no gain; its indices carry no gradient.
+@torch.compiler.disable
 def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Indices (B, M) of iterative farthest-point sampling, as the CUDA kernel: the first sample
     is point 0; each next one is the point farthest from those chosen (squared distance, starting
