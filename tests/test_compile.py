@@ -135,3 +135,20 @@ def test_regional_compilation_in_a_config_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
     with pytest.raises(ConfigError, match="dynamo_use_regional_compilation"):
         requested_compilation(True)
+
+
+def test_pvcnn2_compiles_whole_with_its_point_ops_and_computes_the_same():
+    """fullgraph: a graph break (a point op's .item(), its sampling loop unrolled or skipped)
+    fails here; the eager backend traces as inductor does, in seconds."""
+    from recipes.pointcloud.model import PVCNN2
+
+    torch.manual_seed(0)
+    model = PVCNN2(
+        num_points=192, embed_dim=16, width_multiplier=0.25, voxel_resolution_multiplier=0.125,
+        num_neighbors=8, dropout=0.0, head_dropout=0.0,
+    ).eval()  # fmt: skip
+    inputs, t = torch.randn(2, 3, 192), torch.tensor([3, 7])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(inputs, t), model(inputs, t))
