@@ -88,6 +88,10 @@ def make_accelerator(
         log_with=trackers_for(report_to, output_dir),
         project_dir=str(output_dir),
         kwargs_handlers=kwargs_handlers,
+        # never Accelerate's own compile (a wrapper whose `_orig_mod.` keys would reach the
+        # checkpoints): --compile and a config's dynamo_backend compile in place, once
+        # (accel_common.compilation, SharedSettings.compile_model)
+        dynamo_backend="no",
     )
     require_requested_sharding(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accel_common.batching import BatchRequest
+from accel_common.compilation import compile_line
 from accel_common.errors import DataError
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
@@ -72,10 +73,12 @@ def print_dry_run(
     precision: str | None,
     build_model: Callable[[], nn.Module] | None,
     processes: int | None,
+    compile: bool = False,
 ) -> None:
     """Print the plan the run would start with (on the launch's first process only): the batch
     plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
-    `lr.describe`); `length` is (--epochs, --max-steps), `precision` --mixed-precision."""
+    `lr.describe`, `compile_line`); `length` is (--epochs, --max-steps), `precision`
+    --mixed-precision, `compile` --compile."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     world = world_size(processes)
@@ -91,6 +94,7 @@ def print_dry_run(
         ),
         "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
         "mixed precision": mixed_precision(precision),
+        "compile": compile_line(compile),
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:

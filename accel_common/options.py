@@ -36,6 +36,7 @@ from accel_common.command_line import (
     from_config_file,
     settings_parameters,
 )
+from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
 from accel_common.dry_run import print_dry_run
 from accel_common.errors import ConfigError
@@ -156,6 +157,7 @@ class SharedSettings(Settings):
         "slower and otherwise differ in the last bits, which training amplifies. Part of the "
         "run's identity.",
     )
+    compile: bool = setting(False, COMPILE_HELP, adjustable=True)
     workers: int = setting(
         0, "DataLoader worker processes per training process.", min=0, adjustable=True
     )
@@ -268,6 +270,14 @@ class SharedSettings(Settings):
             deterministic=self.deterministic,
             kwargs_handlers=kwargs_handlers,
         )
+
+    def compile_model(self, model: torch.nn.Module) -> None:
+        """--compile (or the launch config's dynamo backend): compile `model`'s forward in place
+        (accel_common.compilation). Call it after any copy of the model is made (an EMA copies
+        the compiled function too, which would run the original), before accelerator.prepare."""
+        compilation = requested_compilation(self.compile)
+        if compilation is not None:
+            compilation.apply(model)
 
     def make_train_loader(
         self,
@@ -458,6 +468,7 @@ def train_command(
                 print_dry_run(
                     recipe, args.batch_request, args.lr_settings, length=length,
                     precision=precision, build_model=build, processes=processes,
+                    compile=args.compile,
                 )  # fmt: skip
                 return None
             return fn(args, own)

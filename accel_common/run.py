@@ -35,6 +35,7 @@ from accel_common.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from accel_common.compilation import compile_line
 from accel_common.console import print_banner, say
 from accel_common.data.fingerprint import (
     LISTED_FILES,
@@ -155,6 +156,7 @@ class Run:
             plan=plan,
             lr_line=schedule.description,
             total_steps=schedule.total_steps,
+            extra={"compile": compile_line(bool(config.values.get("compile")))},
         )
         run._resume(start, data_dir, monitored)
         if run.finished_export is None:  # a finished run logs nothing more

@@ -278,6 +278,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)
     )
+    args.compile_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
     )

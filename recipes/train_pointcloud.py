@@ -291,6 +291,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
     test_loader = DataLoader(
         test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
     )
+    args.compile_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )

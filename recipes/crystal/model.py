@@ -365,7 +365,8 @@ class Comformer(nn.Module):
             x = conv(x, graph.edge_index, edge)
             if layer == 0:
                 edge = self.edge_update_layer(edge, nei_len, nei_angle)
-        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
+        # the batch's graph count, not PyG's batch.max() + 1: an .item(), a --compile graph break
+        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch, graph.num_graphs)))
         return out.squeeze(-1)
 
 
@@ -396,7 +397,7 @@ class EComformer(nn.Module):
             x = conv(x, graph.edge_index, edge)
             if layer == 0:
                 x = self.equi_update(x, graph.edge_index, edge, graph.vector)
-        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch)))
+        out = self.fc_out(self.fc(global_mean_pool(x, graph.batch, graph.num_graphs)))
         return out.squeeze(-1)
 
 

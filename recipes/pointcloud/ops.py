@@ -55,6 +55,10 @@ def _chunks(batch: int, rows: int, cols: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * cols * 4))
 
 
+# A custom op, so that --compile neither unrolls its loop over samples (10240 + 2560 + 640 + 160
+# iterations at the original's size: minutes of tracing) nor breaks the graph around it: the
+# compiled graph calls it as one opaque op. Its indices carry no gradient.
+@torch.library.custom_op("pointcloud::furthest_point_sample", mutates_args=())
 def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Indices (B, M) of iterative farthest-point sampling, as the CUDA kernel: the first sample
     is point 0; each next one is the point farthest from those chosen (squared distance, starting
@@ -82,6 +86,11 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
     return order[chosen]
 
 
+@furthest_point_sample.register_fake
+def _(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
+    return coords.new_empty((coords.shape[0], num_samples), dtype=torch.long)
+
+
 def gather(features: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """features (B, C, N) at indices (B, M): (B, C, M)."""
     return features.gather(2, indices[:, None, :].expand(-1, features.shape[1], -1))
@@ -99,7 +108,8 @@ def ball_query(
         return gpu_search.ball_query(centers, points, radius, num_neighbors)
     batch, _, m = centers.shape
     n = points.shape[2]
-    r2 = torch.tensor(radius * radius, dtype=torch.float32).item()  # the kernel's float r2
+    # the kernel's float r2, kept a tensor: .item() would break a compiled graph here
+    r2 = torch.tensor(radius * radius, dtype=torch.float32, device=points.device)
     k = min(num_neighbors, n)
     out = []
     index = torch.arange(n, device=points.device)

@@ -32,6 +32,7 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
     # its LinearLR warmup and ExponentialLR(gamma 1) step once per epoch (test_lr: the staircase)
     assert plan["learning rate"].endswith("28000 warmup steps, then constant per epoch")
     assert plan["epochs"] == "15000"
+    assert plan["compile"] == "inductor (--compile)"  # as the original's torch.compile
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
