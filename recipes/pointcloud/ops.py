@@ -55,10 +55,6 @@ def _chunks(batch: int, rows: int, cols: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * cols * 4))
 
 
-# A custom op, so that --compile neither unrolls its loop over samples (10240 + 2560 + 640 + 160
-# iterations at the original's size: minutes of tracing) nor breaks the graph around it: the
-# compiled graph calls it as one opaque op. Its indices carry no gradient.
-@torch.library.custom_op("pointcloud::furthest_point_sample", mutates_args=())
 def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Indices (B, M) of iterative farthest-point sampling, as the CUDA kernel: the first sample
     is point 0; each next one is the point farthest from those chosen (squared distance, starting
@@ -69,6 +65,15 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
         from recipes.pointcloud import gpu_search
 
         return gpu_search.furthest_point_sample(coords, num_samples)
+    return _furthest_point_sample(coords, num_samples)
+
+
+# A custom op, so that --compile neither unrolls its loop over samples (10240 + 2560 + 640 + 160
+# iterations at the original's size: minutes of tracing) nor breaks the graph around it: the
+# compiled graph calls it as one opaque op. Its indices carry no gradient. (The Triton kernel
+# is an op of its own: gpu_search.)
+@torch.library.custom_op("pointcloud::furthest_point_sample_torch", mutates_args=())
+def _furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
     batch, _, n = coords.shape
     k = torch.arange(n, device=coords.device)
     order = torch.argsort((k % 512) * (n // 512 + 1) + k // 512)  # kernel's tie order
@@ -86,7 +91,7 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
     return order[chosen]
 
 
-@furthest_point_sample.register_fake
+@_furthest_point_sample.register_fake
 def _(coords: torch.Tensor, num_samples: int) -> torch.Tensor:
     return coords.new_empty((coords.shape[0], num_samples), dtype=torch.long)
 
