@@ -193,6 +193,7 @@ def _crystal(smoke: bool) -> Workload:
             batch=torch.arange(n, device=device).repeat_interleave(atoms),
             y=torch.randn(n, device=device),
             num_nodes=nodes,
+            num_graphs=n,  # as a PyG Batch has: the model pools by it
         )
 
     def loss(model: nn.Module, graph: Data) -> torch.Tensor:

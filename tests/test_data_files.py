@@ -250,4 +250,6 @@ def test_cricket_declares_the_files_it_opens_also_when_fine_tuning(tmp_path, mon
     tuned = [*argv, "--init-from", str(tmp_path / "start")]
     opened, declared = train("cricket", CRICKET, tuned, tmp_path, monkeypatch)
     assert tmp_path / "start" / "vocab.json" in opened
-    exactly_declared(opened, declared)
+    # the export's own files are the model, not data: its metadata is read to check the export
+    # is cricket's (its weights too, by safetensors, unseen here); the run restores neither
+    exactly_declared(opened - {tmp_path / "start" / "model.json"}, declared)
