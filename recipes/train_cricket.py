@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 import typer
 from accelerate import Accelerator, DistributedDataParallelKwargs
-from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -54,6 +53,7 @@ from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import (
     load_for_inference,
+    read_export_weights,
     read_recipe_export,
     require_same_tensors,
     require_start_export,
@@ -228,7 +228,7 @@ def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             "were trained with); convert cricketmodel's checkpoint with its entity_mapper.pkl "
             "beside it, or use an export of train"
         )
-    return load_file(str(weights)), json.loads(vocab_path.read_text())
+    return read_export_weights(weights), json.loads(vocab_path.read_text())
 
 
 def require_start_fits(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -> None:

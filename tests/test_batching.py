@@ -25,6 +25,18 @@ def test_plan_is_exact(world, kwargs, expected):
     assert product == plan.global_batch_size
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("samples", "cap", "micro"),
+    [(1_000_000_007, 2, 1), (2 * 1_000_000_007, 1_000_000_007, 1_000_000_007), (10**12, 3, 2)],
+)
+def test_a_memory_cap_splits_a_large_batch_at_once(samples, cap, micro):
+    """Fault-injection pass: --bs 1000000007 (a prime) --max-per-device-bs 2 searched for a
+    divisor one by one up to 10**9, and hung even under --dry-run."""
+    plan = plan_batch(1, global_batch_size=samples, max_per_device_batch_size=cap, warn_small=False)
+    assert (plan.per_device_batch_size, plan.grad_accum_steps) == (micro, samples // micro)
+
+
 @pytest.mark.parametrize(
     ("world", "bs", "accum", "suggestions"),
     [(16, 8, 1, ["16"]), (8, 100, 1, ["96", "104"]), (2, 10, 4, ["8", "16"])],

@@ -340,3 +340,25 @@ def test_init_from_an_original_checkpoint_or_another_recipes_export_says_which(r
         if source != tmp_path / "other":
             assert f"accel-recipes convert --from {original} {source}" in str(refused.value)
         assert "width" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_init_from_a_truncated_export_is_one_line_naming_the_file(tmp_path):
+    """Fault-injection pass: a truncated model.safetensors given to quality's or cricket's
+    --init-from ended in safetensors' traceback ('invalid header length') after the data was
+    read; crystal and pointcloud named the file. Now all four do."""
+    import torch
+
+    from accel_common.errors import CheckpointError
+    from accel_common.export import write_export
+    from recipes.quality.model import start_from
+    from recipes.train_cricket import read_start
+
+    export = tmp_path / "model"
+    write_export({"w": torch.zeros(64)}, export, {"recipe": "cricket", "config": {}})
+    (export / "vocab.json").write_text("{}")
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    # quality reads the file before it touches the model, so none is built here
+    for start in (read_start, lambda path: start_from(None, path)):
+        with pytest.raises(CheckpointError, match=f"{weights} is not a readable safetensors"):
+            start(export)

@@ -157,6 +157,9 @@ def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dic
                     record["max_balls"] = round(float(overs) * balls_per_over)
             if regular == 1:
                 first_total = sum(record["runs_total"])
+        if inning.get("team") not in teams:  # the bowling side would be a guess
+            team = inning.get("team")
+            raise DataError(f"{where}: team {team!r} is not one of info.teams {teams}")
         bowling = [t for t in teams if t != inning.get("team")]
         record |= {
             "batting_team": str(inning.get("team", "")),

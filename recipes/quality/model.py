@@ -15,7 +15,7 @@ from torch import nn
 
 from accel_common.convert import read_state_dict
 from accel_common.errors import ConfigError
-from accel_common.export import MODEL_FILE
+from accel_common.export import MODEL_FILE, read_export_weights
 
 HIDDEN = 512  # model.py 28: hidden_dim; the second layer is hidden_dim // 2
 RELIABILITY_KEY = "annotator_logits"
@@ -116,12 +116,10 @@ def start_from(model: QualityScorer, export: Path) -> None:
     """--init-from: the scorer's weights of an export (trained here, or converted from the
     original with `convert --from crowd-bt`), strictly; its reliabilities too where it has one
     per annotator of this run, else they start afresh."""
-    from safetensors.torch import load_file
-
     path = export / MODEL_FILE if export.is_dir() else export
     if not path.is_file():
         raise ConfigError(f"--init-from {export}: no exported model at {path}")
-    state = load_file(str(path))
+    state = read_export_weights(path)  # a damaged file: one line naming it
     logits = state.get(RELIABILITY_KEY)
     if logits is None or logits.shape != model.annotator_logits.shape:
         state[RELIABILITY_KEY] = model.annotator_logits.detach().clone()

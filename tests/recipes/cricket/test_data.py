@@ -287,6 +287,8 @@ def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
         (lambda m: m["innings"][0]["overs"][0].__setitem__("over", 99999), "over number is 99999"),
         (lambda m: m["info"].__setitem__("overs", 10**12), "info.overs is 1000000000000"),
         (lambda m: m.__setitem__("innings", [1, 2]), "innings is not a list of dicts"),
+        # fault-injection pass: a batting team outside info.teams trained with a guessed bowler
+        (lambda m: m["innings"][0].__setitem__("team", "Nobody FC"), "team 'Nobody FC' is not"),
     ],
 )
 def test_an_innings_without_overs_or_an_absurd_count_is_one_line_naming_the_file(
