@@ -47,6 +47,7 @@ from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePoli
 from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
     Settings,
+    flag,
     setting,
 )
 from accel_common.tracking import TRACKERS, parse_report_to
@@ -452,15 +453,20 @@ def train_command(
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
             config_file, dry_run, processes, ctx = (kwargs.pop(name) for name in CLI_ONLY)
-            if config_file is not None:
-                kwargs |= from_config_file(config_file, ctx, annotations)
+            from_file = from_config_file(config_file, ctx, annotations) if config_file else {}
+            kwargs |= from_file
             if processes is not None and not dry_run:
                 raise ConfigError(
                     f"--processes {processes} only goes with --dry-run; to train on "
                     f"{processes} processes, launch them: accelerate launch --num_processes "
                     f"{processes} ..."
                 )
-            args, own = resolve(kwargs, recipe)
+            try:
+                args, own = resolve(kwargs, recipe)
+            except ConfigError as error:  # a value the file gave: name the file too
+                if any(str(error).startswith(flag(name) + " ") for name in from_file):
+                    raise ConfigError(f"--config {config_file}: {error}") from None
+                raise
             if dry_run:
                 build = functools.partial(build_model, args, own) if build_model else None
                 precision = args.mixed_precision.value if args.mixed_precision else None

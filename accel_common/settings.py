@@ -35,6 +35,9 @@ S = TypeVar("S", bound="Settings")
 # the most blocks (layers) a network setting may ask for: the model is built block by block, so
 # a mistyped depth (99999999999999999999) would build for hours, even for --dry-run's count
 MAX_BLOCKS = 1000
+# the largest whole number any setting may be: beyond 2^53 a number is no longer exact in JSON,
+# where the run's identity and the export record it, and no size or count here comes near it
+MAX_INTEGER = 2**53
 
 
 def setting(
@@ -122,6 +125,10 @@ class Settings:
             )
             if not ok:
                 raise ConfigError(f"{flag(f.name)} {value}: give {expected(f)}")
+            if abs(value) > MAX_INTEGER:
+                raise ConfigError(
+                    f"{flag(f.name)} {value}: absurdly large (the most any setting takes is 2^53)"
+                )
 
     def as_config(self) -> dict[str, Any]:
         """The settings as plain JSON values (enums by value, paths as strings)."""

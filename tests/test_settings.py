@@ -93,6 +93,11 @@ def test_config_file_sets_values_and_the_command_line_wins(tmp_path):
         # for hours, even for --dry-run's parameter count
         ("hidden: null\n", r"hidden: null, but --hidden takes a value; .*default \(64\)$"),
         ("depth: 99999999999999999999\n", r"depth: .*less than or equal to 1000"),
+        # any other absurd number: a plan for it said nothing (--dry-run exit 0), and a value
+        # refused after the file was read did not name the file
+        ("hidden: 99999999999999999999\n", r": --hidden 99999999999999999999: absurdly large"),
+        ("bs: 99999999999999999999\n", r": --bs 99999999999999999999: absurdly large"),
+        ("lr: -1\n", r": --lr -1.0: give a positive number$"),
         ("- lr\n", r"expected a mapping of flag names to values"),
         ("lr: [1\n", r"is not readable YAML"),
     ],
