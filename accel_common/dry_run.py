@@ -74,11 +74,13 @@ def print_dry_run(
     build_model: Callable[[], nn.Module] | None,
     processes: int | None,
     compile: bool = False,
+    absent: tuple[str, ...] = (),
 ) -> None:
     """Print the plan the run would start with (on the launch's first process only): the batch
     plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
     `lr.describe`, `compile_line`); `length` is (--epochs, --max-steps), `precision`
-    --mixed-precision, `compile` --compile."""
+    --mixed-precision, `compile` --compile; `absent` the input flags (`--init-from PATH`) whose
+    files this machine lacks: the run would stop there, the plan says so."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     world = world_size(processes)
@@ -95,6 +97,11 @@ def print_dry_run(
         "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
         "mixed precision": mixed_precision(precision),
         "compile": compile_line(compile),
+        **(
+            {"inputs": f"not on this machine: {', '.join(absent)} (the run stops unless there)"}
+            if absent
+            else {}
+        ),
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:

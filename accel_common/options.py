@@ -385,6 +385,16 @@ def model_option(recipe: str) -> Any:
     )
 
 
+# the settings naming files or folders a run reads (outputs are made by it)
+INPUTS = ("data", "init_from", "image_dir")
+
+
+def absent_inputs(*settings: Settings) -> tuple[str, ...]:
+    """`--flag PATH` for each input setting whose path this machine lacks."""
+    found = [(name, getattr(s, name, None)) for s in settings for name in INPUTS]
+    return tuple(f"{flag(n)} {p}" for n, p in found if p and not Path(p).exists())
+
+
 def train_command(
     settings: type[Settings],
     *,
@@ -474,7 +484,7 @@ def train_command(
                 print_dry_run(
                     recipe, args.batch_request, args.lr_settings, length=length,
                     precision=precision, build_model=build, processes=processes,
-                    compile=args.compile,
+                    compile=args.compile, absent=absent_inputs(args, own),
                 )  # fmt: skip
                 return None
             return fn(args, own)

@@ -162,3 +162,14 @@ def test_a_dry_run_without_the_data_says_its_count_is_unknown(tmp_path):
     assert "memory per device" not in plan
     plan = dry_run_plan(cricket.train, ["--init-from", str(tmp_path / "export"), *CRICKET_TINY])
     assert plan["parameters"].endswith(f"(--init-from {tmp_path / 'export'}: not on this machine)")
+
+
+@pytest.mark.parametrize("recipe", ["crystal", "quality", "pointcloud"])
+def test_a_dry_run_names_an_input_this_machine_lacks(recipe, tmp_path):
+    """The run stops on an --init-from that is not there; its dry run said nothing (exit 0)."""
+    module = importlib.import_module(f"recipes.train_{recipe}")
+    plan = dry_run_plan(module.train, ["--init-from", str(tmp_path / "nope")])
+    assert plan["inputs"] == (
+        f"not on this machine: --init-from {tmp_path / 'nope'} (the run stops unless there)"
+    )
+    assert "inputs" not in dry_run_plan(module.train, [])
