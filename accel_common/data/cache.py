@@ -38,6 +38,12 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(list(parts)).encode()).hexdigest()[:20]
 
 
+def code_digest(source: str | Path) -> str:
+    """The digest of the module that builds a table, a part of its key: a table that older code
+    built (before a reader fix) is built again, not reused silently."""
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16]
+
+
 def save_whole(table: datasets.Dataset, folder: Path, files: dict[str, str] | None = None) -> None:
     """Save `table`, and text `files` beside it, as `folder` through a temporary folder renamed
     into place: whole or absent, even if two runs build it at once (the first one kept)."""

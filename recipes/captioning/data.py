@@ -31,11 +31,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from accel_common.data.cache import cache_key, cache_root
+from accel_common.data.cache import cache_key, cache_root, code_digest
 from accel_common.data.images import is_image, read_rgb, to_signed_unit
 from accel_common.errors import DataError
 from recipes.captioning.tokenizer import PAD_ID
 
+READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
 HELD_OUT = ("test", "validation")  # the first that exists is the held-out split
 CAPTION_LISTS = ("metadata.jsonl", "metadata.csv", "captions.json")  # else .txt beside each image
 
@@ -160,7 +161,7 @@ def prepare_split(
     """Decode, resize and tokenize once; cached as Arrow by `datasets`, keyed by the files (name,
     size, mtime), captions, tokenizer and sizes. Returns (dataset, seconds, was it cached)."""
     stats = [(name, text, *_stat(folder / name)) for name, text in records]
-    key = cache_key(str(folder.resolve()), stats, tokenizer.to_str(), size, max_tokens)
+    key = cache_key(str(folder.resolve()), stats, tokenizer.to_str(), size, max_tokens, READER)
     cache = cache_root() / f"captioning-{key}.arrow"
     cached = cache.is_file()
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from accel_common.data.cache import (
     cache_key,
     cache_root,
     cached,
+    code_digest,
     files_digest,
     list_column,
     save_whole,
@@ -71,6 +72,7 @@ STATE_DIM, ACTOR_DIM, BALL_DIM = 9, 7, 10
 ORIGINAL_COLUMNS = ("n_wickets", "n_retired", "wicket_kind", "run_out")
 VOCAB_FILE = "vocab.json"
 FORMAT = 3  # bump when the cached columns change
+READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
 UNKNOWN = 0  # vocabulary index of names not seen (often enough) in the training split
 # bounds of a match's counts, beyond which a file is malformed (and the int16/int32 columns would
 # overflow): no delivery scores 100 runs (a no-ball hit for six with 5 penalty runs is 12), no
@@ -568,7 +570,7 @@ def load_innings(
     start = time.perf_counter()
     files = match_files(folder)
     cache_dir = cache_root(cache_dir)
-    parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT)
+    parse_key = cache_key(files_digest(files), sorted(match_types), FORMAT, READER)
     if vocab is not None:
         vocab = keyed_by_registry(vocab, match_registries(files))
     given = json.dumps(vocab, sort_keys=True) if vocab is not None else min_matches

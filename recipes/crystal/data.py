@@ -35,9 +35,10 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     warnings.simplefilter("ignore", FutureWarning)
     from torch_geometric.data import Data
 
-from accel_common.data.cache import cache_key, cache_root, files_digest, save_whole
+from accel_common.data.cache import cache_key, cache_root, code_digest, files_digest, save_whole
 from accel_common.errors import ConfigError, DataError
 
+READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
 STRUCTURES_FILE = "structures.extxyz"  # what a --data folder holds (make-data writes it)
 TARGET_HELP = "info key, calculator result (energy, forces, stress, ...) or per-atom array"
 
@@ -406,7 +407,7 @@ def load_graphs(
     whether they came from the cache)."""
     start = time.perf_counter()
     settings = [index, target, per_atom, cutoff, max_neighbors, non_periodic, 4]  # 4: format
-    key = cache_key(files_digest([path]) if path.is_file() else "", settings)
+    key = cache_key(files_digest([path]) if path.is_file() else "", settings, READER)
     folder = cache_root(cache_dir) / f"crystal-{key}"
     if cache and folder.is_dir():
         return datasets.load_from_disk(str(folder)), time.perf_counter() - start, True

@@ -14,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 
+from accel_common.data.cache import code_digest
 from accel_common.errors import DataError
 from recipes.cricket import data as cricket
 from recipes.cricket import example
@@ -248,6 +249,15 @@ def test_cache_is_reused_until_a_file_or_a_setting_changes(folder):
     write(folder / "tied.json", a_match(4))
     _, info = cricket.load_innings(folder, **options, **SPLIT)
     assert not info["cached"]
+
+
+def test_a_changed_reader_builds_its_tables_again(folder, monkeypatch):
+    """A table the reader built before a fix (one that now refuses an innings) was reused."""
+    options = dict(match_types=list(T20), strict=False)
+    cricket.load_innings(folder, **options, **SPLIT)
+    assert cricket.load_innings(folder, **options, **SPLIT)[1]["cached"]
+    monkeypatch.setattr(cricket, "READER", code_digest(__file__))  # other code, same data
+    assert not cricket.load_innings(folder, **options, **SPLIT)[1]["cached"]
 
 
 def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
