@@ -545,8 +545,8 @@ def export_onnx(
     """Export the scorer to ONNX, as the original's export.py offers: input `image` (N x 3 x S x
     S, normalised as the backbone's data config says), output `score` (N x 1); dynamic batch."""
     require_new_file(out)
+    model, read, _ = load_scorer(model_dir)  # a wrong --model first: installing onnx won't help
     require_onnx()
-    model, read, _ = load_scorer(model_dir)
     write_onnx(model, read.size, out, opset)
     print(f"wrote {out}")
 
