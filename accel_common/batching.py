@@ -105,6 +105,12 @@ def plan_batch(
 
     if global_batch_size is not None:
         divisor = num_processes * grad_accum_steps
+        if grad_accum_steps > 1 and divisor > global_batch_size:  # a mistyped --grad-accum
+            raise BatchPlanError(
+                f"--grad-accum {grad_accum_steps}: more accumulation steps than --bs "
+                f"{global_batch_size} has samples for on {num_processes} process(es) (each step "
+                f"takes at least one); give at most {max(1, global_batch_size // num_processes)}"
+            )
         if global_batch_size % divisor:
             valid = " or ".join(str(v) for v in _nearby_multiples(global_batch_size, divisor))
             raise BatchPlanError(

@@ -50,6 +50,12 @@ def test_unsplittable_global_batch_names_valid_values(world, bs, accum, suggesti
         assert value in message
 
 
+def test_more_accumulation_steps_than_samples_names_grad_accum():
+    """The advice was a multiple of the steps ('e.g. --bs 1000000000000') for a mistyped one."""
+    with pytest.raises(BatchPlanError, match=r"^--grad-accum 1000000000000: .* give at most 32$"):
+        plan_batch(2, global_batch_size=64, grad_accum_steps=10**12)
+
+
 def test_exactly_one_convention():
     with pytest.raises(BatchPlanError, match="both were given"):
         plan_batch(2, global_batch_size=8, per_device_batch_size=4)
