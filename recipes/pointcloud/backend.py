@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import torch
 
@@ -36,3 +37,15 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if choice == "auto":
         return tensor.is_cuda and TRITON_AVAILABLE
     return choice == "triton"
+
+
+def launchable(kernel: Any) -> Any:
+    """`torch.library.wrap_triton(kernel)`, so that torch.compile traces the launch; under
+    Triton's interpreter (`TRITON_INTERPRET=1`, the CPU tests) torch 2.11 refuses interpreted
+    kernels there, and the kernel itself runs (eagerly: the interpreter compiles nothing)."""
+    try:
+        return torch.library.wrap_triton(kernel)
+    except RuntimeError:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise
+        return kernel

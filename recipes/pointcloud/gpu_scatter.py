@@ -33,7 +33,9 @@ pcdiff's kernels: indices in range, grid coordinates in [0, R - 1]; ops.py's cal
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from recipes.pointcloud.backend import launchable
 
 BLOCK_P = 128  # points per program: one index load, coalesced stores along points
 BLOCK_C = 16  # channels per program: BLOCK_C x BLOCK_P = 2048 elements per tile
@@ -310,7 +312,7 @@ def _grouping(features: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     flat = indices.reshape(batch, -1)
     out = features.new_empty(batch, channels, flat.shape[1])
     if out.numel():
-        wrap_triton(_grouping_fwd)[_grid(flat.shape[1], channels, batch)](
+        launchable(_grouping_fwd)[_grid(flat.shape[1], channels, batch)](
             features,
             flat,
             out,
@@ -332,7 +334,7 @@ def _grouping_backward(grad: torch.Tensor, indices: torch.Tensor, n: int) -> tor
     g = grad.reshape(batch, channels, flat.shape[1])
     acc = grad.new_zeros(batch, channels, n, dtype=_acc(grad.dtype))
     if g.numel():
-        wrap_triton(_grouping_bwd)[_grid(flat.shape[1], channels, batch)](
+        launchable(_grouping_bwd)[_grid(flat.shape[1], channels, batch)](
             g, flat, acc, channels, n, flat.shape[1], *g.stride(), *flat.stride(), BLOCK_C, BLOCK_P
         )
     return acc.to(grad.dtype)
@@ -358,7 +360,7 @@ def _voxel_index_op(grid_coords: torch.Tensor, resolution: int) -> list[torch.Te
     vox = grid_coords.new_empty(batch, n, dtype=torch.int32)
     counts = grid_coords.new_zeros(batch, resolution**3, dtype=torch.int32)
     if vox.numel():
-        wrap_triton(_voxel_index)[(triton.cdiv(n, BLOCK_P), batch)](
+        launchable(_voxel_index)[(triton.cdiv(n, BLOCK_P), batch)](
             grid_coords, vox, counts, n, resolution, *grid_coords.stride(), BLOCK_P
         )
     return [vox, counts]
@@ -372,7 +374,7 @@ def _avg_voxelize(
     r3 = resolution**3
     acc = features.new_zeros(batch, channels, r3, dtype=_acc(features.dtype))
     if features.numel():
-        wrap_triton(_avg_voxelize_fwd)[_grid(n, channels, batch)](
+        launchable(_avg_voxelize_fwd)[_grid(n, channels, batch)](
             features, vox, counts, acc, channels, n, r3, *features.stride(), BLOCK_C, BLOCK_P
         )
     return acc.to(features.dtype).view(batch, channels, resolution, resolution, resolution)
@@ -387,7 +389,7 @@ def _avg_voxelize_backward(
     n = vox.shape[1]
     out = grad.new_empty(batch, channels, n, dtype=_acc(grad.dtype))
     if out.numel():
-        wrap_triton(_avg_voxelize_bwd)[_grid(n, channels, batch)](
+        launchable(_avg_voxelize_bwd)[_grid(n, channels, batch)](
             grad,
             vox,
             counts,
@@ -421,7 +423,7 @@ def _devoxelize(grid: torch.Tensor, grid_coords: torch.Tensor, resolution: int) 
     dtype = torch.promote_types(grid.dtype, grid_coords.dtype)
     out = grid.new_empty(batch, channels, n, dtype=_acc(dtype))
     if out.numel():
-        wrap_triton(_devoxelize_fwd)[_grid(n, channels, batch)](
+        launchable(_devoxelize_fwd)[_grid(n, channels, batch)](
             flat,
             grid_coords,
             out,
@@ -444,7 +446,7 @@ def _devoxelize_backward(
     batch, channels, n = grad.shape
     acc = grad.new_zeros(batch, channels, resolution**3, dtype=_acc(grad.dtype))
     if grad.numel():
-        wrap_triton(_devoxelize_bwd)[_grid(n, channels, batch)](
+        launchable(_devoxelize_bwd)[_grid(n, channels, batch)](
             grad,
             grid_coords,
             acc,
@@ -482,7 +484,7 @@ def _interpolate(
     dtype = torch.promote_types(features.dtype, weights.dtype)
     out = features.new_empty(batch, channels, n, dtype=_acc(dtype))
     if out.numel():
-        wrap_triton(_interpolate_fwd)[_grid(n, channels, batch)](
+        launchable(_interpolate_fwd)[_grid(n, channels, batch)](
             features,
             index,
             weights,
@@ -507,7 +509,7 @@ def _interpolate_backward(
     batch, channels, n = grad.shape
     acc = grad.new_zeros(batch, channels, m, dtype=_acc(grad.dtype))
     if grad.numel():
-        wrap_triton(_interpolate_bwd)[_grid(n, channels, batch)](
+        launchable(_interpolate_bwd)[_grid(n, channels, batch)](
             grad,
             index,
             weights,

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from recipes.pointcloud.backend import launchable
+
 # no fused multiply-add: distances round as dx*dx + dy*dy + dz*dz in ops.py and the references
 LAUNCH = dict(enable_fp_fusion=False)
 FPS_WARPS, BQ_WARPS, NN_WARPS = 16, 8, 8  # ptxas for sm_90: 103 / 40, 116, 127 registers
@@ -133,7 +135,7 @@ def furthest_point_sample(coords: torch.Tensor, num_samples: int) -> torch.Tenso
     scratch = torch.empty(
         (0,) if resident else (batch, n), dtype=torch.float32, device=coords.device
     )
-    torch.library.wrap_triton(_fps_kernel)[(batch,)](
+    launchable(_fps_kernel)[(batch,)](
         coords, scratch, out, n, num_samples, *coords.stride(), n // FPS_THREADS + 1,
         BLOCK=block, RESIDENT=resident, THREADS=FPS_THREADS, NONE=NO_INDEX, num_warps=FPS_WARPS,
         **LAUNCH,
@@ -197,7 +199,7 @@ def ball_query(
     if points.shape[2] == 0:
         raise ValueError("ball_query: a cloud of 0 points has no neighbours")
     r2 = float(np.float32(radius * radius))  # the kernel's float r2, as ops.py rounds it
-    torch.library.wrap_triton(_ball_query_kernel)[(triton.cdiv(m, BQ_CENTERS), batch)](
+    launchable(_ball_query_kernel)[(triton.cdiv(m, BQ_CENTERS), batch)](
         centers, points, out, points.shape[2], m, r2, num_neighbors,
         *centers.stride(), *points.stride(),
         BLOCK_M=BQ_CENTERS, BLOCK_N=BQ_POINTS, BLOCK_K=BQ_SLOTS, num_warps=BQ_WARPS, **LAUNCH,
@@ -283,7 +285,7 @@ def three_nearest_neighbors(
         return index, weights
     if centers.shape[2] == 0:
         raise ValueError("three_nearest_neighbors: no centres to interpolate from")
-    torch.library.wrap_triton(_three_nn_kernel)[(triton.cdiv(n, NN_POINTS), batch)](
+    launchable(_three_nn_kernel)[(triton.cdiv(n, NN_POINTS), batch)](
         points, centers, index, weights, n, centers.shape[2], *points.stride(), *centers.stride(),
         BLOCK_N=NN_POINTS, BLOCK_M=NN_CENTERS, NONE=NO_INDEX, num_warps=NN_WARPS, **LAUNCH,
     )  # fmt: skip

@@ -114,6 +114,11 @@ def run_kernels(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        # measured with torch 2.11's triton 3.6 (make test-oldest): its interpreter stops in the
+        # sampling kernel ("only 0-dimensional arrays can be converted to Python scalars"); the
+        # kernels still compile for sm_90 under it (the compile test below runs there)
+        pytest.skip("triton < 3.7: its interpreter cannot run the search kernels")
     out = tmp_path_factory.mktemp("triton") / "results.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", POINTCLOUD_KERNELS="triton", PYTHONPATH=str(REPO))
     done = subprocess.run(
