@@ -70,7 +70,9 @@ def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
     config.write_text("reliability: sometimes\n")
     result = invoke(["--config", str(config), "--dry-run"])
     assert isinstance(result.exception, ConfigError)
-    assert str(result.exception) == "--reliability sometimes: choose full, global, fixed or gold"
+    assert str(result.exception) == (
+        f"--config {config}: --reliability sometimes: choose full, global, fixed or gold"
+    )
 
 
 @pytest.mark.slow
