@@ -2,27 +2,45 @@
 
 `OUTPUT/checkpoints/step_N` holds `accelerator.save_state` (model, optimizer, scheduler, grad
 scaler, each rank's RNG) plus `progress.json` (epoch, samples seen in it, optimizer step, batch
-plan, every rank's running loss sums: a resumed epoch logs the uninterrupted run's mean). It
-is written to `step_N.tmp` and renamed only when complete, and `progress.json` is written last,
-so a crash mid-save never produces a "latest" that cannot load. Only the loop uses it.
+plan, every rank's running loss sums: a resumed epoch logs the uninterrupted run's mean) and
+`manifest.json` (every file's size and hash, accel_common.checkpoint_files). It is written to
+`step_N.tmp` and renamed only when complete, so a crash mid-save never produces a "latest" that
+cannot load. A resume verifies the manifest and the progress record's invariants before it loads
+anything, and reads no pickle with code in it. Only the loop uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import accelerate.accelerator
+import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from safetensors import SafetensorError
 
 from accel_common.batching import BatchPlan
-from accel_common.errors import CheckpointError
+from accel_common.checkpoint_files import (
+    MANIFEST_FILE,
+    check_dcp_folders,
+    detail_of,
+    first_unloadable,
+    load_state_file,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+from accel_common.errors import CheckpointError, RecipeError
 from accel_common.export import (
     WRITE_ADVICE,
     as_write_error,
@@ -137,6 +155,7 @@ def save_checkpoint(
         accelerator.wait_for_everyone()  # every rank's RNG file is in place
         if accelerator.is_main_process:
             (tmp / PROGRESS_FILE).write_text(text)
+            write_manifest(tmp, {k: v for k, v in json.loads(text).items() if k != "run"})
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -193,65 +212,245 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
     its run record ({"id", "identity"}).
 
-    `accept(path, progress, saved global batch, run record)` refuses a checkpoint of another
-    run before anything is restored (accel_common.run.RunCheck). Refused here: a missing or
-    truncated file, a position this launch's plan cannot reach, tensors whose shapes do not fit
-    the model.
+    Before anything is loaded: the files must be the ones the save wrote (manifest.json), and the
+    progress record must hold together (`check_progress`). `accept(path, progress, saved global
+    batch, run record)` then refuses a checkpoint of another run (accel_common.run.RunCheck).
+    Refused too: a position this launch's plan cannot reach, tensors whose shapes do not fit the
+    model, and any pickle that asks for more than tensors and numbers (nothing in it runs).
     """
+    failure = None
     try:
-        record = json.loads((path / PROGRESS_FILE).read_text())
-        progress = TrainProgress(**record["progress"])
-        saved_plan = record["batch_plan"]
-        saved_global = int(saved_plan["global_batch_size"])
-        saved_processes = int(saved_plan["num_processes"])
-        check_loss_sums(progress.loss_sums, saved_processes)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
-    run = record.get("run") or {}
-    if accept is not None:
-        accept(path, progress, saved_global, run)
-    progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
-    check_rng_file(path, accelerator.process_index, saved_processes)
+        progress, run, rng = _checked_before_loading(accelerator, path, plan, accept)
+    except RecipeError as err:  # every process refuses, not only the one that found it
+        failure = err
+    refusals = gather_object([None if failure is None else str(failure)])
+    if failure is not None:
+        raise failure
+    if any(refusals):
+        raise CheckpointError(next(r for r in refusals if r))
     try:
-        accelerator.load_state(str(path))
+        with custom_states_read_weights_only():
+            accelerator.load_state(str(path))
+    except CheckpointError:
+        raise
     except Exception as err:  # torch/safetensors raise many types for truncated or corrupt files
         mismatch = shape_mismatch(str(err))
         if mismatch:
             raise CheckpointError(f"{path}: {mismatch}; were the model flags the same?") from err
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated and cannot be loaded "
-            f"({type(err).__name__}: {err}); resume from an earlier step_N folder instead"
+        raise first_unloadable(path) or CheckpointError(
+            f"checkpoint {path} is corrupt or truncated and cannot be loaded ({detail_of(err)}); "
+            "resume from an earlier step_N folder instead"
         ) from err
+    if rng is not None:
+        set_rng_state(rng, path)
+    check_schedulers(accelerator, path, progress.step)
     return progress, run
 
 
-def check_loss_sums(saved: dict[str, Any] | None, processes: int) -> None:
-    """The loss sums hold a number per saved process, or the file was edited or damaged
-    (ValueError, KeyError or TypeError, which `load_checkpoint` reports in one line)."""
-    if saved is None:
-        return  # saved before they were stored: the loop marks its means partial
-    for part in (saved["window"], saved["epoch"]):
-        sums, counts = [float(v) for v in part["sums"]], [float(v) for v in part["counts"]]
-        if len(sums) != processes or len(counts) != processes:
-            raise ValueError(f"loss_sums hold {len(sums)} sums for {processes} processes")
-    if saved["last_epoch"] is not None:
-        float(saved["last_epoch"])
-
-
-def check_rng_file(path: Path, process_index: int, saved_processes: int) -> None:
-    """This process's RNG state must load: Accelerate skips a missing or broken one silently,
-    and the resumed run would then draw other dropout masks and noise than the original."""
-    if process_index >= saved_processes:
-        return  # more processes than at the save: Accelerate seeds the new ones itself
-    rng_file = Path(path) / f"random_states_{process_index}.pkl"
+def _checked_before_loading(
+    accelerator: Accelerator,
+    path: Path,
+    plan: BatchPlan,
+    accept: Callable[[Path, TrainProgress, int, dict[str, Any]], None] | None,
+) -> tuple[TrainProgress, dict[str, Any], dict[str, Any] | None]:
+    """Everything `load_checkpoint` checks before it loads: progress, run record, RNG state."""
+    manifest = read_manifest(path)
     try:
-        # our own file, written by Accelerate's save_state: numpy's RNG state needs pickle
-        torch.load(rng_file, weights_only=False)
-    except Exception as err:  # missing, truncated or not a pickle: many exception types
+        record = json.loads((path / PROGRESS_FILE).read_text())
+        progress = TrainProgress(**record["progress"])
+        saved_plan = BatchPlan(**{k: int(v) for k, v in record["batch_plan"].items()})
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
+    check_progress(path, progress, saved_plan, manifest)  # names an edited field
+    if manifest is not None:  # the main process hashes; the others check names and sizes
+        verify_files(path, manifest, hashes=accelerator.is_main_process)
+    elif accelerator.is_main_process:
+        print(
+            f"warning: {path} was saved before checkpoints carried a {MANIFEST_FILE}, so its "
+            "files cannot be verified against the save; resuming as it is",
+            flush=True,
+        )
+    run = record.get("run") or {}
+    if accept is not None:
+        accept(path, progress, saved_plan.global_batch_size, run)
+    progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
+    rng = read_rng_state(path, accelerator.process_index, saved_plan.num_processes)
+    check_dcp_folders(path)  # FSDP's sharded state: DCP itself would unpickle it unchecked
+    return progress, run, rng
+
+
+_COUNTS = ("step", "epoch", "samples_in_epoch", "skipped_steps", "nonfinite_skipped", "bad_epochs")
+
+
+def check_progress(
+    path: Path, progress: TrainProgress, saved: BatchPlan, manifest: dict[str, Any] | None
+) -> None:
+    """The progress record holds together, or it was edited or damaged: refused naming the
+    field. Its fields equal the manifest's copy; counts are whole and not negative; sums are
+    finite; the step is the folder's; the position is whole rounds of the saved batch plan."""
+    where = path / PROGRESS_FILE
+    if manifest is not None:
+        now = {"progress": asdict(progress), "batch_plan": saved.as_dict()}
+        edited = first_difference(now, manifest["progress"])
+        if edited is not None:
+            name, value, was = edited
+            raise CheckpointError(
+                f"{where}: {name} is {value!r}, {was!r} when saved ({MANIFEST_FILE}); the file "
+                "was edited or damaged: resume from an earlier step_N folder"
+            )
+    problem = progress_problem(progress, saved)
+    if problem is None and _STEP_DIR.match(path.name) and checkpoint_step(path) != progress.step:
+        problem = f"step is {progress.step} in the folder of step {checkpoint_step(path)}"
+    if problem is not None:
         raise CheckpointError(
-            f"{rng_file} is missing or truncated ({type(err).__name__}); resume from an earlier "
-            "step_N folder instead"
-        ) from err
+            f"{where}: {problem}; the file was edited or damaged: resume from an earlier step_N "
+            "folder"
+        )
+
+
+def first_difference(now: Any, was: Any, name: str = "") -> tuple[str, Any, Any] | None:
+    """The first entry where two JSON records differ: (dotted name, value now, value then)."""
+    if isinstance(now, dict) and isinstance(was, dict):
+        for key in [*now, *(k for k in was if k not in now)]:
+            found = first_difference(now.get(key), was.get(key), f"{name}.{key}".lstrip("."))
+            if found is not None:
+                return found
+        return None
+    if isinstance(now, list) and isinstance(was, list) and len(now) == len(was):
+        for index, (a, b) in enumerate(zip(now, was, strict=True)):
+            if (found := first_difference(a, b, f"{name}[{index}]")) is not None:
+                return found
+        return None
+    same = now == was or (now != now and was != was)  # NaN read back from JSON equals itself
+    return None if same and type(now) is type(was) else (name.removeprefix("progress."), now, was)
+
+
+def progress_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
+    """What in a progress record cannot come from a save with batch plan `saved`, or None."""
+    plan = (saved.per_device_batch_size, saved.num_processes, saved.grad_accum_steps)
+    if min(plan) < 1 or math.prod(plan) != saved.global_batch_size:
+        return f"batch_plan {saved.as_dict()} is no batch plan"
+    for name in _COUNTS:
+        value = getattr(progress, name)
+        if type(value) is not int or value < 0:
+            return f"{name} is {value!r}, not a whole number >= 0"
+    if progress.skipped_steps > progress.step or progress.nonfinite_skipped > progress.step:
+        return "more skipped steps than steps"
+    numbers = {"train_seconds": progress.train_seconds, "best": progress.best}
+    numbers.update({f"best_metrics.{k}": v for k, v in progress.best_metrics.items()})
+    for name, value in numbers.items():
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
+            return f"{name} is {value!r}, not a finite number"
+    if progress.train_seconds < 0 or type(progress.stopped) is not bool:
+        return "train_seconds is negative" if progress.train_seconds < 0 else "stopped is no bool"
+    per_round = saved.per_device_batch_size * saved.num_processes
+    if progress.samples_in_epoch % per_round:
+        return (
+            f"samples_in_epoch {progress.samples_in_epoch} is not a whole number of the saved "
+            f"plan's {per_round}-sample rounds ({saved.describe()})"
+        )
+    if progress.samples_in_epoch > progress.step * saved.global_batch_size:
+        return (
+            f"samples_in_epoch {progress.samples_in_epoch} is more than the "
+            f"{progress.step * saved.global_batch_size} samples of {progress.step} steps"
+        )
+    return loss_sums_problem(progress.loss_sums, saved.num_processes)
+
+
+def loss_sums_problem(saved: Any, processes: int) -> str | None:
+    """The loss sums hold a finite sum and a whole, non-negative count per saved process."""
+    if saved is None:
+        return None  # saved before they were stored: the loop marks its means partial
+    try:
+        for part in ("window", "epoch"):
+            sums, counts = saved[part]["sums"], saved[part]["counts"]
+            if len(sums) != processes or len(counts) != processes:
+                return f"loss_sums.{part} hold {len(sums)} sums for {processes} processes"
+            for value in sums:
+                if type(value) not in (int, float) or not math.isfinite(value):
+                    return f"loss_sums.{part}.sums holds {value!r}, not a finite number"
+            for value in counts:
+                if type(value) not in (int, float) or value < 0 or value != int(value):
+                    return f"loss_sums.{part}.counts holds {value!r}, not a whole number >= 0"
+        last = saved["last_epoch"]
+    except (KeyError, TypeError) as err:
+        return f"loss_sums is malformed ({type(err).__name__}: {err})"
+    if last is not None and (type(last) not in (int, float) or not math.isfinite(last)):
+        return f"loss_sums.last_epoch is {last!r}, not a finite number"
+    return None
+
+
+def read_rng_state(path: Path, process_index: int, saved_processes: int) -> dict[str, Any] | None:
+    """This process's RNG state, read weights-only; it must load: Accelerate skips a missing or
+    broken one with an info-level log, and the resumed run would draw other dropout masks and
+    noise than the original. None for a process the save did not have (Accelerate seeds it)."""
+    if process_index >= saved_processes:
+        return None
+    rng_file = Path(path) / f"random_states_{process_index}.pkl"
+    state = load_state_file(rng_file)
+    missing = [k for k in _RNG_KEYS if k not in state] if isinstance(state, dict) else _RNG_KEYS
+    if torch.cuda.is_available() and isinstance(state, dict) and _CUDA_RNG not in state:
+        missing.append(_CUDA_RNG)
+    if missing:
+        raise CheckpointError(
+            f"{rng_file} lacks {', '.join(missing)}: not an RNG state of this launch's kind; "
+            "resume from an earlier step_N folder"
+        )
+    return state
+
+
+_RNG_KEYS = ["random_state", "numpy_random_seed", "torch_manual_seed"]
+_CUDA_RNG = "torch_cuda_manual_seed"
+
+
+def set_rng_state(state: dict[str, Any], path: Path) -> None:
+    """Restore the RNG state ourselves: Accelerate's restore swallows any failure."""
+    try:
+        random.setstate(state["random_state"])
+        np.random.set_state(state["numpy_random_seed"])
+        torch.set_rng_state(state["torch_manual_seed"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state[_CUDA_RNG])
+    except (TypeError, ValueError, RuntimeError, IndexError) as err:
+        raise CheckpointError(
+            f"{path}: its RNG state does not restore ({type(err).__name__}: {err}); resume from "
+            "an earlier step_N folder"
+        ) from None
+
+
+@contextlib.contextmanager
+def custom_states_read_weights_only() -> Iterator[None]:
+    """Accelerate's `load_state` reads `register_for_checkpointing` objects with
+    `torch.load(weights_only=False)`, which runs whatever a pickled `__reduce__` asks for: while
+    it loads, that reader is replaced by the weights-only one (their states are tensors and
+    numbers)."""
+    original = getattr(accelerate.accelerator, "load_custom_state", None)
+    if original is None:  # fail closed: an Accelerate that reads them another way
+        raise CheckpointError(
+            "this Accelerate version reads checkpointed objects in a way this project has not "
+            "checked, so nothing was resumed; install the accelerate version pyproject.toml names"
+        )
+
+    def load_custom_state(obj: Any, path: str, index: int = 0) -> None:
+        obj.load_state_dict(load_state_file(Path(path) / f"custom_checkpoint_{index}.pkl"))
+
+    accelerate.accelerator.load_custom_state = load_custom_state
+    try:
+        yield
+    finally:
+        accelerate.accelerator.load_custom_state = original
+
+
+def check_schedulers(accelerator: Accelerator, path: Path, step: int) -> None:
+    """An LR scheduler steps once per optimizer step: its restored count is the checkpoint's
+    step, or one of the two files was edited or damaged."""
+    for index, obj in enumerate(getattr(accelerator, "_custom_objects", [])):
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and obj.last_epoch != step:
+            raise CheckpointError(
+                f"{path / f'custom_checkpoint_{index}.pkl'}: the LR scheduler is at step "
+                f"{obj.last_epoch}, {PROGRESS_FILE} at step {step}; one of them was edited or "
+                "damaged: resume from an earlier step_N folder"
+            )
 
 
 _SIZE_MISMATCH = re.compile(

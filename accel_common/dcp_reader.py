@@ -78,6 +78,8 @@ def read_dcp_metadata(folder: Path) -> Metadata:
             metadata = _DCPMetadataUnpickler(stream).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path} is unreadable, corrupt or truncated: {err}") from err
+    except CheckpointError as err:  # a global outside DCP's format
+        raise CheckpointError(f"{path}: {err}") from None
     if not isinstance(metadata, dcp.Metadata):
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
     return metadata

@@ -266,19 +266,6 @@ def test_leftover_unfinished_saves_are_removed_by_the_next_save(tmp_path, accele
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_9"]
 
 
-def test_a_truncated_rng_state_is_an_error_not_skipped(tmp_path, accelerator):
-    accelerator.prepare(Net())
-    plan = plan_batch(1, global_batch_size=8)
-    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1), plan=plan)
-    rng = path / "random_states_0.pkl"
-    rng.write_bytes(rng.read_bytes()[:20])
-    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing or truncated"):
-        load_checkpoint(accelerator, path, plan)
-    rng.unlink()
-    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing or truncated"):
-        load_checkpoint(accelerator, path, plan)
-
-
 def test_a_checkpoint_whose_shapes_do_not_fit_names_the_weight(tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
