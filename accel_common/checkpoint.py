@@ -11,32 +11,31 @@ anything, and reads no pickle with code in it. Only the loop uses it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import random
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import accelerate.accelerator
-import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from safetensors import SafetensorError
 
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint_files import (
     MANIFEST_FILE,
     check_dcp_folders,
+    check_deepspeed_files,
+    custom_states_read_weights_only,
     detail_of,
     first_unloadable,
-    load_state_file,
     read_manifest,
+    read_rng_state,
+    set_rng_state,
     verify_files,
     write_manifest,
 )
@@ -274,9 +273,47 @@ def _checked_before_loading(
     if accept is not None:
         accept(path, progress, saved_plan.global_batch_size, run)
     progress.batches_to_skip(plan)  # fails early if the position cannot be mapped
+    check_layout(accelerator, path)
     rng = read_rng_state(path, accelerator.process_index, saved_plan.num_processes)
     check_dcp_folders(path)  # FSDP's sharded state: DCP itself would unpickle it unchecked
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_deepspeed_files(path)  # DeepSpeed's engine unpickles its files unchecked
     return progress, run, rng
+
+
+def saved_sharding(path: Path) -> str | None:
+    """'FSDP' or 'DeepSpeed' for a checkpoint saved sharded by one of them, else None."""
+    if any(path.glob("pytorch_model_fsdp_*")):
+        return "FSDP"
+    if (path / "pytorch_model").is_dir() or (path / "latest").is_file():
+        return "DeepSpeed"
+    return None
+
+
+def check_layout(accelerator: Accelerator, path: Path) -> None:
+    """A checkpoint is resumed under the sharding it was saved with: Accelerate would look for
+    files the other layout does not have and report the folder as corrupt."""
+    saved = saved_sharding(path)
+    kinds = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}
+    now = kinds.get(accelerator.distributed_type)
+    if saved == now:
+        return
+    if saved is None:
+        raise CheckpointError(
+            f"{path} was saved without sharding, and this launch runs {now}: resume it with the "
+            "launch config it was saved with (no FSDP/DeepSpeed)"
+        )
+    merge = (
+        f"accel-recipes convert {path} OUT"
+        if saved == "FSDP"
+        else f"python {path / 'zero_to_fp32.py'} {path} OUT --safe_serialization"
+    )
+    raise CheckpointError(
+        f"{path} is an intact {saved}-sharded checkpoint, and this launch runs "
+        f"{now or 'without sharding'}: resume it under the {saved} launch config it was saved "
+        f"with (e.g. --config_file accelerate_configs/{saved.lower()}_*.yaml), or merge its "
+        f"weights with `{merge}` (docs/sharded.md)"
+    )
 
 
 _COUNTS = ("step", "epoch", "samples_in_epoch", "skipped_steps", "nonfinite_skipped", "bad_epochs")
@@ -378,67 +415,6 @@ def loss_sums_problem(saved: Any, processes: int) -> str | None:
     if last is not None and (type(last) not in (int, float) or not math.isfinite(last)):
         return f"loss_sums.last_epoch is {last!r}, not a finite number"
     return None
-
-
-def read_rng_state(path: Path, process_index: int, saved_processes: int) -> dict[str, Any] | None:
-    """This process's RNG state, read weights-only; it must load: Accelerate skips a missing or
-    broken one with an info-level log, and the resumed run would draw other dropout masks and
-    noise than the original. None for a process the save did not have (Accelerate seeds it)."""
-    if process_index >= saved_processes:
-        return None
-    rng_file = Path(path) / f"random_states_{process_index}.pkl"
-    state = load_state_file(rng_file)
-    missing = [k for k in _RNG_KEYS if k not in state] if isinstance(state, dict) else _RNG_KEYS
-    if torch.cuda.is_available() and isinstance(state, dict) and _CUDA_RNG not in state:
-        missing.append(_CUDA_RNG)
-    if missing:
-        raise CheckpointError(
-            f"{rng_file} lacks {', '.join(missing)}: not an RNG state of this launch's kind; "
-            "resume from an earlier step_N folder"
-        )
-    return state
-
-
-_RNG_KEYS = ["random_state", "numpy_random_seed", "torch_manual_seed"]
-_CUDA_RNG = "torch_cuda_manual_seed"
-
-
-def set_rng_state(state: dict[str, Any], path: Path) -> None:
-    """Restore the RNG state ourselves: Accelerate's restore swallows any failure."""
-    try:
-        random.setstate(state["random_state"])
-        np.random.set_state(state["numpy_random_seed"])
-        torch.set_rng_state(state["torch_manual_seed"])
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state[_CUDA_RNG])
-    except (TypeError, ValueError, RuntimeError, IndexError) as err:
-        raise CheckpointError(
-            f"{path}: its RNG state does not restore ({type(err).__name__}: {err}); resume from "
-            "an earlier step_N folder"
-        ) from None
-
-
-@contextlib.contextmanager
-def custom_states_read_weights_only() -> Iterator[None]:
-    """Accelerate's `load_state` reads `register_for_checkpointing` objects with
-    `torch.load(weights_only=False)`, which runs whatever a pickled `__reduce__` asks for: while
-    it loads, that reader is replaced by the weights-only one (their states are tensors and
-    numbers)."""
-    original = getattr(accelerate.accelerator, "load_custom_state", None)
-    if original is None:  # fail closed: an Accelerate that reads them another way
-        raise CheckpointError(
-            "this Accelerate version reads checkpointed objects in a way this project has not "
-            "checked, so nothing was resumed; install the accelerate version pyproject.toml names"
-        )
-
-    def load_custom_state(obj: Any, path: str, index: int = 0) -> None:
-        obj.load_state_dict(load_state_file(Path(path) / f"custom_checkpoint_{index}.pkl"))
-
-    accelerate.accelerator.load_custom_state = load_custom_state
-    try:
-        yield
-    finally:
-        accelerate.accelerator.load_custom_state = original
 
 
 def check_schedulers(accelerator: Accelerator, path: Path, step: int) -> None:

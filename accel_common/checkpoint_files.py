@@ -14,15 +14,19 @@ colleague, so a resume treats it as untrusted input:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import pickle
+import random
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import accelerate.accelerator
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
@@ -132,16 +136,19 @@ def verify_files(folder: Path, manifest: dict[str, Any], *, hashes: bool = True)
             )
 
 
-def load_state_file(path: Path | io.BytesIO, name: Path | None = None) -> Any:
-    """A torch.save'd state read weights-only, with numpy's RNG state the one addition: a pickle
-    that asks for anything else (a `__reduce__` payload) is refused naming the file, unloaded."""
+def load_state_file(
+    path: Path | io.BytesIO, name: Path | None = None, allow: list[Any] | None = None
+) -> Any:
+    """A torch.save'd state read weights-only, with numpy's RNG state (and `allow`) the only
+    additions: a pickle that asks for anything else (a `__reduce__` payload) is refused naming
+    the file, unloaded."""
     label = name or path
     if isinstance(path, Path) and not path.is_file():
         raise CheckpointError(
             f"{label} is missing or not a regular file; resume from an earlier step_N folder"
         )
     try:
-        with torch.serialization.safe_globals(STATE_GLOBALS):
+        with torch.serialization.safe_globals(STATE_GLOBALS + (allow or [])):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch's zip reader and unpickler raise many types
         refused = re.search(r"GLOBAL ([\w.]+)", str(err))
@@ -209,3 +216,90 @@ def check_dcp_folders(folder: Path) -> None:
             if len(data) != info.length:
                 raise CheckpointError(f"{shard} is truncated; resume from an earlier step_N folder")
             load_state_file(io.BytesIO(data), name=Path(f"{shard} (entry {key.fqn})"))
+
+
+# DeepSpeed's own data classes in its checkpoint files (loss scaler, ZeRO stage, fragment
+# addresses): plain records. Unverified without a GPU; a refusal names any other global.
+DEEPSPEED_STATE_CLASSES = {
+    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+}
+
+
+def check_deepspeed_files(folder: Path) -> None:
+    """DeepSpeed's engine reads its checkpoint files with `torch.load(weights_only=False)`: each
+    is read weights-only first (with DeepSpeed's data classes allowed), so a payload is refused
+    before DeepSpeed unpickles it."""
+    import importlib
+
+    allow = []
+    for module, names in DEEPSPEED_STATE_CLASSES.items():
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        allow += [getattr(found, name) for name in names if hasattr(found, name)]
+    for path in sorted(folder.rglob("*.pt")):
+        load_state_file(path, allow=allow)
+
+
+def read_rng_state(path: Path, process_index: int, saved_processes: int) -> dict[str, Any] | None:
+    """This process's RNG state, read weights-only; it must load: Accelerate skips a missing or
+    broken one with an info-level log, and the resumed run would draw other dropout masks and
+    noise than the original. None for a process the save did not have (Accelerate seeds it)."""
+    if process_index >= saved_processes:
+        return None
+    rng_file = Path(path) / f"random_states_{process_index}.pkl"
+    state = load_state_file(rng_file)
+    missing = [k for k in _RNG_KEYS if k not in state] if isinstance(state, dict) else _RNG_KEYS
+    if torch.cuda.is_available() and isinstance(state, dict) and _CUDA_RNG not in state:
+        missing.append(_CUDA_RNG)
+    if missing:
+        raise CheckpointError(
+            f"{rng_file} lacks {', '.join(missing)}: not an RNG state of this launch's kind; "
+            "resume from an earlier step_N folder"
+        )
+    return state
+
+
+_RNG_KEYS = ["random_state", "numpy_random_seed", "torch_manual_seed"]
+_CUDA_RNG = "torch_cuda_manual_seed"
+
+
+def set_rng_state(state: dict[str, Any], path: Path) -> None:
+    """Restore the RNG state ourselves: Accelerate's restore swallows any failure."""
+    try:
+        random.setstate(state["random_state"])
+        np.random.set_state(state["numpy_random_seed"])
+        torch.set_rng_state(state["torch_manual_seed"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state[_CUDA_RNG])
+    except (TypeError, ValueError, RuntimeError, IndexError) as err:
+        raise CheckpointError(
+            f"{path}: its RNG state does not restore ({type(err).__name__}: {err}); resume from "
+            "an earlier step_N folder"
+        ) from None
+
+
+@contextlib.contextmanager
+def custom_states_read_weights_only() -> Iterator[None]:
+    """Accelerate's `load_state` reads `register_for_checkpointing` objects with
+    `torch.load(weights_only=False)`, which runs whatever a pickled `__reduce__` asks for: while
+    it loads, that reader is replaced by the weights-only one (their states are tensors and
+    numbers)."""
+    original = getattr(accelerate.accelerator, "load_custom_state", None)
+    if original is None:  # fail closed: an Accelerate that reads them another way
+        raise CheckpointError(
+            "this Accelerate version reads checkpointed objects in a way this project has not "
+            "checked, so nothing was resumed; install the accelerate version pyproject.toml names"
+        )
+
+    def load_custom_state(obj: Any, path: str, index: int = 0) -> None:
+        obj.load_state_dict(load_state_file(Path(path) / f"custom_checkpoint_{index}.pkl"))
+
+    accelerate.accelerator.load_custom_state = load_custom_state
+    try:
+        yield
+    finally:
+        accelerate.accelerator.load_custom_state = original

@@ -109,12 +109,12 @@ def _quiet_single_process_dcp():
         yield
 
 
-def dcp_folder(root: Path) -> Path:
+def dcp_folder(root: Path, name: str = "pytorch_model_fsdp_0") -> Path:
     """A torch.distributed.checkpoint folder as FSDP's sharded save writes one: tensors plus
     non-tensor entries (which DCP itself reads with full pickle)."""
     import torch.distributed.checkpoint as dcp
 
-    folder = root / "pytorch_model_fsdp_0"
+    folder = root / name
     state = {"model": {"weight": torch.ones(3)}, "extra": {"step": 3, "groups": [{"lr": 0.1}]}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
     return folder
@@ -165,12 +165,24 @@ def test_a_payload_in_a_sharded_index_stops_the_resume_before_anything_loads(tmp
 
     path = saved_checkpoint(accelerator, tmp_path / "run")
     (path / MANIFEST_FILE).unlink()
-    folder = dcp_folder(path)
+    folder = dcp_folder(path, "optimizer_0")  # as FSDP's sharded optimizer state
     marker = tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(CheckpointError, match=re.escape(str(folder / ".metadata"))):
         load_checkpoint(accelerator, path, PLAN)
     assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_resumed_without_sharding_is_named_as_such(tmp_path, accelerator):
+    path = saved_checkpoint(accelerator, tmp_path / "run")
+    (path / MANIFEST_FILE).unlink()
+    dcp_folder(path)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(accelerator, path, PLAN)
+    message = str(refused.value)
+    assert f"{path} is an intact FSDP-sharded checkpoint" in message
+    assert f"accel-recipes convert {path} OUT" in message
+    assert "corrupt" not in message
 
 
 # ------------------------------------------------------------------------- RNG: never skipped
@@ -308,3 +320,46 @@ def test_a_checkpoint_saved_before_manifests_resumes_with_one_warning(
     progress, _ = load_checkpoint(accelerator, path, PLAN)
     assert progress.step == STEP
     assert capsys.readouterr().out.count(f"saved before checkpoints carried a {MANIFEST_FILE}") == 1
+
+
+def test_the_manifest_benchmark_runs_and_writes_its_section(tmp_path):
+    """`make bench`'s manifest cost, at the smoke size: it runs and writes its own section."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\nkept\n")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_checkpoint_manifest.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "kept" in text and "## Checkpoint manifest" in text
+    assert re.search(r"`write_manifest` \(at save\) \| \d+\.\d+ \| \d+\.\d+", text)
+
+
+@pytest.mark.dist
+def test_a_payload_in_one_ranks_file_stops_every_rank_and_runs_nothing(tmp_path):
+    """2 gloo processes: rank 1's RNG file (read by rank 1 only) holds a payload, the manifest
+    removed. Both ranks refuse in one line, neither hangs in a collective, nothing runs."""
+    from tests.processes import run_recipe
+
+    args = ["--epochs", "2", "--bs", "64", "--save-every", "8", "--max-steps", "8"]
+    run_recipe([*args, "--output-dir", "run"], cwd=tmp_path, nproc=2)
+    path = tmp_path / "run" / "checkpoints" / "step_8"
+    marker = tmp_path / "ran"
+    (path / "random_states_1.pkl").write_bytes(payload_bytes(marker))
+    (path / MANIFEST_FILE).unlink()
+    args[-1] = "16"
+    result = run_recipe(
+        [*args, "--output-dir", "run", "--resume", "latest"], cwd=tmp_path, nproc=2, check=False
+    )
+    assert result.returncode != 0
+    assert not marker.exists()
+    output = result.stdout + result.stderr
+    assert "random_states_1.pkl holds a pickled" in output, output[-3000:]
+    assert "Traceback" not in output
