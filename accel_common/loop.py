@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
-from accel_common.errors import NonFiniteError, Preempted
+from accel_common.errors import ConfigError, NonFiniteError, Preempted
 from accel_common.evaluation import evaluation_generator, require_finite_metrics
 from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
@@ -85,6 +85,12 @@ from accel_common.run import BEST_DIR, Run
 from accel_common.stop_signals import StopSignals
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
 from accel_common.tracking import StepLogger
+
+# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
+LOOP_METRICS = frozenset(
+    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
+    | {"best_epoch"}
+)
 
 
 class TrainLoop:
@@ -277,6 +283,7 @@ class TrainLoop:
             )
         nonfinite, stop_signals = self._flags or self._reduce_flags()
         skipped, self._flags, self._skip_step = self._skip_step, None, False
+        lr = self.scheduler.get_last_lr()[0]  # the LR this step used: logged as its LR
         self.scheduler.step()
         self.progress.step += 1
         fp16 = self.accelerator.scaler is not None
@@ -291,7 +298,7 @@ class TrainLoop:
         else:
             for loss in losses:
                 self.log.add_loss(loss)
-        logged = self.log.step(self.progress.step, self.scheduler, self._grad_norm)
+        logged = self.log.step(self.progress.step, lr, self._grad_norm)
         self._grad_norm = None
         if logged is not None and fp16:
             self.accelerator.log(
@@ -383,6 +390,13 @@ class TrainLoop:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
+        owned = sorted(LOOP_METRICS & set(eval_metrics))
+        if owned:  # merged, they would replace the loop's own value in the log and the export
+            raise ConfigError(
+                f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name "
+                f"the training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the "
+                "recipe's evaluate (e.g. 'eval_' + name)"
+            )
         # before they are logged
         require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
         again = self._finished_before_epoch

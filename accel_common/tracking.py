@@ -239,14 +239,9 @@ class StepLogger:
         self.window_loss.add(loss)
         self.epoch_loss.add(loss)
 
-    def step(
-        self,
-        step: int,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        grad_norm: torch.Tensor | None,
-    ) -> float | None:
-        """Count an optimizer step; on logging steps, reduce and log loss, LR, grad norm, speed,
-        and return the logged loss (None on other steps)."""
+    def step(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> float | None:
+        """Count an optimizer step; on logging steps, reduce and log loss, the LR the step used,
+        grad norm, speed, and return the logged loss (None on other steps)."""
         self.throughput.add(self.global_batch_size)
         self.bar.update()
         if not self.logs_at(step):
@@ -254,7 +249,7 @@ class StepLogger:
         partial = self.window_loss.partial
         record = {
             "train/loss": self.window_loss.compute(self.accelerator),
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "train/samples_per_s": self.throughput.read(),
         }
         if grad_norm is not None:

@@ -18,7 +18,7 @@ from accel_common.accelerator import make_accelerator
 from accel_common.batching import BatchRequest
 from accel_common.checkpoint import list_checkpoints
 from accel_common.data.loaders import make_train_loader
-from accel_common.errors import CheckpointError, NonFiniteError
+from accel_common.errors import CheckpointError, ConfigError, NonFiniteError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
@@ -541,3 +541,55 @@ def test_loss_sums_saved_by_two_processes_resume_on_one_as_their_total(tmp_path)
     assert mean.compute(accelerator) == pytest.approx((1 + 2 + 2 + 3 + 4) / 5)  # float32
     assert mean.state(accelerator) == {"sums": [0.0], "counts": [0.0]}  # compute reset it
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_a_recipe_metric_named_like_one_the_loop_owns_is_refused(run):
+    """An evaluation returning 'train_loss' silently replaced the loop's training-loss mean in
+    the log, the printout and the export."""
+    accelerator, model, optimizer, loop, _ = run()
+    with pytest.raises(ConfigError, match=r"returns 'train_loss', a metric name the training"):
+        for epoch in loop.epochs():
+            for x, y in loop.batches():
+                with accelerator.accumulate(model):
+                    loss = (model(x / 1000) - y).pow(2).mean()
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                loop.record(loss)
+            loop.end_epoch({"epoch": float(epoch), "train_loss": 9.0})
+
+
+def test_the_logged_lr_is_the_lr_the_step_used(tmp_path):
+    """`train/lr` at step k is the LR the optimizer applied in step k, not the next step's."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, plan = make_accelerator(
+        output_dir=tmp_path, batch=BatchRequest(per_device_batch_size=2), cpu=True
+    )
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = make_train_loader(EpochAwareData(), plan.per_device_batch_size)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    settings = LRSettings(1.0, ref_bs=2, decay=Decay.cosine, warmup_steps=2)
+    schedule = make_lr_schedule(
+        accelerator, optimizer, plan, settings, steps_per_epoch=len(loader), epochs=1
+    )
+    config = RunConfig("toy", {"lr": 1.0})
+    loop = open_loop(
+        accelerator, plan, loader, schedule, config, tmp_path, StartRequest(), SavePolicy(1, 0, 1)
+    )
+    used = []
+    for _epoch in loop.epochs():
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                loss = (model(x / 1000) - y).pow(2).mean()
+                accelerator.backward(loss)
+                used.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(loss)
+        loop.end_epoch({})
+    AcceleratorState._reset_state(reset_partial_state=True)
+    records = [json.loads(line) for line in metrics_lines(tmp_path)]
+    logged = [record["train/lr"] for record in records if "train/lr" in record]
+    assert len(set(used)) > 2  # warmup and decay: the LR changes from step to step
+    assert logged == used

@@ -163,11 +163,13 @@ def test_evaluate_command_scores_the_export(one_process, pointcloud_data, tmp_pa
 @pytest.mark.slow
 def test_warmup_rises_from_the_originals_start_factor(pointcloud_data, tmp_path):
     """The original warms up with LinearLR from 0.01 x lr (--lr-warmup-start-factor): the LR
-    logged after step k is the peak x (0.01 + 0.99 (k + 1) / W); from 0 it would be (k + 1) / W."""
+    logged at step k (from 1), the LR that step used, is the peak x (0.01 + 0.99 k / W); from 0
+    it would be k / W."""
     out = tmp_path / "run"
     args = ["--data", str(pointcloud_data), "--output-dir", str(out), *TINY]
     args += ["--eval-every", "100", "--sample-steps", "2", "--log-every", "1"]
     run_recipe([*args, "--max-steps", "3", "--warmup-steps", "3"], cwd=tmp_path, script=POINTCLOUD)
     logged = [r["train/lr"] for r in metrics_log(out) if "train/lr" in r]
     peak = 3e-3  # the default --lr at the default batch
-    assert logged == pytest.approx([peak * (0.01 + 0.99 * 2 / 3), peak, peak], rel=1e-6)
+    expected = [peak * (0.01 + 0.99 * k / 3) for k in (1, 2, 3)]
+    assert logged == pytest.approx(expected, rel=1e-6)
