@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,8 +13,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.data.files import read_numeric_csv
+from accel_common.data.cache import files_digest
+from accel_common.data.files import read_numeric_csv, read_path_list
+from accel_common.data.fingerprint import files_fingerprint
 from accel_common.data.images import image_batches, list_images, read_images, read_rgb
+from accel_common.data.loaders import existing_data
 from accel_common.errors import DataError, error_message
 from recipes.quality.data import read_truth
 from tests.processes import POINTCLOUD, TEMPLATE
@@ -140,3 +144,37 @@ def test_a_missing_empty_or_unreadable_image_folder_is_named(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
         read_rgb(tmp_path / "broken.png", 32)
+
+
+def special_files(folder, suffix):
+    """A FIFO and a link to /dev/zero named as data files, and what each is called."""
+    fifo, zero = folder / f"pipe{suffix}", folder / f"zero{suffix}"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    return {
+        fifo: "is a FIFO (named pipe), not a regular file",
+        zero: "is a character device (a link to /dev/zero), not a regular file",
+    }
+
+
+@pytest.mark.timeout(30)  # before: "not found", or a read of the FIFO that waited forever
+def test_a_fifo_or_a_device_given_as_a_data_file_is_refused_as_such_before_reading(tmp_path):
+    for path, kind in special_files(tmp_path, ".csv").items():
+        for read in (lambda p: read_numeric_csv(p, ["y"]), lambda p: read_path_list(p, (".npy",))):
+            with pytest.raises(DataError) as error:
+                read(path)
+            assert str(error.value) == f"{path}: {kind}"
+        with pytest.raises(DataError) as error:
+            files_digest([path])  # the cache key of cricket's and crystal's tables
+        assert str(error.value) == f"{path}: {kind}"
+        with pytest.raises(DataError) as error:
+            files_fingerprint({"train.csv": path})  # every recipe's declared files
+        assert str(error.value) == f"{path}: {kind}; remove it from the data"
+        with pytest.raises(DataError) as error:
+            existing_data("template", path)
+        assert str(error.value) == f"--data {path}: {kind.replace('a regular file', 'a folder')}"
+    for path, kind in special_files(tmp_path, ".png").items():
+        assert list_images(tmp_path) == [path.name for path in sorted(tmp_path.glob("*.png"))]
+        with pytest.raises(DataError) as error:
+            read_rgb(path, 8)
+        assert str(error.value) == f"{path}: {kind}"

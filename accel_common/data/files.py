@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
 
 def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
     """(line number, row) pairs of a CSV with a header; errors name the file, line and problem."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    require_regular(path)
     with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's BOM is skipped
         reader = csv.DictReader(handle)
         try:
@@ -73,8 +73,7 @@ def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]
 
     A first line that does not end in one of `suffixes` is taken as a header and skipped.
     """
-    if not csv.is_file():
-        raise DataError(f"{csv}: file not found")
+    require_regular(csv)
     rows = []
     wanted = " or ".join(suffixes)
     for line, text in enumerate(csv.read_text().splitlines(), start=1):

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from accel_common.data.paths import file_kind, not_regular
 from accel_common.errors import CheckpointError, DataError
 
 # what a fingerprint of the files read starts with; earlier versions fingerprinted the whole
@@ -69,6 +70,8 @@ def files_fingerprint(
             stat = path.stat()
         except OSError as err:
             raise DataError(f"{path}: cannot be read for the data's fingerprint ({err})") from None
+        if file_kind(stat.st_mode) is not None:  # a FIFO would block the read forever
+            raise DataError(f"{path}: {not_regular(path, stat.st_mode)}; remove it from the data")
         key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
         cached = known.get(absolute)
         contents = cached[4] if cached and cached[:4] == key else file_digest(path)

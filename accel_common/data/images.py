@@ -10,21 +10,22 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from accel_common.data.paths import require_folder, require_regular
 from accel_common.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
 def is_image(path: Path) -> bool:
-    """Whether a file is one the recipes read as an image (by its suffix, any case)."""
-    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+    """Whether a file is one the recipes read as an image (by its suffix, any case; a FIFO or
+    device so named is one, which its reader then refuses: a folder is not)."""
+    return path.suffix.lower() in IMAGE_SUFFIXES and path.exists() and not path.is_dir()
 
 
 def list_images(folder: Path) -> list[str]:
     """The images under `folder` (the commands' --images) and its subfolders, as sorted relative
     POSIX paths (iter_0/x.png); a missing folder or one without images is an error naming it."""
-    if not folder.is_dir():
-        raise DataError(f"--images {folder}: no such folder")
+    require_folder(folder, "--images ")
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if is_image(p))
     if not names:
         suffixes = ", ".join(IMAGE_SUFFIXES)
@@ -34,6 +35,7 @@ def list_images(folder: Path) -> list[str]:
 
 def read_rgb(path: Path, size: int) -> np.ndarray:
     """3 x size x size uint8 RGB, resized bilinearly; an unreadable file is named."""
+    require_regular(path)
     try:
         with Image.open(path) as image:
             rgb = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)

@@ -33,6 +33,7 @@ from torch import nn
 
 from accel_common.data.cache import cache_key, cache_root, code_digest
 from accel_common.data.images import is_image, read_rgb, to_signed_unit
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 from recipes.captioning.tokenizer import PAD_ID
 
@@ -47,8 +48,9 @@ def _checked(folder: Path, source: str, name: object, caption: object) -> tuple[
         raise DataError(f"{source}: no image file name")
     if not isinstance(caption, str) or not caption.strip():
         raise DataError(f"{source}: empty caption for {name}")
-    if not (folder / name).is_file():
+    if not (folder / name).exists():
         raise DataError(f"{source}: image {folder / name} not found")
+    require_regular(folder / name, f"{source}: image ")
     return name, " ".join(caption.split())
 
 
@@ -94,8 +96,9 @@ def _sidecars(folder: Path) -> list[tuple[str, str]]:
     records = []
     for image in sorted(p for p in folder.rglob("*") if is_image(p)):
         caption = image.with_suffix(".txt")
-        if not caption.is_file():
+        if not caption.exists():
             raise DataError(f"{image}: no caption file {caption.name} beside it")
+        require_regular(caption)
         name = image.relative_to(folder).as_posix()
         records.append(_checked(folder, str(caption), name, caption.read_text()))
     return records
@@ -106,7 +109,7 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
     A folder with two caption lists is refused: one would be read and the other ignored."""
     readers = (_imagefolder_jsonl, _imagefolder_csv, _manifest)
     layouts = dict(zip(CAPTION_LISTS, readers, strict=True))
-    found = [name for name in layouts if (folder / name).is_file()]
+    found = [name for name in layouts if (folder / name).exists()]
     if len(found) > 1:
         named = f"{', '.join(found[:-1])} and {found[-1]}"
         both, others = ("both ", "other") if len(found) == 2 else ("", "others")
@@ -114,6 +117,8 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
             f"{folder}: holds {both}{named}, and only one of them would be read; keep the one "
             f"with the captions to train on and move the {others} out of the folder"
         )
+    if found:
+        require_regular(folder / found[0])
     records = layouts[found[0]](folder, folder / found[0]) if found else _sidecars(folder)
     if not records:
         raise DataError(

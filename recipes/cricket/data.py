@@ -49,6 +49,7 @@ from accel_common.data.cache import (
     list_column,
     save_whole,
 )
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 from recipes.cricket.features import (
     CTX_DIM,
@@ -459,8 +460,11 @@ def add_features(
 
 
 def match_files(folder: Path) -> list[Path]:
-    """The folder's `*.json` files, as the original globs them (README.txt is not one)."""
+    """The folder's `*.json` files, as the original globs them (README.txt is not one); a
+    FIFO or device among them is refused before anything reads it (it would block forever)."""
     files = sorted(folder.glob("*.json"))
+    for path in files:
+        require_regular(path, expected="; remove it from --data, which holds match files")
     if not files:
         raise DataError(
             f"--data {folder}: no .json files; unzip Cricsheet's t20s_male_json.zip into it"

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
 ORIGINAL_FILE = "comparison_data.json"
@@ -102,6 +103,7 @@ def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
 
 def read_entries(path: Path) -> list:
     """A file's records: {"comparisons": [...]} as the original writes it, or a bare list."""
+    require_regular(path)
     try:
         data = json.loads(path.read_text())
     except ValueError as err:
@@ -167,7 +169,7 @@ def read_comparisons(
             choice = CHOICES[entry["choice"].strip().lower()]
             for name in pair:
                 if name not in found:  # each name stats the disk once, not once per record
-                    found[name] = (image_dir / name).is_file()
+                    found[name] = (image_dir / name).exists()  # a FIFO is refused when read
             if not all(found[name] for name in pair):
                 missing_at.append(where)
                 continue
@@ -299,6 +301,7 @@ class ImageReader:
         from PIL import Image, UnidentifiedImageError
 
         path = self.folder / name
+        require_regular(path)
         try:
             with Image.open(path) as image:
                 rgb = image.convert("RGB")
