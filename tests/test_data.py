@@ -178,3 +178,34 @@ def test_a_fifo_or_a_device_given_as_a_data_file_is_refused_as_such_before_readi
         with pytest.raises(DataError) as error:
             read_rgb(path, 8)
         assert str(error.value) == f"{path}: {kind}"
+
+
+def test_a_number_too_large_for_float32_is_refused_at_read_time_naming_row_and_column(tmp_path):
+    """Before: read as inf, and the run stopped later as if training had diverged."""
+    csv = tmp_path / "train.csv"
+    csv.write_text("x0,x1,y\n1,2,3\n4,-1e39,6\n")
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    assert str(error.value) == (
+        f"{csv}, line 3: column x1 is '-1e39', which does not fit float32 (largest 3.403e+38): "
+        "it would be read as infinite; rescale the column"
+    )
+    csv.write_text("x0,x1,y\n1,3e38,3\n")  # the largest float32 is about 3.4e38: it fits
+    assert read_numeric_csv(csv, required=["y"])[1][0, 1] == pytest.approx(3e38)
+    load_points = load(POINTCLOUD).load_points
+    points = np.zeros((10, 3))  # float64, as numpy saves by default
+    points[4, 1] = 1e39
+    np.save(tmp_path / "skull.npy", points)
+    with pytest.raises(DataError, match=r"skull\.npy: value 1e\+39 at index \[4, 1\] does not fit"):
+        load_points(tmp_path / "skull.npy")
+
+
+def test_a_header_with_spaces_after_the_commas_is_read_and_a_repeated_name_refused(tmp_path):
+    csv = tmp_path / "train.csv"
+    csv.write_text("x1, x2, y\n1, 2, 3\n")
+    columns, values = read_numeric_csv(csv, required=["y"])
+    assert columns == ["x1", "x2", "y"] and values.tolist() == [[1, 2, 3]]
+    csv.write_text("y, x2 ,y\n1,2,3\n")  # which y is the target?
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    assert str(error.value) == f"{csv}: the header names column 'y' twice; rename one of them"
