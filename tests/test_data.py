@@ -16,10 +16,16 @@ from torch.utils.data import DataLoader, Dataset
 from accel_common.data.cache import files_digest
 from accel_common.data.files import read_numeric_csv, read_path_list
 from accel_common.data.fingerprint import files_fingerprint
-from accel_common.data.images import image_batches, list_images, read_images, read_rgb
+from accel_common.data.images import (
+    MAX_PIXELS_VARIABLE,
+    image_batches,
+    list_images,
+    read_images,
+    read_rgb,
+)
 from accel_common.data.loaders import existing_data
-from accel_common.errors import DataError, error_message
-from recipes.quality.data import read_truth
+from accel_common.errors import ConfigError, DataError, error_message
+from recipes.quality.data import ImageReader, read_truth
 from tests.processes import POINTCLOUD, TEMPLATE
 
 
@@ -209,3 +215,28 @@ def test_a_header_with_spaces_after_the_commas_is_read_and_a_repeated_name_refus
     with pytest.raises(DataError) as error:
         read_numeric_csv(csv, required=["y"])
     assert str(error.value) == f"{csv}: the header names column 'y' twice; rename one of them"
+
+
+def test_an_image_over_the_pixel_limit_is_named_with_its_size_and_how_to_raise_it(
+    tmp_path, monkeypatch
+):
+    """A decompression bomb: before, PIL's DecompressionBombError came out as a traceback.
+    The limit is lowered here, so that a 40 x 30 image is over it."""
+    path = tmp_path / "big.png"
+    Image.new("RGB", (40, 30)).save(path)
+    quality = ImageReader(tmp_path, 8, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    monkeypatch.setenv(MAX_PIXELS_VARIABLE, "1000")
+    for read in (lambda: read_rgb(path, 8), lambda: quality("big.png")):  # captioning, quality
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == (
+            f"{path}: 40 x 30 = 1,200 pixels, over the limit of 1,000 that guards against "
+            f"decompression bombs; if you trust the file, raise the limit with "
+            f"{MAX_PIXELS_VARIABLE}=1200 (0: no limit)"
+        )
+    for trusted in ("1200", "0"):
+        monkeypatch.setenv(MAX_PIXELS_VARIABLE, trusted)
+        assert read_rgb(path, 8).shape == (3, 8, 8) and quality("big.png").shape == (3, 8, 8)
+    monkeypatch.setenv(MAX_PIXELS_VARIABLE, "1e6")
+    with pytest.raises(ConfigError, match=f"^{MAX_PIXELS_VARIABLE}=1e6: give a whole number"):
+        read_rgb(path, 8)

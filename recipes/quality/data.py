@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.data.images import open_image
 from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
@@ -298,12 +299,11 @@ class ImageReader:
         self.transform = transforms.Compose(steps)
 
     def __call__(self, name: str) -> torch.Tensor:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import UnidentifiedImageError
 
         path = self.folder / name
-        require_regular(path)
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:
                 rgb = image.convert("RGB")
         except (UnidentifiedImageError, OSError) as err:
             raise DataError(f"{path}: not a readable image ({err})") from None
