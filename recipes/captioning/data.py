@@ -63,6 +63,8 @@ def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:
             row = json.loads(text)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}, line {line}: not JSON ({err.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path}, line {line}: JSON nested too deeply to read") from None
         for key in ("file_name", "text"):
             if not isinstance(row, dict) or key not in row:
                 raise DataError(f"{path}, line {line}: no '{key}' key (imagefolder needs it)")
@@ -87,6 +89,8 @@ def _manifest(folder: Path, path: Path) -> list[tuple[str, str]]:
         mapping = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(mapping, dict):
         raise DataError(f"{path}: expected an object mapping image path -> caption")
     return [_checked(folder, f"{path}, key '{k}'", k, v) for k, v in mapping.items()]

@@ -85,6 +85,9 @@ class NotAMatch(Exception):
     """A .json file that is not a Cricsheet match (skipped with a warning, or --strict)."""
 
 
+NESTED_TOO_DEEPLY = "JSON nested too deeply to read (a Cricsheet match is about ten levels deep)"
+
+
 def count(value: Any, what: str, where: str, low: int, high: int) -> int:
     """A whole number of a match file in [low, high], else one line naming the file, the place
     and the value: a fraction or a string is not silently cut, an absurd count not overflowed."""
@@ -114,6 +117,8 @@ def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dic
         match = json.loads(Path(path).read_bytes())
     except (UnicodeDecodeError, ValueError) as err:
         raise NotAMatch(f"not valid JSON ({err})") from None
+    except RecursionError:  # json's reader follows about a thousand levels
+        raise NotAMatch(NESTED_TOO_DEEPLY) from None
     if not isinstance(match, dict) or not isinstance(match.get("info"), dict):
         raise NotAMatch("no 'info' object, so not a Cricsheet match")
     info = match["info"]
@@ -549,7 +554,7 @@ def match_registries(files: list[Path]) -> list[dict[str, str]]:
         try:
             info = json.loads(Path(path).read_bytes()).get("info", {})
             registries.append(dict(info.get("registry", {}).get("people", {})))
-        except (UnicodeDecodeError, ValueError, AttributeError):
+        except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
             registries.append({})
     return registries
 

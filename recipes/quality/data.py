@@ -107,7 +107,7 @@ def read_entries(path: Path) -> list:
     require_regular(path)
     try:
         data = json.loads(path.read_text())
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and isinstance(data.get("comparisons"), list):
         return data["comparisons"]
@@ -243,7 +243,7 @@ def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | N
         return None
     try:
         truth = json.loads(path.read_text())
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     fix = "fix it, or remove it to train without the metrics that need true values"
     for key, expected in (("quality", images), ("reliability", annotators)):

@@ -115,6 +115,7 @@ BAD_MANIFESTS = [
     ('["00000.png", "a red square"]', "{file}: expected an object mapping image path -> caption"),
     ('{"00000.png": "a cat", "gone.png": "a dog"}', "{file}, key 'gone.png': image {gone}"),
     ('{"00000.png": "a cat", "00001.png": " "}', "{file}, key '00001.png': empty caption"),
+    ("[" * 100_000 + "]" * 100_000, "{file}: JSON nested too deeply to read"),  # not a traceback
 ]
 
 

@@ -20,6 +20,7 @@ from accel_common.data.cache import code_digest
 from accel_common.errors import DataError
 from recipes.cricket import data as cricket
 from recipes.cricket import example
+from recipes.cricket.data import NotAMatch
 from tests.processes import CRICKET, run_recipe
 from tests.recipes.cricket.helpers import T20, deliveries
 
@@ -344,3 +345,19 @@ def test_predict_on_a_folder_says_it_is_one_and_what_it_takes(tmp_path):
         f"--match {tmp_path}: is a folder, not a regular file; give one Cricsheet match .json file"
     )
     assert not out.exists()
+
+
+def test_a_match_file_nested_too_deeply_is_a_non_match_named_in_one_line(folder):
+    """Before: json's RecursionError came out of training and `predict` as a traceback."""
+    deep = folder / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(NotAMatch) as error:  # predict names the file with it (--match)
+        cricket.parse_match(deep, T20)
+    assert str(error.value) == cricket.NESTED_TOO_DEEPLY
+    info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)[1]
+    assert ("deep.json", cricket.NESTED_TOO_DEEPLY) in info["not_matches"]
+    with pytest.raises(DataError) as error:
+        cricket.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
+    assert str(error.value) == (
+        f"{deep}: {cricket.NESTED_TOO_DEEPLY}; remove it, or leave out --strict to skip it"
+    )
