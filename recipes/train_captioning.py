@@ -270,7 +270,8 @@ def caption(
         ids = greedy_captions(model, pixels.to(device), config["bos"], config["eos"], longest)
         for name, row in zip(names, ids.tolist(), strict=True):
             lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
-    out.write_text("".join(lines))
+    # a file name's own bytes (b"\xff.png" is no UTF-8): the TSV names the file as it is on disk
+    out.write_text("".join(lines), encoding="utf-8", errors="surrogateescape")
     print(f"wrote {out}: {len(lines)} captions")
 
 

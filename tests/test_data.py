@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from accel_common.data.cache import files_digest
 from accel_common.data.files import read_numeric_csv, read_path_list
-from accel_common.data.fingerprint import files_fingerprint
+from accel_common.data.fingerprint import files_fingerprint, hash_cache_file, named_files
 from accel_common.data.images import (
     MAX_PIXELS_VARIABLE,
     image_batches,
@@ -240,3 +240,19 @@ def test_an_image_over_the_pixel_limit_is_named_with_its_size_and_how_to_raise_i
     monkeypatch.setenv(MAX_PIXELS_VARIABLE, "1e6")
     with pytest.raises(ConfigError, match=f"^{MAX_PIXELS_VARIABLE}=1e6: give a whole number"):
         read_rgb(path, 8)
+
+
+def test_a_data_file_whose_name_is_not_utf8_is_fingerprinted_and_its_digest_cached(tmp_path):
+    """Before: UnicodeEncodeError from the fingerprint, its cache and the tables' cache key."""
+    folder = tmp_path / os.fsdecode(b"data\xff")
+    folder.mkdir()
+    path = folder / os.fsdecode(b"\xff.npy")
+    path.write_bytes(b"points")
+    files = named_files([path], folder)
+    cache = hash_cache_file(folder, tmp_path / "cache")
+    fingerprint, digests = files_fingerprint(files, cache)
+    assert list(digests) == [os.fsdecode(b"\xff.npy")] and cache.is_file()
+    assert files_fingerprint(files, cache) == (fingerprint, digests)  # from the cache
+    path.write_bytes(b"other points")
+    assert files_fingerprint(files, cache)[0] != fingerprint
+    assert len(files_digest([path])) == 64

@@ -32,7 +32,8 @@ def files_digest(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in files:
         require_regular(path)
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        name = os.fsencode(path.name)  # a file name's bytes, which need not be UTF-8
+        digest.update(name + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 
 

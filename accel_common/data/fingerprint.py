@@ -77,7 +77,7 @@ def files_fingerprint(
         contents = cached[4] if cached and cached[:4] == key else file_digest(path)
         seen[absolute] = [*key, contents]
         digests[name] = contents[:16]
-        digest.update(f"{name}\0{contents}\n".encode())
+        digest.update(os.fsencode(f"{name}\0{contents}\n"))  # a name's bytes need not be UTF-8
     if cache_file is not None and seen != known:
         _write_hash_cache(cache_file, seen)
     return CONTENT_FINGERPRINT + digest.hexdigest()[:16], digests
@@ -137,7 +137,7 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
 
 def hash_cache_file(data: Path, cache_dir: Path) -> Path:
     """The digest cache of a run's data (named by its --data folder)."""
-    where = hashlib.sha256(str(Path(data).resolve()).encode()).hexdigest()[:20]
+    where = hashlib.sha256(os.fsencode(Path(data).resolve())).hexdigest()[:20]
     return Path(cache_dir) / f"file-hashes-{where}.json"
 
 

@@ -177,13 +177,14 @@ def prepare_split(
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         ids = _unpadded([e.ids for e in tokenizer.encode_batch(batch["text"])])
-        for name, tokens in zip(batch["file_name"], ids, strict=True):
+        names = [records[i][0] for i in batch["record"]]
+        for name, tokens in zip(names, ids, strict=True):
             if len(tokens) > max_tokens:
                 raise DataError(
                     f"{folder / name}: its caption has {len(tokens)} tokens with [BOS]/[EOS], "
                     f"more than --max-tokens {max_tokens}; raise it"
                 )
-        pixels = [read_rgb(folder / name, size) for name in batch["file_name"]]
+        pixels = [read_rgb(folder / name, size) for name in names]
         return {"pixels": pixels, "tokens": ids}
 
     features = datasets.Features(
@@ -193,13 +194,14 @@ def prepare_split(
         }
     )
     start = time.perf_counter()
+    # records by their index: a file name need not be UTF-8 (b"\xff.png"), an Arrow string must
     table = datasets.Dataset.from_dict(
-        {"file_name": [n for n, _ in records], "text": [t for _, t in records]}
+        {"record": list(range(len(records))), "text": [t for _, t in records]}
     )
     prepared = table.map(
         encode,
         batched=True,
-        remove_columns=["file_name", "text"],
+        remove_columns=["record", "text"],
         features=features,
         cache_file_name=str(cache),
         new_fingerprint=key,

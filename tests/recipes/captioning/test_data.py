@@ -13,13 +13,16 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer
 
+import recipes.train_captioning as recipe
 from accel_common.errors import DataError
+from accel_common.export import write_export
 from recipes.captioning import data as caption_data
 from recipes.captioning.data import read_split
 from recipes.captioning.example import write_dataset
-from recipes.captioning.tokenizer import PAD_ID, train_tokenizer
+from recipes.captioning.tokenizer import BOS, EOS, PAD_ID, train_tokenizer
 from tests.processes import CAPTIONING, CAPTIONING_TINY, run_recipe
 
 
@@ -255,3 +258,40 @@ def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
         f"error: {metadata}, line 3: image {data / 'test' / 'lost.png'} not found"
     ]
     assert not (tmp_path / "run" / "model").exists()
+
+
+NOT_UTF8 = os.fsdecode(b"\xff")  # a file name whose bytes are not UTF-8, as Python holds it
+
+
+def tiny_export(folder: Path, captions: list[str]) -> Path:
+    """An untrained export with its tokenizer, as training writes them (no training: the
+    `caption` command's reading and writing is what is tested)."""
+    tokenizer = train_tokenizer(captions)
+    settings = dict(image_size=8, patch=4, dim=8, depth=1, decoder_depth=1, heads=1, max_tokens=6)
+    vocab = tokenizer.get_vocab_size()
+    model = recipe.Captioner(vocab, **settings)
+    config = settings | {"vocab_size": vocab, "bos": tokenizer.token_to_id(BOS)}
+    config |= {"eos": tokenizer.token_to_id(EOS)}
+    write_export(model.state_dict(), folder, {"recipe": "captioning", "config": config})
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_an_image_whose_name_is_not_utf8_is_prepared_and_captioned_under_its_name(
+    tmp_path, monkeypatch
+):
+    """Before: Arrow refused the name in preparation, and the TSV could not be written."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in (NOT_UTF8, "plain"):
+        Image.new("RGB", (8, 8), "red").save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text("a red square")
+    records = caption_data.read_folder(folder)
+    tokenizer = train_tokenizer([text for _, text in records])
+    prepared, _, _ = caption_data.prepare_split(folder, records, tokenizer, 8, max_tokens=6)
+    assert len(prepared) == 2
+    out = tmp_path / "captions.tsv"
+    recipe.caption(tiny_export(tmp_path / "model", ["a red square"]), folder, out, None, 64)
+    names = [line.split(b"\t")[0] for line in out.read_bytes().splitlines()]
+    assert names == [b"plain.png", b"\xff.png"]  # the file's own bytes
