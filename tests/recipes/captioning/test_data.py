@@ -17,7 +17,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 import recipes.train_captioning as recipe
-from accel_common.errors import DataError
+from accel_common.errors import CheckpointError, DataError
 from accel_common.export import write_export
 from recipes.captioning import data as caption_data
 from recipes.captioning.data import read_split
@@ -295,3 +295,22 @@ def test_an_image_whose_name_is_not_utf8_is_prepared_and_captioned_under_its_nam
     recipe.caption(tiny_export(tmp_path / "model", ["a red square"]), folder, out, None, 64)
     names = [line.split(b"\t")[0] for line in out.read_bytes().splitlines()]
     assert names == [b"plain.png", b"\xff.png"]  # the file's own bytes
+
+
+def test_caption_with_an_export_lacking_its_tokenizer_names_the_folder_and_the_file(tmp_path):
+    """Before: the tokenizers library's own exception, a traceback."""
+    model = tiny_export(tmp_path / "model", ["a red square"])
+    images, out = tmp_path / "images", tmp_path / "captions.tsv"
+    images.mkdir()
+    Image.new("RGB", (8, 8)).save(images / "a.png")
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"^{model / 'tokenizer.json'}: not a tokenizer file"):
+        recipe.caption(model, images, out, None, 64)
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError) as error:
+        recipe.caption(model, images, out, None, 64)
+    assert str(error.value) == (
+        f"--model {model}: no tokenizer.json beside the export ({model / 'tokenizer.json'}); "
+        "training saves it there: copy it with the model"
+    )
+    assert not out.exists()
