@@ -44,14 +44,28 @@ CAPTION_LISTS = ("metadata.jsonl", "metadata.csv", "captions.json")  # else .txt
 
 def _checked(folder: Path, source: str, name: object, caption: object) -> tuple[str, str]:
     """One record, with its error naming where it came from (`source`: file, line or key)."""
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise DataError(f"{source}: the file name is {_json_kind(name)}, not text")
+    if not name:
         raise DataError(f"{source}: no image file name")
-    if not isinstance(caption, str) or not caption.strip():
+    if caption is not None and not isinstance(caption, str):
+        raise DataError(
+            f"{source}: the caption of {name} is {_json_kind(caption)}, not text; write it in "
+            "quotes if it is meant as one"
+        )
+    if not caption or not caption.strip():
         raise DataError(f"{source}: empty caption for {name}")
     if not (folder / name).exists():
         raise DataError(f"{source}: image {folder / name} not found")
     require_regular(folder / name, f"{source}: image ")
     return name, " ".join(caption.split())
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's kind and the value: 'a number (42)', 'a list ([1, 2])'."""
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (list, "a list"), (dict, "an object"))
+    kind = next((words for types, words in kinds if isinstance(value, types)), "a value")
+    return f"{kind} ({json.dumps(value)[:40]})"
 
 
 def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:

@@ -82,6 +82,16 @@ BAD_METADATA = [
     ('{"file_name": "gone.png", "text": "a red square"}', "line 2: image .*gone.png not found"),
     ('{"file_name": "00001.png", "text": "  "}', "line 2: empty caption for 00001.png"),
     ("{not json", "line 2: not JSON"),
+    # before: "empty caption", which sent the user looking for a blank
+    (
+        '{"file_name": "00001.png", "text": 42}',
+        r"line 2: the caption of 00001.png is a number \(42\), not text; write it in quotes",
+    ),
+    (
+        '{"file_name": "00001.png", "text": ["a", "b"]}',
+        r"line 2: the caption of 00001.png is a list \(\[\"a\", \"b\"\]\)",
+    ),
+    ('{"file_name": 7, "text": "a cat"}', r"line 2: the file name is a number \(7\), not text$"),
 ]
 
 
