@@ -48,7 +48,7 @@ from accel_common.data.fingerprint import named_files
 from accel_common.data.images import image_batches, list_images
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
-from accel_common.errors import ConfigError
+from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
@@ -61,6 +61,7 @@ from recipes.captioning.model import Captioner, greedy_captions
 from recipes.captioning.tokenizer import BOS, EOS, PAD_ID, shared_tokenizer, train_tokenizer
 
 RECIPE = "captioning"
+TOKENIZER_FILE = "tokenizer.json"  # beside the export
 EXAMPLE_VOCAB = 20  # the example's 16 words and [PAD] [UNK] [BOS] [EOS]
 NETWORK = ("image_size", "patch", "dim", "depth", "decoder_depth", "heads", "max_tokens")
 
@@ -236,11 +237,26 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
         loop.end_epoch(evaluate(accelerator, model, test_loader, majority, derived))
     metrics = loop.finish(model)
     if accelerator.is_main_process:
-        tokenizer.save(str(args.output_dir / "model" / "tokenizer.json"))
+        tokenizer.save(str(args.output_dir / "model" / TOKENIZER_FILE))
     return metrics
 
 
 # --------------------------------------------------------------------------- single-device use
+
+
+def read_tokenizer(model_dir: Path) -> Tokenizer:
+    """The tokenizer training saved beside the export (`model_dir` a folder, or the
+    .safetensors in one); missing or unreadable, one line naming it."""
+    path = (model_dir if model_dir.is_dir() else model_dir.parent) / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"--model {model_dir}: no {TOKENIZER_FILE} beside the export ({path}); training "
+            f"saves it there: copy it with the model"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises a bare Exception
+        raise CheckpointError(f"{path}: not a tokenizer file ({err})") from None
 
 
 def caption(
@@ -261,7 +277,7 @@ def caption(
             f"--max-tokens {max_tokens}: the model was trained for at most "
             f"{settings.max_tokens} tokens (its position table ends there)"
         )
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer = read_tokenizer(model_dir)
     model = Captioner(config["vocab_size"], **settings.network())
     device = load_for_inference(model_dir, model)
     longest = max_tokens or settings.max_tokens
@@ -270,7 +286,8 @@ def caption(
         ids = greedy_captions(model, pixels.to(device), config["bos"], config["eos"], longest)
         for name, row in zip(names, ids.tolist(), strict=True):
             lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
-    out.write_text("".join(lines))
+    # a file name's own bytes (b"\xff.png" is no UTF-8): the TSV names the file as it is on disk
+    out.write_text("".join(lines), encoding="utf-8", errors="surrogateescape")
     print(f"wrote {out}: {len(lines)} captions")
 
 

@@ -49,6 +49,7 @@ from accel_common.console import say
 from accel_common.data.cache import list_column
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import existing_data, resolve_data
+from accel_common.data.paths import require_regular
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import (
@@ -451,6 +452,7 @@ def predict(
 ) -> None:
     """Predict the model's target (--target) before every sample delivery of one match."""
     require_new_file(out)
+    require_regular(match, "--match ", "; give one Cricsheet match .json file")
     config = read_recipe_export(model_dir, RECIPE)
     settings = CricketSettings.from_config(config)
     # an export is a folder, or a .safetensors whose vocabulary lies beside it (convert's OUT)
@@ -464,8 +466,6 @@ def predict(
     vocab = json.loads(vocab_path.read_text())
     model = network(settings, config["vocab_sizes"])
     device = load_for_inference(model_dir, model)
-    if not match.is_file():
-        raise DataError(f"--match {match}: file not found")
     try:
         _, records = parse_match(match, tuple(settings.match_types.split(",")))
     except NotAMatch as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,10 +13,19 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.data.files import read_numeric_csv
-from accel_common.data.images import image_batches, list_images, read_images, read_rgb
-from accel_common.errors import DataError, error_message
-from recipes.quality.data import read_truth
+from accel_common.data.cache import files_digest
+from accel_common.data.files import read_numeric_csv, read_path_list
+from accel_common.data.fingerprint import files_fingerprint, hash_cache_file, named_files
+from accel_common.data.images import (
+    MAX_PIXELS_VARIABLE,
+    image_batches,
+    list_images,
+    read_images,
+    read_rgb,
+)
+from accel_common.data.loaders import existing_data
+from accel_common.errors import ConfigError, DataError, error_message
+from recipes.quality.data import ImageReader, read_truth
 from tests.processes import POINTCLOUD, TEMPLATE
 
 
@@ -140,3 +150,109 @@ def test_a_missing_empty_or_unreadable_image_folder_is_named(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(DataError, match=r"broken\.png: not a readable image"):
         read_rgb(tmp_path / "broken.png", 32)
+
+
+def special_files(folder, suffix):
+    """A FIFO and a link to /dev/zero named as data files, and what each is called."""
+    fifo, zero = folder / f"pipe{suffix}", folder / f"zero{suffix}"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    return {
+        fifo: "is a FIFO (named pipe), not a regular file",
+        zero: "is a character device (a link to /dev/zero), not a regular file",
+    }
+
+
+@pytest.mark.timeout(30)  # before: "not found", or a read of the FIFO that waited forever
+def test_a_fifo_or_a_device_given_as_a_data_file_is_refused_as_such_before_reading(tmp_path):
+    for path, kind in special_files(tmp_path, ".csv").items():
+        for read in (lambda p: read_numeric_csv(p, ["y"]), lambda p: read_path_list(p, (".npy",))):
+            with pytest.raises(DataError) as error:
+                read(path)
+            assert str(error.value) == f"{path}: {kind}"
+        with pytest.raises(DataError) as error:
+            files_digest([path])  # the cache key of cricket's and crystal's tables
+        assert str(error.value) == f"{path}: {kind}"
+        with pytest.raises(DataError) as error:
+            files_fingerprint({"train.csv": path})  # every recipe's declared files
+        assert str(error.value) == f"{path}: {kind}; remove it from the data"
+        with pytest.raises(DataError) as error:
+            existing_data("template", path)
+        assert str(error.value) == f"--data {path}: {kind.replace('a regular file', 'a folder')}"
+    for path, kind in special_files(tmp_path, ".png").items():
+        assert list_images(tmp_path) == [path.name for path in sorted(tmp_path.glob("*.png"))]
+        with pytest.raises(DataError) as error:
+            read_rgb(path, 8)
+        assert str(error.value) == f"{path}: {kind}"
+
+
+def test_a_number_too_large_for_float32_is_refused_at_read_time_naming_row_and_column(tmp_path):
+    """Before: read as inf, and the run stopped later as if training had diverged."""
+    csv = tmp_path / "train.csv"
+    csv.write_text("x0,x1,y\n1,2,3\n4,-1e39,6\n")
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    assert str(error.value) == (
+        f"{csv}, line 3: column x1 is '-1e39', which does not fit float32 (largest 3.403e+38): "
+        "it would be read as infinite; rescale the column"
+    )
+    csv.write_text("x0,x1,y\n1,3e38,3\n")  # the largest float32 is about 3.4e38: it fits
+    assert read_numeric_csv(csv, required=["y"])[1][0, 1] == pytest.approx(3e38)
+    load_points = load(POINTCLOUD).load_points
+    points = np.zeros((10, 3))  # float64, as numpy saves by default
+    points[4, 1] = 1e39
+    np.save(tmp_path / "skull.npy", points)
+    with pytest.raises(DataError, match=r"skull\.npy: value 1e\+39 at index \[4, 1\] does not fit"):
+        load_points(tmp_path / "skull.npy")
+
+
+def test_a_header_with_spaces_after_the_commas_is_read_and_a_repeated_name_refused(tmp_path):
+    csv = tmp_path / "train.csv"
+    csv.write_text("x1, x2, y\n1, 2, 3\n")
+    columns, values = read_numeric_csv(csv, required=["y"])
+    assert columns == ["x1", "x2", "y"] and values.tolist() == [[1, 2, 3]]
+    csv.write_text("y, x2 ,y\n1,2,3\n")  # which y is the target?
+    with pytest.raises(DataError) as error:
+        read_numeric_csv(csv, required=["y"])
+    assert str(error.value) == f"{csv}: the header names column 'y' twice; rename one of them"
+
+
+def test_an_image_over_the_pixel_limit_is_named_with_its_size_and_how_to_raise_it(
+    tmp_path, monkeypatch
+):
+    """A decompression bomb: before, PIL's DecompressionBombError came out as a traceback.
+    The limit is lowered here, so that a 40 x 30 image is over it."""
+    path = tmp_path / "big.png"
+    Image.new("RGB", (40, 30)).save(path)
+    quality = ImageReader(tmp_path, 8, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    monkeypatch.setenv(MAX_PIXELS_VARIABLE, "1000")
+    for read in (lambda: read_rgb(path, 8), lambda: quality("big.png")):  # captioning, quality
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == (
+            f"{path}: 40 x 30 = 1,200 pixels, over the limit of 1,000 that guards against "
+            f"decompression bombs; if you trust the file, raise the limit with "
+            f"{MAX_PIXELS_VARIABLE}=1200 (0: no limit)"
+        )
+    for trusted in ("1200", "0"):
+        monkeypatch.setenv(MAX_PIXELS_VARIABLE, trusted)
+        assert read_rgb(path, 8).shape == (3, 8, 8) and quality("big.png").shape == (3, 8, 8)
+    monkeypatch.setenv(MAX_PIXELS_VARIABLE, "1e6")
+    with pytest.raises(ConfigError, match=f"^{MAX_PIXELS_VARIABLE}=1e6: give a whole number"):
+        read_rgb(path, 8)
+
+
+def test_a_data_file_whose_name_is_not_utf8_is_fingerprinted_and_its_digest_cached(tmp_path):
+    """Before: UnicodeEncodeError from the fingerprint, its cache and the tables' cache key."""
+    folder = tmp_path / os.fsdecode(b"data\xff")
+    folder.mkdir()
+    path = folder / os.fsdecode(b"\xff.npy")
+    path.write_bytes(b"points")
+    files = named_files([path], folder)
+    cache = hash_cache_file(folder, tmp_path / "cache")
+    fingerprint, digests = files_fingerprint(files, cache)
+    assert list(digests) == [os.fsdecode(b"\xff.npy")] and cache.is_file()
+    assert files_fingerprint(files, cache) == (fingerprint, digests)  # from the cache
+    path.write_bytes(b"other points")
+    assert files_fingerprint(files, cache)[0] != fingerprint
+    assert len(files_digest([path])) == 64

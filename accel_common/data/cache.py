@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from accel_common.data.paths import require_regular
+
 
 def cache_root(cache_dir: Path | None = None) -> Path:
     """Where prepared tables live: `cache_dir`, else beside `datasets`' own cache
@@ -25,10 +27,13 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 def files_digest(files: list[Path]) -> str:
     """One digest of the files' names and bytes: a cache key's view of the data (contents, not
-    sizes or times, so a rewritten file of the same size is seen)."""
+    sizes or times, so a rewritten file of the same size is seen). A FIFO or device among
+    them is refused before it is read (it would block or never end)."""
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        require_regular(path)
+        name = os.fsencode(path.name)  # a file name's bytes, which need not be UTF-8
+        digest.update(name + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 
 

@@ -11,17 +11,20 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a number above it is read as infinite
 
 
 def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
     """(line number, row) pairs of a CSV with a header; errors name the file, line and problem."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    require_regular(path)
     with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's BOM is skipped
         reader = csv.DictReader(handle)
         try:
-            missing = [c for c in required if c not in (reader.fieldnames or [])]
+            reader.fieldnames = _header(path, reader.fieldnames or [])
+            missing = [c for c in required if c not in reader.fieldnames]
             if missing:
                 raise DataError(_lacking(path, reader.fieldnames or [], missing))
             rows = []
@@ -36,6 +39,16 @@ def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[s
     if not rows:
         raise DataError(f"{path}: no data rows (an empty split cannot be trained or scored)")
     return rows
+
+
+def _header(path: Path, names: Sequence[str]) -> list[str]:
+    """The header's column names without the spaces around them (`x1, x2, y`, as many write
+    it); a name given twice is refused, since a row's value would be taken from one of them."""
+    stripped = [name.strip() for name in names]
+    twice = next((name for i, name in enumerate(stripped) if name in stripped[:i]), None)
+    if twice is not None:
+        raise DataError(f"{path}: the header names column {twice!r} twice; rename one of them")
+    return stripped
 
 
 # delimiters a CSV is often written with instead of commas (Excel in many locales: ';')
@@ -73,8 +86,7 @@ def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]
 
     A first line that does not end in one of `suffixes` is taken as a header and skipped.
     """
-    if not csv.is_file():
-        raise DataError(f"{csv}: file not found")
+    require_regular(csv)
     rows = []
     wanted = " or ".join(suffixes)
     for line, text in enumerate(csv.read_text().splitlines(), start=1):
@@ -113,6 +125,12 @@ def read_numeric_csv(
         if not all(map(math.isfinite, numbers)):
             bad = next(c for c, x in zip(columns, numbers, strict=True) if not math.isfinite(x))
             raise DataError(f"{path}, line {line}: column {bad} is '{row[bad]}', not finite")
+        if any(abs(x) > FLOAT32_MAX for x in numbers):
+            bad = next(c for c, x in zip(columns, numbers, strict=True) if abs(x) > FLOAT32_MAX)
+            raise DataError(
+                f"{path}, line {line}: column {bad} is '{row[bad]}', which does not fit float32 "
+                f"(largest {FLOAT32_MAX:.4g}): it would be read as infinite; rescale the column"
+            )
         values.append(numbers)
     return columns, torch.tensor(values, dtype=torch.float32)
 
@@ -126,13 +144,21 @@ def _is_float(text: str) -> bool:
 
 
 def require_finite(values: np.ndarray | torch.Tensor, where: str) -> None:
-    """Refuse NaN and infinite values, naming the first one's position (`where` names the
-    file): a single NaN in the data turns every weight into NaN a step later."""
-    finite = np.isfinite(np.asarray(values))
+    """Refuse NaN and infinite values, and those too large for float32 (which the recipes cast
+    them to: 1e39 becomes inf), naming the first one's position (`where` names the file): a
+    single NaN in the data turns every weight into NaN a step later."""
+    values = np.asarray(values)
+    finite = np.isfinite(values)
     if not finite.all():
         index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        value = np.asarray(values)[index]
-        raise DataError(f"{where}: value {value} at index {list(index)} is not finite")
+        raise DataError(f"{where}: value {values[index]} at index {list(index)} is not finite")
+    too_large = np.abs(values) > FLOAT32_MAX
+    if too_large.any():
+        index = tuple(int(i) for i in np.argwhere(too_large)[0])
+        raise DataError(
+            f"{where}: value {values[index]} at index {list(index)} does not fit float32 "
+            f"(largest {FLOAT32_MAX:.4g}): it would be read as infinite; rescale the data"
+        )
 
 
 class EpochShuffleSampler(Sampler[int]):

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from accel_common.data.paths import file_kind, not_regular
 from accel_common.errors import CheckpointError, DataError
 
 # what a fingerprint of the files read starts with; earlier versions fingerprinted the whole
@@ -69,12 +70,14 @@ def files_fingerprint(
             stat = path.stat()
         except OSError as err:
             raise DataError(f"{path}: cannot be read for the data's fingerprint ({err})") from None
+        if file_kind(stat.st_mode) is not None:  # a FIFO would block the read forever
+            raise DataError(f"{path}: {not_regular(path, stat.st_mode)}; remove it from the data")
         key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
         cached = known.get(absolute)
         contents = cached[4] if cached and cached[:4] == key else file_digest(path)
         seen[absolute] = [*key, contents]
         digests[name] = contents[:16]
-        digest.update(f"{name}\0{contents}\n".encode())
+        digest.update(os.fsencode(f"{name}\0{contents}\n"))  # a name's bytes need not be UTF-8
     if cache_file is not None and seen != known:
         _write_hash_cache(cache_file, seen)
     return CONTENT_FINGERPRINT + digest.hexdigest()[:16], digests
@@ -134,7 +137,7 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
 
 def hash_cache_file(data: Path, cache_dir: Path) -> Path:
     """The digest cache of a run's data (named by its --data folder)."""
-    where = hashlib.sha256(str(Path(data).resolve()).encode()).hexdigest()[:20]
+    where = hashlib.sha256(os.fsencode(Path(data).resolve())).hexdigest()[:20]
     return Path(cache_dir) / f"file-hashes-{where}.json"
 
 

@@ -19,6 +19,7 @@ from accel_common.balance import BalancedBatchSampler
 from accel_common.batching import BatchPlan
 from accel_common.console import say
 from accel_common.data.files import EpochShuffleSampler
+from accel_common.data.paths import require_folder
 from accel_common.errors import DataError
 
 EXAMPLE_DATA_ROOT = Path("data/example")
@@ -67,8 +68,7 @@ def existing_data(workload: str, data: Path | None) -> Path:
     reads them: --data, or the example once a run has written it; else a DataError saying why
     (the dry run then says the count is unknown instead of guessing)."""
     if data is not None:
-        if not data.is_dir():
-            raise DataError(f"--data {data}: no such folder")
+        require_folder(data, "--data ")
         return data
     target = example_data_dir(workload)
     if not target.is_dir():
@@ -81,8 +81,7 @@ def resolve_data(
 ) -> Path:
     """The user's --data folder, or a small example written once by the main process."""
     if data is not None:
-        if not data.is_dir():
-            raise DataError(f"--data {data}: no such folder")
+        require_folder(data, "--data ")
         return data
     target = example_data_dir(workload)
     with accelerator.main_process_first():

@@ -33,6 +33,7 @@ from torch import nn
 
 from accel_common.data.cache import cache_key, cache_root, code_digest
 from accel_common.data.images import is_image, read_rgb, to_signed_unit
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 from recipes.captioning.tokenizer import PAD_ID
 
@@ -43,13 +44,28 @@ CAPTION_LISTS = ("metadata.jsonl", "metadata.csv", "captions.json")  # else .txt
 
 def _checked(folder: Path, source: str, name: object, caption: object) -> tuple[str, str]:
     """One record, with its error naming where it came from (`source`: file, line or key)."""
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise DataError(f"{source}: the file name is {_json_kind(name)}, not text")
+    if not name:
         raise DataError(f"{source}: no image file name")
-    if not isinstance(caption, str) or not caption.strip():
+    if caption is not None and not isinstance(caption, str):
+        raise DataError(
+            f"{source}: the caption of {name} is {_json_kind(caption)}, not text; write it in "
+            "quotes if it is meant as one"
+        )
+    if not caption or not caption.strip():
         raise DataError(f"{source}: empty caption for {name}")
-    if not (folder / name).is_file():
+    if not (folder / name).exists():
         raise DataError(f"{source}: image {folder / name} not found")
+    require_regular(folder / name, f"{source}: image ")
     return name, " ".join(caption.split())
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's kind and the value: 'a number (42)', 'a list ([1, 2])'."""
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (list, "a list"), (dict, "an object"))
+    kind = next((words for types, words in kinds if isinstance(value, types)), "a value")
+    return f"{kind} ({json.dumps(value)[:40]})"
 
 
 def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:
@@ -61,6 +77,8 @@ def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:
             row = json.loads(text)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}, line {line}: not JSON ({err.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path}, line {line}: JSON nested too deeply to read") from None
         for key in ("file_name", "text"):
             if not isinstance(row, dict) or key not in row:
                 raise DataError(f"{path}, line {line}: no '{key}' key (imagefolder needs it)")
@@ -85,6 +103,8 @@ def _manifest(folder: Path, path: Path) -> list[tuple[str, str]]:
         mapping = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(mapping, dict):
         raise DataError(f"{path}: expected an object mapping image path -> caption")
     return [_checked(folder, f"{path}, key '{k}'", k, v) for k, v in mapping.items()]
@@ -94,8 +114,9 @@ def _sidecars(folder: Path) -> list[tuple[str, str]]:
     records = []
     for image in sorted(p for p in folder.rglob("*") if is_image(p)):
         caption = image.with_suffix(".txt")
-        if not caption.is_file():
+        if not caption.exists():
             raise DataError(f"{image}: no caption file {caption.name} beside it")
+        require_regular(caption)
         name = image.relative_to(folder).as_posix()
         records.append(_checked(folder, str(caption), name, caption.read_text()))
     return records
@@ -106,7 +127,7 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
     A folder with two caption lists is refused: one would be read and the other ignored."""
     readers = (_imagefolder_jsonl, _imagefolder_csv, _manifest)
     layouts = dict(zip(CAPTION_LISTS, readers, strict=True))
-    found = [name for name in layouts if (folder / name).is_file()]
+    found = [name for name in layouts if (folder / name).exists()]
     if len(found) > 1:
         named = f"{', '.join(found[:-1])} and {found[-1]}"
         both, others = ("both ", "other") if len(found) == 2 else ("", "others")
@@ -114,6 +135,8 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
             f"{folder}: holds {both}{named}, and only one of them would be read; keep the one "
             f"with the captions to train on and move the {others} out of the folder"
         )
+    if found:
+        require_regular(folder / found[0])
     records = layouts[found[0]](folder, folder / found[0]) if found else _sidecars(folder)
     if not records:
         raise DataError(
@@ -168,13 +191,14 @@ def prepare_split(
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         ids = _unpadded([e.ids for e in tokenizer.encode_batch(batch["text"])])
-        for name, tokens in zip(batch["file_name"], ids, strict=True):
+        names = [records[i][0] for i in batch["record"]]
+        for name, tokens in zip(names, ids, strict=True):
             if len(tokens) > max_tokens:
                 raise DataError(
                     f"{folder / name}: its caption has {len(tokens)} tokens with [BOS]/[EOS], "
                     f"more than --max-tokens {max_tokens}; raise it"
                 )
-        pixels = [read_rgb(folder / name, size) for name in batch["file_name"]]
+        pixels = [read_rgb(folder / name, size) for name in names]
         return {"pixels": pixels, "tokens": ids}
 
     features = datasets.Features(
@@ -184,13 +208,14 @@ def prepare_split(
         }
     )
     start = time.perf_counter()
+    # records by their index: a file name need not be UTF-8 (b"\xff.png"), an Arrow string must
     table = datasets.Dataset.from_dict(
-        {"file_name": [n for n, _ in records], "text": [t for _, t in records]}
+        {"record": list(range(len(records))), "text": [t for _, t in records]}
     )
     prepared = table.map(
         encode,
         batched=True,
-        remove_columns=["file_name", "text"],
+        remove_columns=["record", "text"],
         features=features,
         cache_file_name=str(cache),
         new_fingerprint=key,

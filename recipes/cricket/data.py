@@ -49,6 +49,7 @@ from accel_common.data.cache import (
     list_column,
     save_whole,
 )
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 from recipes.cricket.features import (
     CTX_DIM,
@@ -84,6 +85,9 @@ class NotAMatch(Exception):
     """A .json file that is not a Cricsheet match (skipped with a warning, or --strict)."""
 
 
+NESTED_TOO_DEEPLY = "JSON nested too deeply to read (a Cricsheet match is about ten levels deep)"
+
+
 def count(value: Any, what: str, where: str, low: int, high: int) -> int:
     """A whole number of a match file in [low, high], else one line naming the file, the place
     and the value: a fraction or a string is not silently cut, an absurd count not overflowed."""
@@ -113,6 +117,8 @@ def parse_match(path: Path, match_types: tuple[str, ...]) -> tuple[str, list[dic
         match = json.loads(Path(path).read_bytes())
     except (UnicodeDecodeError, ValueError) as err:
         raise NotAMatch(f"not valid JSON ({err})") from None
+    except RecursionError:  # json's reader follows about a thousand levels
+        raise NotAMatch(NESTED_TOO_DEEPLY) from None
     if not isinstance(match, dict) or not isinstance(match.get("info"), dict):
         raise NotAMatch("no 'info' object, so not a Cricsheet match")
     info = match["info"]
@@ -459,8 +465,11 @@ def add_features(
 
 
 def match_files(folder: Path) -> list[Path]:
-    """The folder's `*.json` files, as the original globs them (README.txt is not one)."""
+    """The folder's `*.json` files, as the original globs them (README.txt is not one); a
+    FIFO or device among them is refused before anything reads it (it would block forever)."""
     files = sorted(folder.glob("*.json"))
+    for path in files:
+        require_regular(path, expected="; remove it from --data, which holds match files")
     if not files:
         raise DataError(
             f"--data {folder}: no .json files; unzip Cricsheet's t20s_male_json.zip into it"
@@ -545,7 +554,7 @@ def match_registries(files: list[Path]) -> list[dict[str, str]]:
         try:
             info = json.loads(Path(path).read_bytes()).get("info", {})
             registries.append(dict(info.get("registry", {}).get("people", {})))
-        except (UnicodeDecodeError, ValueError, AttributeError):
+        except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
             registries.append({})
     return registries
 

@@ -36,6 +36,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.data import Data
 
 from accel_common.data.cache import cache_key, cache_root, code_digest, files_digest, save_whole
+from accel_common.data.paths import require_regular
 from accel_common.errors import ConfigError, DataError
 
 READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
@@ -51,8 +52,7 @@ def read_frames(path: Path, index: str) -> list:
     import ase.io
     from ase.utils import string2index
 
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    require_regular(path)
     try:
         selection = string2index(index)  # "abc" comes back as a string, "1:2:3:4" raises
     except (TypeError, ValueError):

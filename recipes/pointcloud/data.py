@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_common.data.files import read_path_list, require_finite
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
 DEFECTS = ("bilateral", "frontoorbital", "parietotemporal", "random_1", "random_2")
@@ -61,8 +62,7 @@ def load_points(path: Path, header_only: bool = False) -> np.ndarray:
     `header_only` maps the file instead of reading it: a cheap check of every file up front, so
     bad data fails before training starts, with the file's name, not inside a loader worker.
     """
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    require_regular(path)
     with path.open("rb") as handle:
         if handle.read(6) != b"\x93NUMPY":  # else np.load calls any other file "pickled data"
             raise DataError(f"{path}: not a .npy file (it lacks NumPy's header)")
@@ -186,7 +186,7 @@ class SkullBreak(Dataset):
             for defect in DEFECTS:
                 pair = tuple(point_file(folder, kind, defect, stem) for kind in SKULL_AND_IMPLANT)
                 for path in pair:
-                    if not path.is_file():
+                    if not path.exists():  # a FIFO or device is refused by load_points
                         raise DataError(
                             f"{path}: file not found (listed by {csv}, line {line}; "
                             f"{stem}.npy is read too). From .nrrd volumes, make the point clouds "

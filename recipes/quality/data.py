@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.data.images import open_image
+from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
 ORIGINAL_FILE = "comparison_data.json"
@@ -102,9 +104,10 @@ def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
 
 def read_entries(path: Path) -> list:
     """A file's records: {"comparisons": [...]} as the original writes it, or a bare list."""
+    require_regular(path)
     try:
         data = json.loads(path.read_text())
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and isinstance(data.get("comparisons"), list):
         return data["comparisons"]
@@ -167,7 +170,7 @@ def read_comparisons(
             choice = CHOICES[entry["choice"].strip().lower()]
             for name in pair:
                 if name not in found:  # each name stats the disk once, not once per record
-                    found[name] = (image_dir / name).is_file()
+                    found[name] = (image_dir / name).exists()  # a FIFO is refused when read
             if not all(found[name] for name in pair):
                 missing_at.append(where)
                 continue
@@ -240,7 +243,7 @@ def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | N
         return None
     try:
         truth = json.loads(path.read_text())
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     fix = "fix it, or remove it to train without the metrics that need true values"
     for key, expected in (("quality", images), ("reliability", annotators)):
@@ -296,11 +299,11 @@ class ImageReader:
         self.transform = transforms.Compose(steps)
 
     def __call__(self, name: str) -> torch.Tensor:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import UnidentifiedImageError
 
         path = self.folder / name
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:
                 rgb = image.convert("RGB")
         except (UnidentifiedImageError, OSError) as err:
             raise DataError(f"{path}: not a readable image ({err})") from None

@@ -13,13 +13,16 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer
 
-from accel_common.errors import DataError
+import recipes.train_captioning as recipe
+from accel_common.errors import CheckpointError, DataError
+from accel_common.export import write_export
 from recipes.captioning import data as caption_data
 from recipes.captioning.data import read_split
 from recipes.captioning.example import write_dataset
-from recipes.captioning.tokenizer import PAD_ID, train_tokenizer
+from recipes.captioning.tokenizer import BOS, EOS, PAD_ID, train_tokenizer
 from tests.processes import CAPTIONING, CAPTIONING_TINY, run_recipe
 
 
@@ -79,6 +82,16 @@ BAD_METADATA = [
     ('{"file_name": "gone.png", "text": "a red square"}', "line 2: image .*gone.png not found"),
     ('{"file_name": "00001.png", "text": "  "}', "line 2: empty caption for 00001.png"),
     ("{not json", "line 2: not JSON"),
+    # before: "empty caption", which sent the user looking for a blank
+    (
+        '{"file_name": "00001.png", "text": 42}',
+        r"line 2: the caption of 00001.png is a number \(42\), not text; write it in quotes",
+    ),
+    (
+        '{"file_name": "00001.png", "text": ["a", "b"]}',
+        r"line 2: the caption of 00001.png is a list \(\[\"a\", \"b\"\]\)",
+    ),
+    ('{"file_name": 7, "text": "a cat"}', r"line 2: the file name is a number \(7\), not text$"),
 ]
 
 
@@ -115,6 +128,7 @@ BAD_MANIFESTS = [
     ('["00000.png", "a red square"]', "{file}: expected an object mapping image path -> caption"),
     ('{"00000.png": "a cat", "gone.png": "a dog"}', "{file}, key 'gone.png': image {gone}"),
     ('{"00000.png": "a cat", "00001.png": " "}', "{file}, key '00001.png': empty caption"),
+    ("[" * 100_000 + "]" * 100_000, "{file}: JSON nested too deeply to read"),  # not a traceback
 ]
 
 
@@ -254,3 +268,59 @@ def test_bad_data_stops_the_run_with_one_line_and_exit_code_2(tmp_path):
         f"error: {metadata}, line 3: image {data / 'test' / 'lost.png'} not found"
     ]
     assert not (tmp_path / "run" / "model").exists()
+
+
+NOT_UTF8 = os.fsdecode(b"\xff")  # a file name whose bytes are not UTF-8, as Python holds it
+
+
+def tiny_export(folder: Path, captions: list[str]) -> Path:
+    """An untrained export with its tokenizer, as training writes them (no training: the
+    `caption` command's reading and writing is what is tested)."""
+    tokenizer = train_tokenizer(captions)
+    settings = dict(image_size=8, patch=4, dim=8, depth=1, decoder_depth=1, heads=1, max_tokens=6)
+    vocab = tokenizer.get_vocab_size()
+    model = recipe.Captioner(vocab, **settings)
+    config = settings | {"vocab_size": vocab, "bos": tokenizer.token_to_id(BOS)}
+    config |= {"eos": tokenizer.token_to_id(EOS)}
+    write_export(model.state_dict(), folder, {"recipe": "captioning", "config": config})
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_an_image_whose_name_is_not_utf8_is_prepared_and_captioned_under_its_name(
+    tmp_path, monkeypatch
+):
+    """Before: Arrow refused the name in preparation, and the TSV could not be written."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in (NOT_UTF8, "plain"):
+        Image.new("RGB", (8, 8), "red").save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text("a red square")
+    records = caption_data.read_folder(folder)
+    tokenizer = train_tokenizer([text for _, text in records])
+    prepared, _, _ = caption_data.prepare_split(folder, records, tokenizer, 8, max_tokens=6)
+    assert len(prepared) == 2
+    out = tmp_path / "captions.tsv"
+    recipe.caption(tiny_export(tmp_path / "model", ["a red square"]), folder, out, None, 64)
+    names = [line.split(b"\t")[0] for line in out.read_bytes().splitlines()]
+    assert names == [b"plain.png", b"\xff.png"]  # the file's own bytes
+
+
+def test_caption_with_an_export_lacking_its_tokenizer_names_the_folder_and_the_file(tmp_path):
+    """Before: the tokenizers library's own exception, a traceback."""
+    model = tiny_export(tmp_path / "model", ["a red square"])
+    images, out = tmp_path / "images", tmp_path / "captions.tsv"
+    images.mkdir()
+    Image.new("RGB", (8, 8)).save(images / "a.png")
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"^{model / 'tokenizer.json'}: not a tokenizer file"):
+        recipe.caption(model, images, out, None, 64)
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError) as error:
+        recipe.caption(model, images, out, None, 64)
+    assert str(error.value) == (
+        f"--model {model}: no tokenizer.json beside the export ({model / 'tokenizer.json'}); "
+        "training saves it there: copy it with the model"
+    )
+    assert not out.exists()

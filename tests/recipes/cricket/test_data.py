@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from datetime import date
 from pathlib import Path
@@ -14,10 +15,12 @@ import datasets
 import numpy as np
 import pytest
 
+import recipes.train_cricket as recipe
 from accel_common.data.cache import code_digest
 from accel_common.errors import DataError
 from recipes.cricket import data as cricket
 from recipes.cricket import example
+from recipes.cricket.data import NotAMatch
 from tests.processes import CRICKET, run_recipe
 from tests.recipes.cricket.helpers import T20, deliveries
 
@@ -319,3 +322,42 @@ def test_an_innings_without_overs_or_an_absurd_count_is_one_line_naming_the_file
 
 def first_runs(match: dict) -> dict:
     return match["innings"][0]["overs"][0]["deliveries"][0]["runs"]
+
+
+@pytest.mark.timeout(30)  # before: training waited on the FIFO with no output until killed
+def test_a_fifo_among_the_match_files_is_refused_naming_it_before_anything_reads(tmp_path):
+    write(tmp_path / "1.json", a_match())
+    fifo = tmp_path / "2.json"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as error:
+        cricket.load_innings(tmp_path, match_types=list(T20), strict=False, **SPLIT)
+    assert str(error.value) == (
+        f"{fifo}: is a FIFO (named pipe), not a regular file; remove it from --data, which "
+        "holds match files"
+    )
+
+
+def test_predict_on_a_folder_says_it_is_one_and_what_it_takes(tmp_path):
+    out = tmp_path / "out.csv"
+    with pytest.raises(DataError) as error:
+        recipe.predict(match=tmp_path, out=out, model_dir=tmp_path / "model")
+    assert str(error.value) == (
+        f"--match {tmp_path}: is a folder, not a regular file; give one Cricsheet match .json file"
+    )
+    assert not out.exists()
+
+
+def test_a_match_file_nested_too_deeply_is_a_non_match_named_in_one_line(folder):
+    """Before: json's RecursionError came out of training and `predict` as a traceback."""
+    deep = folder / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(NotAMatch) as error:  # predict names the file with it (--match)
+        cricket.parse_match(deep, T20)
+    assert str(error.value) == cricket.NESTED_TOO_DEEPLY
+    info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)[1]
+    assert ("deep.json", cricket.NESTED_TOO_DEEPLY) in info["not_matches"]
+    with pytest.raises(DataError) as error:
+        cricket.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
+    assert str(error.value) == (
+        f"{deep}: {cricket.NESTED_TOO_DEEPLY}; remove it, or leave out --strict to skip it"
+    )

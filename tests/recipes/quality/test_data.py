@@ -261,3 +261,12 @@ def test_trains_on_the_original_layout_without_truth(tmp_path):
     metrics = json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]
     assert {"pair_acc", "baseline_pair_acc", "eta_hitul", "eta_rakshitha rp"} <= metrics.keys()
     assert "spearman" not in metrics and "eta_corr" not in metrics
+
+
+def test_json_nested_too_deeply_is_one_line_naming_the_file(tmp_path):
+    """Before: json's RecursionError, a traceback."""
+    path = tmp_path / "comparison_data.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    for read in (quality_data.read_entries, lambda p: quality_data.read_truth(p, [], [])):
+        with pytest.raises(DataError, match=f"^{path}: not valid JSON \\(maximum recursion depth"):
+            read(path)
