@@ -256,3 +256,36 @@ def test_a_data_file_whose_name_is_not_utf8_is_fingerprinted_and_its_digest_cach
     path.write_bytes(b"other points")
     assert files_fingerprint(files, cache)[0] != fingerprint
     assert len(files_digest([path])) == 64
+
+
+class EpochDrawn(torch.utils.data.Dataset):
+    """Items that depend on the epoch, as pointcloud's subsampled test skulls do."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index * 100 + self.epoch])
+
+
+def test_an_evaluation_loader_is_never_rewindowed_by_set_epoch(accelerator):
+    """A prepared loader calls dataset.set_epoch(n) at its n-th pass: a plain DataLoader over
+    an epoch-dependent evaluation set gives other items at every evaluation, the eval loader
+    the same ones, as `evaluate` on the export sees them."""
+    from torch.utils.data import DataLoader
+
+    from accel_common.data.loaders import make_eval_loader
+
+    def passes(loader) -> list[list[int]]:
+        return [[int(x) for batch in loader for x in batch.flatten()] for _ in range(3)]
+
+    plain = passes(accelerator.prepare(DataLoader(EpochDrawn(), batch_size=2)))
+    assert plain[0] != plain[1]  # the failure mode this loader exists for
+    fixed = passes(accelerator.prepare(make_eval_loader(EpochDrawn(), 2)))
+    assert fixed == [[0, 100, 200, 300]] * 3

@@ -1,7 +1,8 @@
 """The training loader and the data folder every recipe needs in the same form.
 
 `make_train_loader` builds the shuffled, drop-last loader whose order depends only on
-(seed, epoch); `resolve_data` gives the user's --data folder or writes the workload's example once.
+(seed, epoch); `make_eval_loader` the in-order one whose items are the same at every pass;
+`resolve_data` gives the user's --data folder or writes the workload's example once.
 Each takes plain values, so a script with its own argparse can call them directly.
 """
 
@@ -56,6 +57,36 @@ def make_train_loader(
         raise ValueError("make_train_loader: costs need the plan whose per-device batch this is")
     batches = BalancedBatchSampler(sampler, costs, plan)
     return DataLoader(dataset, batch_sampler=batches, **common)
+
+
+class FixedWindow(Dataset):
+    """`dataset` as it is now, without its `set_epoch`: a prepared DataLoader calls
+    `dataset.set_epoch(n)` at its n-th pass, so an evaluation set whose samples depend on the
+    epoch (a subsample, a noise draw) would be drawn anew at every evaluation, and the in-run
+    metric would differ from `evaluate` on the export."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+
+def make_eval_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    workers: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
+    """The evaluation DataLoader: in order, every item once (Accelerate pads the last round and
+    `gather_for_metrics` drops the padding), and the same items at every pass (`FixedWindow`)."""
+    if hasattr(dataset, "set_epoch"):
+        dataset = FixedWindow(dataset)
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_fn)
 
 
 def example_data_dir(workload: str) -> Path:
