@@ -125,14 +125,16 @@ def verify_files(folder: Path, manifest: dict[str, Any], *, hashes: bool = True)
         size = present[name].stat().st_size
         if size != entry["size"]:
             raise CheckpointError(
-                f"{present[name]} holds {size} bytes, {entry['size']} when saved "
-                f"({MANIFEST_FILE}): {advice}"
+                f"{present[name]} is truncated or was changed after the save: it holds {size} "
+                f"bytes, {entry['size']} when saved ({MANIFEST_FILE}); resume from an earlier "
+                "step_N folder"
             )
     for name, entry in listed.items() if hashes else ():
         if _sha256(present[name]) != entry["sha256"]:
             raise CheckpointError(
-                f"{present[name]}'s contents differ from the save's (SHA-256 in {MANIFEST_FILE}): "
-                f"{advice}"
+                f"{present[name]} is corrupt or was changed after the save: its contents differ "
+                f"from the save's (SHA-256 in {MANIFEST_FILE}); resume from an earlier step_N "
+                "folder"
             )
 
 

@@ -266,6 +266,7 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(tmp_p
     for newer in ("hold_epochs", "decay_per_epoch"):  # as a checkpoint saved before they existed
         del record["run"]["identity"][newer]
     progress_file.write_text(json.dumps(record))
+    (checkpoint / "manifest.json").unlink()  # which was before manifests too
 
     refused = run_recipe(
         [*args, "--epochs", "2", "--hold-epochs", "1", "--resume", "latest"],
