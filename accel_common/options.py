@@ -148,7 +148,17 @@ class SharedSettings(Settings):
         None, "no, fp16 or bf16; default: the accelerate config / launcher's choice."
     )
     seed: int = setting(
-        0, "Seed for weights, shuffling and noise; the same on every process.", min=0
+        0,
+        "Seed for weights, shuffling and noise. The weights start alike on every process; "
+        "dropout then draws from a stream per process (--seed + process index) unless "
+        "--one-rng-stream.",
+        min=0,
+    )
+    one_rng_stream: bool = setting(
+        False,
+        "Draw dropout and other global-RNG randomness from one stream on every process (each "
+        "process then draws the same masks for its share of the batch), as an original that "
+        "seeded every process alike did. Default: a stream per process.",
     )
     deterministic: bool = setting(
         False,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, set_seed
 from safetensors.torch import load_file
 
 from accel_common.batching import BatchPlan
@@ -239,6 +239,8 @@ class Run:
         if path is None:
             self._claim_output_dir(resume, overwrite)
             self.id = broadcast_object_list([uuid.uuid4().hex[:12]])[0]
+            values = self.config.values
+            split_rng_streams(self.accelerator, values.get("seed", 0), values.get(ONE_STREAM))
             return
         check = RunCheck(
             self.plan, self.identity, self.config, self.total_steps, data_dir, self.data_digests
@@ -430,6 +432,20 @@ class RunCheck:
                 "that run's settings, or start this one in another --output-dir (or pass "
                 "--overwrite without --resume to move the old run aside)"
             )
+
+
+ONE_STREAM = "one_rng_stream"  # the setting that keeps one RNG stream for every process
+
+
+def split_rng_streams(accelerator: Accelerator, seed: int, one_stream: bool | None) -> None:
+    """A fresh run's global RNG (dropout masks, any augmentation drawn from it) becomes a stream
+    per process: process k > 0 reseeds with `seed + k`, process 0 goes on as it is, so one
+    process trains as before and the weights, initialised before this from `--seed` on every
+    process, stay alike. Seeded alike, every process would draw the same masks for its share of
+    the batch, and dropout would weaken as processes are added. A resume restores each process's
+    own saved stream instead; `one_stream` keeps them alike, for an original that did so."""
+    if not one_stream and accelerator.process_index > 0:
+        set_seed(int(seed) + accelerator.process_index)
 
 
 def describe_differences(

@@ -12,11 +12,12 @@ shows up at 1e-2 or more.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.processes import run_recipe
+from tests.processes import REPO, run_recipe
 from tests.results import exported_params, max_relative_difference, metrics_log
 
 pytestmark = pytest.mark.dist
@@ -106,3 +107,29 @@ def test_only_the_main_process_writes(two_process):
 def test_gathered_metrics_count_each_test_row_once(two_process):
     evals = [r for r in metrics_log(two_process) if "eval/n" in r]
     assert evals and all(r["eval/n"] == 301 for r in evals)  # 301 rows over 2 processes
+
+
+def test_dropout_draws_a_stream_per_process_and_a_resume_continues_each(tmp_path):
+    """tests/scripts/dropout_streams.py on 2 processes: the weights start alike and stay alike,
+    but each process draws its own dropout masks (seeded alike, both drew the same masks for
+    their halves of the batch); --one-rng-stream keeps them alike. Stopped after the save of
+    step 2 and resumed, each process continues its own stream: bit-equal masks and weights."""
+    script = REPO / "tests" / "scripts" / "dropout_streams.py"
+
+    def ranks(name: str, *args: str) -> list[dict]:
+        run_recipe([str(tmp_path / name), *args], cwd=tmp_path, nproc=2, script=script)
+        return [json.loads((tmp_path / name / f"rank_{r}.json").read_text()) for r in (0, 1)]
+
+    full = ranks("full", "0", "0", "0")
+    assert full[0]["step"] == 8 and len(full[0]["masks"]) == 8
+    assert all(a != b for a, b in zip(full[0]["masks"], full[1]["masks"], strict=True))
+    assert full[0]["weights"] == full[1]["weights"]
+    one = ranks("one", "1", "0", "0")
+    assert one[0]["masks"] == one[1]["masks"]
+
+    cut = ranks("cut", "0", "2", "0")
+    assert [r["masks"] for r in cut] == [r["masks"][:3] for r in full]  # stopped in step 3
+    resumed = ranks("cut", "0", "0", "1")
+    for rank in (0, 1):
+        assert resumed[rank]["masks"] == full[rank]["masks"][2:]
+        assert resumed[rank]["weights"] == full[rank]["weights"]

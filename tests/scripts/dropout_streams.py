@@ -1,0 +1,66 @@
+"""A toy run with dropout: which masks each process draws, and where a resumed run ends.
+
+tests/test_distributed.py runs it on 2 processes (gloo). Each rank writes the hash of every
+dropout mask it drew and its final weights to OUT/rank_R.json. Usage:
+dropout_streams.py OUT ONE_STREAM(0|1) STOP_AFTER(0 = run to the end) RESUME(0|1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
+from accel_common.data.loaders import make_train_loader
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig, StartRequest
+
+out, one_stream, stop_after, resume = Path(sys.argv[1]), *map(int, sys.argv[2:5])
+accelerator, plan = make_accelerator(
+    output_dir=out, batch=BatchRequest(global_batch_size=8), cpu=True, seed=3
+)
+x = torch.linspace(-1, 1, 64 * 4).reshape(64, 4)
+data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+model = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5), nn.Linear(32, 1))
+masks: list[str] = []
+model[1].register_forward_hook(
+    lambda _m, _i, output: masks.append(hashlib.sha256((output != 0).numpy().tobytes()).hexdigest())
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+loader = make_train_loader(data, plan.per_device_batch_size, seed=3)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+schedule = make_lr_schedule(
+    accelerator, optimizer, plan, LRSettings(0.05, ref_bs=8, decay=Decay.constant),
+    steps_per_epoch=len(loader), epochs=1,
+)  # fmt: skip
+config = RunConfig("toy", {"seed": 3, "one_rng_stream": bool(one_stream)})
+start = StartRequest(resume="latest" if resume else None)
+run = Run.open(accelerator, plan, schedule, config, output_dir=out, start=start)
+loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(1, 2, 10)))
+for _epoch in loop.epochs():
+    for xb, yb in loop.batches():
+        with accelerator.accumulate(model):
+            loss = (model(xb) - yb).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        loop.record(loss)
+        if stop_after and loop.step == stop_after:
+            break  # as a kill after the save of this step: nothing more is written
+    if stop_after and loop.step == stop_after:
+        break
+    loop.end_epoch({})
+else:
+    loop.finish(model)
+weights = [p.detach().flatten().tolist() for p in accelerator.unwrap_model(model).parameters()]
+record = {"masks": masks, "weights": weights, "step": loop.step}
+(out / f"rank_{accelerator.process_index}.json").write_text(json.dumps(record))
