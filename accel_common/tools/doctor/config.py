@@ -31,6 +31,15 @@ GPU_CONFIGS = {1: "1gpu.yaml", 2: "2gpu.yaml", 4: "4gpu.yaml", 8: "8gpu.yaml"}
 CPU_CONFIG = "cpu_2proc.yaml"
 
 
+# the dynamo settings Accelerate's workers read as truth values (accelerate.utils.str_to_bool)
+DYNAMO_FLAGS = (
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
+TRUTH_VALUES = frozenset({"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"})
+
+
 def yaml_error(err: yaml.YAMLError) -> str:
     """A YAML parse error on one line: where, what, and while doing what."""
     mark = getattr(err, "problem_mark", None)
@@ -56,7 +65,36 @@ def load_config(path: Path, flag: str = "--config-file") -> dict[str, Any]:
         raise RecipeError(f"{flag} {path}: not a text file, so not an accelerate config") from None
     if not isinstance(config, dict):
         raise RecipeError(f"{flag} {path}: not an accelerate config (no `key: value` lines)")
+    if (problem := bad_value(config)) is not None:
+        raise RecipeError(f"{flag} {path}: {problem}")
     return config
+
+
+def bad_value(config: dict[str, Any]) -> str | None:
+    """What in a config `accelerate launch` would accept and then fail on (a traceback from the
+    launcher or every worker), as `key: value: what to give`; None when nothing is.
+
+    Accelerate checks neither the process counts nor the dynamo settings of a config file: a
+    negative count starts a nonsense launch, a bad backend or flag kills it after it started."""
+    from accelerate.utils import DynamoBackend  # imported here: accelerate is slow to import
+
+    for key in ("num_processes", "num_machines"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{key}: {value!r}: give a positive whole number"
+    nested = config.get("dynamo_config") or {}
+    if not isinstance(nested, dict):
+        return f"dynamo_config: {nested!r}: give `key: value` lines under it"
+    dynamo = {**nested, **config}  # the top-level spelling is the older one
+    backends = [b.value.lower() for b in DynamoBackend]
+    backend = dynamo.get("dynamo_backend")
+    if backend is not None and str(backend).lower() not in backends:
+        return f"dynamo_backend: {backend!r}: give one of {', '.join(backends)}"
+    for key in DYNAMO_FLAGS:
+        value = dynamo.get(key)
+        if value is not None and str(value).lower() not in TRUTH_VALUES:
+            return f"{key}: {value!r}: give true or false"
+    return None
 
 
 def missing_deepspeed(name: str) -> Problem | None:
