@@ -74,14 +74,18 @@ def bad_value(config: dict[str, Any]) -> str | None:
     """What in a config `accelerate launch` would accept and then fail on (a traceback from the
     launcher or every worker), as `key: value: what to give`; None when nothing is.
 
-    Accelerate checks neither the process counts nor the dynamo settings of a config file: a
-    negative count starts a nonsense launch, a bad backend or flag kills it after it started."""
+    Accelerate checks neither the process counts, the port nor the dynamo settings of a config
+    file: a negative count starts a nonsense launch, a bad port, backend or flag kills it after
+    it started."""
     from accelerate.utils import DynamoBackend  # imported here: accelerate is slow to import
 
     for key in ("num_processes", "num_machines"):
         value = config.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{key}: {value!r}: give a positive whole number"
+    port = config.get("main_process_port")
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
+        return f"main_process_port: {port!r}: give a port from 1 to 65535 (above 1024 without root)"
     nested = config.get("dynamo_config") or {}
     if not isinstance(nested, dict):
         return f"dynamo_config: {nested!r}: give `key: value` lines under it"
