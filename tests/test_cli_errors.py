@@ -176,6 +176,33 @@ def test_plan_measure_checks_ref_lr_before_measuring(tmp_path):
     assert line.startswith("error: --ref-lr must be a positive number, got nan")
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.py", None, ": no such recipe or file; give a recipe (captioning, cricket,"),
+        ("folder", "", " is a folder; give a recipe script"),
+        ("notes.txt", "hello\n", " is not a Python file; give a recipe ("),
+        (
+            "broken.py",
+            "x = (\n",
+            ": cannot import it (SyntaxError: '(' was never closed at line 1)",
+        ),
+        ("plain.py", "x = 1\n", " defines no recipe command `train`"),
+    ],
+)
+def test_plan_measure_of_a_file_that_is_no_recipe_is_one_line_naming_it(
+    tmp_path, name, content, expected
+):
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    line = one_error_line(invoke("plan", "--measure", str(path)))
+    assert line.startswith(f"error: --measure {path}{expected}")
+    assert not (tmp_path / "runs").exists()
+
+
 def pcdiff_checkpoint(path: Path, **extra: object) -> Path:
     """A checkpoint as pcdiff's trainer saves it, of a small PVCNN2 (random weights)."""
     import torch
