@@ -13,7 +13,7 @@ import yaml
 
 from accel_common.batching import BatchRequest
 from accel_common.errors import RecipeError
-from accel_common.launch_guard import config_asks_for_gpus
+from accel_common.launch_guard import config_asks_for_gpus, sharding_refusal, unsharded_type
 from accel_common.tools.doctor.base import Problem
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -174,6 +174,8 @@ def check_config(
                 "recommended config below",
             )
         )
+    if kind in ("FSDP", "DEEPSPEED") and (use_cpu or gpus == 0):  # what the run refuses
+        problems.append(Problem("blocker", *sharding_refusal(kind, unsharded_type(per_machine))))
     if kind == "DEEPSPEED" and (missing := missing_deepspeed(path.name)) is not None:
         problems.append(missing)
     if config.get("mixed_precision") == "bf16" and gpus and not torch.cuda.is_bf16_supported():
