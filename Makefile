@@ -137,6 +137,12 @@ test-oldest: $(OLDEST_STAMP)
 # wheels of what a GPU machine without registry access may lack (requirements/gpu-pass.txt), for
 # its Python (PY=3.12) on x86-64 Linux; carry DIR there and run `make gpu-pass WHEELS=DIR`
 wheelhouse:
+	@test -n "$(DIR)" || { echo "error: DIR is empty; give the folder for the wheels, e.g." \
+	  "DIR=.whl" >&2; exit 2; }; dir="$(DIR)"; while [ ! -e "$$dir" ]; do dir=$$(dirname "$$dir"); \
+	  done; test -d "$$dir" || { echo "error: DIR=$(DIR): $$dir is a file, not a folder; give a" \
+	  "folder for the wheels (nothing was downloaded)" >&2; exit 2; }; \
+	  probe=$$(mktemp -p "$$dir" 2>/dev/null) && rm -f "$$probe" || { echo "error: DIR=$(DIR):" \
+	  "cannot write in $$dir; choose a writable folder (nothing was downloaded)" >&2; exit 2; }
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(PY) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform any -d $(DIR) -r requirements/gpu-pass.txt

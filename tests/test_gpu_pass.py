@@ -67,6 +67,24 @@ def test_a_folder_without_wheels_is_one_line_before_anything_runs(tmp_path):
     assert not (tmp_path / "site").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["file", "under-a-file", "read-only"])
+def test_a_wheelhouse_dir_it_cannot_write_is_one_line_before_any_download(tmp_path, kind, request):
+    """pip failed after resolving, in its own traceback-like report; PYTHON=false shows that
+    nothing past the check runs."""
+    (tmp_path / "file").write_text("keep\n")
+    folder = {"file": tmp_path / "file", "under-a-file": tmp_path / "file" / "wheels"}.get(kind)
+    if folder is None:
+        folder = request.getfixturevalue("read_only_folder") / "wheels"
+    command = ["make", "--no-print-directory", "wheelhouse", f"DIR={folder}", "PYTHON=false"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()[:1]
+    assert line.startswith(f"error: DIR={folder}: ")
+    expected = "cannot write in" if kind == "read-only" else "is a file, not a folder"
+    assert expected in line and "(nothing was downloaded)" in line
+    assert (tmp_path / "file").read_text() == "keep\n"
+
+
 def test_the_dry_run_names_each_part_with_its_timeout_and_the_wheels_on_its_path(tmp_path):
     result = subprocess.run(
         ["make", "-n", "gpu-pass", "WHEELS=wheels", "GPU_SITE=site", "PCDIFF_SRC=/pcdiff"],
