@@ -46,6 +46,11 @@ def yaml_error(err: yaml.YAMLError) -> str:
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     context = getattr(err, "context", None)
+    if isinstance(err, yaml.constructor.ConstructorError):  # `!!python/object/apply:...`
+        return (
+            f"a tag that builds an object{where} ({problem}): an accelerate config holds plain "
+            "values only; remove the tag (nothing in the file was run)"
+        )
     return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
 
 
