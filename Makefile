@@ -48,6 +48,9 @@ SUITE_TIMEOUT ?= 270
 KERNELS_TIMEOUT ?= 60
 # pcdiff's pcdiff/ folder, for the comparison with its CUDA kernels (docs/gpu.md)
 PCDIFF_SRC ?=
+# `make gpu-pass` stops before anything on a machine whose nvidia-smi lists no GPU; 0 skips that
+# check (the CPU tests of the pass's own machinery)
+REQUIRE_GPU ?= 1
 
 SCRIPT = recipes/train_$(RECIPE).py
 # runs the launcher so that a failure reads as one line with the worker's exit code (2, 3 or 4)
@@ -63,8 +66,8 @@ define launch
 endef
 
 .PHONY: install train train-cpu train-1gpu train-2gpu train-4gpu train-8gpu train-multinode \
-        test test-oldest test-gpu bench-gpu gpu-pass wheels wheelhouse lint format bench clean \
-        check-recipe
+        test test-oldest test-gpu bench-gpu gpu-pass require-gpu wheels wheelhouse lint format bench \
+        clean check-recipe
 
 install: $(STAMP)
 
@@ -134,6 +137,12 @@ test-oldest: $(OLDEST_STAMP)
 # wheels of what a GPU machine without registry access may lack (requirements/gpu-pass.txt), for
 # its Python (PY=3.12) on x86-64 Linux; carry DIR there and run `make gpu-pass WHEELS=DIR`
 wheelhouse:
+	@test -n "$(DIR)" || { echo "error: DIR is empty; give the folder for the wheels, e.g." \
+	  "DIR=.whl" >&2; exit 2; }; dir="$(DIR)"; while [ ! -e "$$dir" ]; do dir=$$(dirname "$$dir"); \
+	  done; test -d "$$dir" || { echo "error: DIR=$(DIR): $$dir is a file, not a folder; give a" \
+	  "folder for the wheels (nothing was downloaded)" >&2; exit 2; }; \
+	  probe=$$(mktemp -p "$$dir" 2>/dev/null) && rm -f "$$probe" || { echo "error: DIR=$(DIR):" \
+	  "cannot write in $$dir; choose a writable folder (nothing was downloaded)" >&2; exit 2; }
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(PY) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform any -d $(DIR) -r requirements/gpu-pass.txt
@@ -166,11 +175,20 @@ GPU_KERNELS = env $(GPU_ENV) PCDIFF_SRC=$(PCDIFF_SRC) $(GPU_PYTHON) -m pytest $(
 GPU_BENCH = env PCDIFF_SRC=$(PCDIFF_SRC) $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(GPU_OUT) \
   --docs docs/BENCHMARKS.md --budget $(shell expr $(BENCH_TIMEOUT) - 15) $(BENCH_ARGS)
 
-# $(call gpu_part,NAME,SECONDS,COMMAND): COMMAND stopped after SECONDS; one line says how it ended,
-# and a part that failed or timed out is added to $failed (the next part still runs)
+# $(call ran_tests,JUNIT_XML): true when pytest's report holds a test that ran (not skipped)
+ran_tests = $(PYTHON) -c 'import sys, xml.etree.ElementTree as T; r = T.parse(sys.argv[1]).getroot(); \
+	s = r if r.tag == "testsuite" else r.find("testsuite"); \
+	sys.exit(int(s.get("tests", 0)) - int(s.get("skipped", 0)) <= 0)' $(1) 2>/dev/null
+
+# $(call gpu_part,NAME,SECONDS,COMMAND[,JUNIT_XML]): COMMAND stopped after SECONDS; one line says
+# how it ended, and a part that failed, timed out or (by its JUnit report) ran no test is added to
+# $failed (the next part still runs)
 define gpu_part
 echo "== $(1) (at most $(2) s)"; timeout -k 5 $(2) $(3); rc=$$?; \
-	if [ $$rc = 0 ]; then echo "== $(1): passed"; \
+	if [ $$rc = 0 ] && [ -n "$(4)" ] && ! $(call ran_tests,$(4)); then \
+	  echo "== $(1): RAN NOTHING (every test skipped, or none collected): not a pass"; \
+	  failed="$$failed $(1)"; \
+	elif [ $$rc = 0 ]; then echo "== $(1): passed"; \
 	elif [ $$rc = 124 ] || [ $$rc = 137 ]; then echo "== $(1): TIMED OUT after $(2) s"; \
 	  failed="$$failed $(1)"; \
 	else echo "== $(1): FAILED (exit $$rc)"; failed="$$failed $(1)"; fi
@@ -189,8 +207,8 @@ endef
 # pytest-xdist worker on the one GPU, then the comparison with pcdiff's kernels (PCDIFF_SRC)
 test-gpu: $(GPU_SETUP)
 	rm -f $(GPU_OUT)/gpu_suite.* $(GPU_OUT)/gpu_kernels.xml
-	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE)); \
-	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS));)
+	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE),$(GPU_OUT)/gpu_suite.xml); \
+	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS),$(GPU_OUT)/gpu_kernels.xml);)
 
 # at the originals' sizes: training steps (fp32/bf16/fp16, compiled and not, the recipe's PVCNN2
 # against pcdiff's), the point ops one by one, the issue's targets (docs/gpu.md)
@@ -205,11 +223,19 @@ bench-gpu: $(GPU_SETUP)
 # comparison, each run even if one before failed or timed out
 gpu-pass: BENCH_ARGS ?= --steps 3 --warmup 1
 gpu-pass: BENCH_TIMEOUT ?= 210
-gpu-pass: $(GPU_SETUP)
+gpu-pass: require-gpu $(GPU_SETUP)
 	rm -f $(GPU_OUT)/gpu_suite.* $(GPU_OUT)/gpu_kernels.xml $(GPU_OUT)/gpu_bench.*
-	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE)); \
+	$(call gpu_run,$(call gpu_part,suite,$(SUITE_TIMEOUT),$(GPU_SUITE),$(GPU_OUT)/gpu_suite.xml); \
 	  $(call gpu_part,bench,$(BENCH_TIMEOUT),$(GPU_BENCH)); \
-	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS));)
+	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS),$(GPU_OUT)/gpu_kernels.xml);)
+
+# before the install and every part: on a machine without a GPU each would skip or fail
+require-gpu:
+ifneq ($(REQUIRE_GPU),0)
+	@nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || { echo "error: make $(MAKECMDGOALS): nvidia-smi" \
+	  "lists no GPU on this machine, and the GPU pass runs nothing without one; run it on a GPU" \
+	  "machine (docs/gpu.md)" >&2; exit 2; }
+endif
 
 lint: install
 	$(BIN)/ruff check .

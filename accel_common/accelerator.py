@@ -93,7 +93,7 @@ def make_accelerator(
         # (accel_common.compilation, SharedSettings.compile_model)
         dynamo_backend="no",
     )
-    require_requested_sharding(accelerator)
+    require_requested_sharding(accelerator.distributed_type.value)
     if accelerator.distributed_type == DistributedType.FSDP:
         guard_wrap_policy()  # no ModuleList / ModuleDict as its own unit (accel_common.sharding)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":

@@ -20,6 +20,7 @@ from torch import nn
 from accel_common.batching import BatchRequest
 from accel_common.compilation import compile_line
 from accel_common.errors import DataError
+from accel_common.launch_guard import require_requested_sharding, unsharded_type
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
 from accel_common.parameters import parameter_counts
@@ -75,15 +76,20 @@ def print_dry_run(
     processes: int | None,
     compile: bool = False,
     absent: tuple[str, ...] = (),
+    cpu: bool = False,
 ) -> None:
     """Print the plan the run would start with (on the launch's first process only): the batch
     plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
     `lr.describe`, `compile_line`); `length` is (--epochs, --max-steps), `precision`
     --mixed-precision, `compile` --compile; `absent` the input flags (`--init-from PATH`) whose
-    files this machine lacks: the run would stop there, the plan says so."""
+    files this machine lacks: the run would stop there, the plan says so. A launch the run
+    refuses before it starts (FSDP or DeepSpeed on the CPU, `cpu` --cpu) is refused here too,
+    in the run's words."""
+    world = world_size(processes)
+    if cpu or not torch.accelerator.is_available():
+        require_requested_sharding(unsharded_type(world))
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    world = world_size(processes)
     plan = batch.plan(world, warn_small=False)
     epochs, max_steps = length
     rows = {

@@ -31,7 +31,6 @@ from typing import Any
 import psutil
 import torch
 import yaml
-from accelerate import Accelerator
 
 from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError
 
@@ -178,20 +177,45 @@ def default_accelerate_config() -> str:
     return default_config_file
 
 
-def require_requested_sharding(accelerator: Accelerator) -> None:
-    """Refuse a launch whose FSDP/DeepSpeed config Accelerate silently dropped.
+# the launcher's variables that ask for sharding, and the distributed type each asks for
+SHARDING_REQUESTS = (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"))
+
+
+def requested_sharding() -> str | None:
+    """FSDP or DEEPSPEED where the launcher asked for it (its config or flags), else None."""
+    for variable, kind in SHARDING_REQUESTS:
+        if os.environ.get(variable, "").lower() == "true":
+            return kind
+    return None
+
+
+def sharding_refusal(asked: str, runs_as: str) -> tuple[str, str]:
+    """Why a launch asking for `asked` sharding is refused when Accelerate would run it as
+    `runs_as`, and what to do: the run, its dry run and `accel-recipes doctor` say the same."""
+    return (
+        f"the launch config asks for {asked}, but Accelerate enables it only on GPUs (or other "
+        f"accelerators) and would run this launch as {runs_as} instead, with the whole model on "
+        "every process",
+        "launch on GPUs, or use accelerate_configs/cpu_2proc.yaml on the CPU",
+    )
+
+
+def unsharded_type(processes: int) -> str:
+    """What Accelerate runs a launch as on the CPU, whatever sharding its config asks for."""
+    return "MULTI_CPU" if processes > 1 else "NO"
+
+
+def require_requested_sharding(runs_as: str) -> None:
+    """Refuse a launch whose FSDP/DeepSpeed config Accelerate silently drops.
 
     Accelerate turns FSDP and DeepSpeed on only with a GPU (or another accelerator); on the CPU it
     trains plain data-parallel without a word, holding the whole model on every process.
+    `runs_as` is the distributed type the launch runs as: the Accelerator's, or before there is
+    one (the dry run) `unsharded_type` on the CPU.
     """
-    for flag, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        if os.environ.get(flag, "").lower() == "true" and accelerator.distributed_type != kind:
-            raise ConfigError(
-                f"the launch config asks for {kind}, but Accelerate enables it only on GPUs (or "
-                f"other accelerators) and would run this launch as "
-                f"{accelerator.distributed_type.value} instead, with the whole model on every "
-                "process; launch on GPUs, or use accelerate_configs/cpu_2proc.yaml on the CPU"
-            )
+    asked = requested_sharding()
+    if asked is not None and runs_as != asked:
+        raise ConfigError("; ".join(sharding_refusal(asked, runs_as)))
 
 
 def require_writable_output_dir(output_dir: Path) -> None:

@@ -494,7 +494,7 @@ def train_command(
                 print_dry_run(
                     recipe, args.batch_request, args.lr_settings, length=length,
                     precision=precision, build_model=build, processes=processes,
-                    compile=args.compile, absent=absent_inputs(args, own),
+                    compile=args.compile, absent=absent_inputs(args, own), cpu=args.cpu,
                 )  # fmt: skip
                 return None
             return fn(args, own)

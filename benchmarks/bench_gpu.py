@@ -47,6 +47,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accel_common.errors import DataError
+from accel_common.launch_guard import require_writable_folder
 from accel_common.tools.bench.report import write_section
 from benchmarks.gpu import report
 from benchmarks.gpu.point_ops import run_ops
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.smoke and args.docs:
         print("error: --smoke measures nothing worth a table: leave out --docs", file=sys.stderr)
+        return 2
+    try:  # a file or an unwritable folder would fail only at the first table, after a measurement
+        require_writable_folder(args.out, "--out")
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if not args.smoke and not torch.cuda.is_available():
         print(

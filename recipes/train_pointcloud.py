@@ -59,6 +59,7 @@ from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import Settings, setting
+from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.convert import ORIGINAL
 from recipes.pointcloud.data import (
     SPACING_FILE,
@@ -187,6 +188,8 @@ class PointCloudSettings(Settings):
         checked_sample_steps(self.sample_steps, self.sampler, self.timesteps)
         if not 0 < self.num_nn < self.num_points:
             raise ConfigError(f"--num-nn must be between 1 and --num-points - 1, got {self.num_nn}")
+        # the environment's choice of kernels, refused here so that the dry run refuses it too
+        require_usable_kernels(torch.cuda.is_available())
 
 
 # --------------------------------------------------------------------------- training
@@ -260,6 +263,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
     if args.data is not None:  # the original passes train.csv
         args.data = csv_folder(args.data, "--data/--path", "train")
     accelerator, plan = args.make_accelerator()
+    require_usable_kernels(accelerator.device.type == "cuda")  # --cpu on a GPU machine
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     require_disjoint_splits(data_dir)
     train_set = skullbreak(data_dir, "train", settings, seed=args.seed)
@@ -472,6 +476,7 @@ def evaluate_export(
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Sample implants for a split with an exported model on one device; print Chamfer distances."""
+    require_usable_kernels(torch.cuda.is_available())  # before the export is read
     data = csv_folder(data, "--data", split)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     model, settings = load_model(model_dir, accelerator.device)
@@ -513,6 +518,7 @@ def complete(
     seed: int = typer.Option(0, help="Seed of the sampling noise."),
 ) -> None:
     """Generate the implant for one defective skull with an exported model, on one device."""
+    require_usable_kernels(inference_device().type == "cuda")  # before the export is read
     if out.suffix != ".npy":  # np.save would write OUT.npy, past the check that OUT is new
         raise DataError(f"--out {out}: give a file name ending in .npy")
     if png is not None and png.resolve() == out.resolve():

@@ -75,7 +75,13 @@ from recipes.quality.data import (
     split_comparisons,
 )
 from recipes.quality.example import ANNOTATORS, write_dataset
-from recipes.quality.model import RELIABILITY_KEY, QualityScorer, build_scorer, start_from
+from recipes.quality.model import (
+    RELIABILITY_KEY,
+    QualityScorer,
+    build_scorer,
+    require_known_backbone,
+    start_from,
+)
 from recipes.quality.onnx_export import ONNX_OPSETS, require_onnx, write_onnx
 
 RECIPE = "quality"
@@ -160,6 +166,7 @@ class QualitySettings(Settings):
             )
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"--head-init {self.head_init}: choose kaiming or torch")
+        require_known_backbone(self.backbone)  # here: the dry run refuses it as the run does
 
 
 # --------------------------------------------------------------------------- WORKLOAD: loss

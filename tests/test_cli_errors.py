@@ -83,6 +83,49 @@ def test_a_malformed_accelerate_config_is_one_line_from_launch_and_doctor(tmp_pa
     assert bad.read_text() == BROKEN_YAML
 
 
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("num_processes: -3", "num_processes: -3: give a positive whole number"),
+        ("num_processes: two", "num_processes: 'two': give a positive whole number"),
+        ("num_machines: 0", "num_machines: 0: give a positive whole number"),
+        ("dynamo_backend: bogus", "dynamo_backend: 'bogus': give one of no, eager,"),
+        (
+            "dynamo_config: {dynamo_backend: INDUCTOR, dynamo_use_regional_compilation: maybe}",
+            "dynamo_use_regional_compilation: 'maybe': give true or false",
+        ),
+    ],
+    ids=["negative-processes", "text-processes", "zero-machines", "backend", "regional"],
+)
+def test_a_bad_value_in_an_accelerate_config_is_one_line_from_launch_and_doctor(
+    tmp_path, line, expected
+):
+    """Values Accelerate reads without checking: the launch would start, then die in a
+    traceback (or start a nonsense number of processes); refused before anything starts."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CPU_2PROC.read_text() + line + "\n")
+    result, out = launch(tmp_path, *ACCELERATE_LAUNCH, "--config_file", str(bad))
+    assert one_error_line(result).startswith(f"error: --config_file {bad}: {expected}")
+    assert not out.exists()
+    doctor = one_error_line(invoke("doctor", "--config-file", str(bad)))
+    assert doctor.startswith(f"error: --config-file {bad}: {expected}")
+
+
+def test_a_python_tag_in_an_accelerate_config_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "tagged.yaml"
+    bad.write_text(
+        CPU_2PROC.read_text() + f'foo: !!python/object/apply:os.system ["touch {marker}"]\n'
+    )
+    result, out = launch(tmp_path, *ACCELERATE_LAUNCH, "--config_file", str(bad))
+    line = one_error_line(result)
+    assert line.startswith(f"error: --config_file {bad}: a tag that builds an object at line ")
+    assert "python/object/apply" in line and "nothing in the file was run" in line
+    doctor = one_error_line(invoke("doctor", "--config-file", str(bad)))
+    assert doctor.startswith(f"error: --config-file {bad}: ")
+    assert not marker.exists() and not out.exists()
+
+
 def test_a_missing_accelerate_config_names_the_shipped_ones(tmp_path):
     missing = tmp_path / "nope.yaml"
     result, out = launch(tmp_path, *ACCELERATE_LAUNCH, "--config_file", str(missing))
@@ -132,6 +175,33 @@ def test_plan_names_ref_lr_for_a_bad_ref_lr(value):
 def test_plan_measure_checks_ref_lr_before_measuring(tmp_path):
     line = one_error_line(invoke("plan", "--measure", "template", "--ref-lr", "nan"))
     assert line.startswith("error: --ref-lr must be a positive number, got nan")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.py", None, ": no such recipe or file; give a recipe (captioning, cricket,"),
+        ("folder", "", " is a folder; give a recipe script"),
+        ("notes.txt", "hello\n", " is not a Python file; give a recipe ("),
+        (
+            "broken.py",
+            "x = (\n",
+            ": cannot import it (SyntaxError: '(' was never closed at line 1)",
+        ),
+        ("plain.py", "x = 1\n", " defines no recipe command `train`"),
+    ],
+)
+def test_plan_measure_of_a_file_that_is_no_recipe_is_one_line_naming_it(
+    tmp_path, name, content, expected
+):
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    line = one_error_line(invoke("plan", "--measure", str(path)))
+    assert line.startswith(f"error: --measure {path}{expected}")
+    assert not (tmp_path / "runs").exists()
 
 
 def pcdiff_checkpoint(path: Path, **extra: object) -> Path:

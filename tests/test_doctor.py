@@ -107,6 +107,28 @@ def test_a_port_in_use_is_a_blocker_that_names_its_owner_and_a_free_one_is_free(
     assert (report["port"]["port"], report["port"]["source"]) == (port, "MASTER_PORT")
 
 
+@pytest.mark.parametrize("value", ["99999", "0", "29500x"])
+def test_a_master_port_that_is_not_a_port_is_one_line_naming_it_and_the_range(value):
+    result = runner.invoke(app, ["doctor"], env=launch_env(MASTER_PORT=value))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: MASTER_PORT={value} is not a port: give a whole number from 1 to 65535 (above "
+        "1024 without root), or leave it unset for the default 29500"
+    ]
+
+
+def test_a_config_port_that_is_not_a_port_is_one_line_naming_it(tmp_path: Path):
+    config = tmp_path / "port.yaml"
+    text = (CONFIGS / CPU_CONFIG).read_text()
+    config.write_text(text.replace("main_process_port: 29511", "main_process_port: 70000"))
+    result = runner.invoke(app, ["doctor", "--config-file", str(config)], env=launch_env())
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --config-file {config}: main_process_port: 70000: give a port from 1 to 65535 "
+        "(above 1024 without root)"
+    ]
+
+
 def test_world_size_that_disagrees_with_the_config_is_flagged():
     config = str(CONFIGS / "8gpu.yaml")
     result, report = doctor("--config-file", config, WORLD_SIZE="4")

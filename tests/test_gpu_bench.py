@@ -125,6 +125,21 @@ def test_without_a_gpu_it_stops_with_one_line(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_an_out_it_cannot_write_is_one_line_before_the_work(tmp_path, capsys, kind, request):
+    """It failed at the first table, after a measurement (minutes on a GPU), in a traceback."""
+    if kind == "file":
+        out = tmp_path / "table"
+        out.write_text("keep\n")
+    else:
+        out = request.getfixturevalue("read_only_folder") / "gpu"
+    assert bench_gpu.main(["--smoke", "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --out {out}: ")
+    assert ("is a file, not a folder" if kind == "file" else "cannot write in") in line
+    assert not out.exists() or out.read_text() == "keep\n"
+
+
 @pytest.mark.slow
 def test_every_measured_workload_has_an_estimate():
     names = set()

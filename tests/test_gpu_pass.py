@@ -6,6 +6,7 @@ passed, and GPU_OUT receives only the log and the parts' own files."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -46,13 +47,42 @@ def make(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="nvidia-smi may list a GPU")
+def test_a_machine_without_a_gpu_is_one_line_before_anything_runs(tmp_path):
+    """It started, skipped every GPU test and reported the kernel comparison as passed."""
+    probe_wheel(tmp_path / "wheels")
+    result = make(tmp_path, f"WHEELS={tmp_path / 'wheels'}")
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()[:1]
+    assert line.startswith("error: make gpu-pass: nvidia-smi lists no GPU on this machine")
+    assert not (tmp_path / "site").exists() and not (tmp_path / "out").exists()
+
+
 def test_a_folder_without_wheels_is_one_line_before_anything_runs(tmp_path):
-    result = make(tmp_path, f"WHEELS={tmp_path / 'missing'}")
+    result = make(tmp_path, f"WHEELS={tmp_path / 'missing'}", "REQUIRE_GPU=0")
     assert result.returncode != 0
     (line,) = result.stderr.strip().splitlines()[:1]
     assert line.startswith(f"error: WHEELS={tmp_path / 'missing'}: no .whl files")
     assert "make wheelhouse" in line
     assert not (tmp_path / "site").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file", "read-only"])
+def test_a_wheelhouse_dir_it_cannot_write_is_one_line_before_any_download(tmp_path, kind, request):
+    """pip failed after resolving, in its own traceback-like report; PYTHON=false shows that
+    nothing past the check runs."""
+    (tmp_path / "file").write_text("keep\n")
+    folder = {"file": tmp_path / "file", "under-a-file": tmp_path / "file" / "wheels"}.get(kind)
+    if folder is None:
+        folder = request.getfixturevalue("read_only_folder") / "wheels"
+    command = ["make", "--no-print-directory", "wheelhouse", f"DIR={folder}", "PYTHON=false"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()[:1]
+    assert line.startswith(f"error: DIR={folder}: ")
+    expected = "cannot write in" if kind == "read-only" else "is a file, not a folder"
+    assert expected in line and "(nothing was downloaded)" in line
+    assert (tmp_path / "file").read_text() == "keep\n"
 
 
 def test_the_dry_run_names_each_part_with_its_timeout_and_the_wheels_on_its_path(tmp_path):
@@ -72,17 +102,20 @@ def test_the_dry_run_names_each_part_with_its_timeout_and_the_wheels_on_its_path
 
 @pytest.mark.slow
 def test_every_part_runs_and_reports_and_only_its_files_land_in_gpu_out(tmp_path):
-    """On a CPU: the suite is stopped by a 1 s timeout, the benchmark fails (no CUDA), the
-    kernel comparison passes (skipped); each ran with the wheels' module importable."""
+    """On a CPU (past the GPU check): the suite is stopped by a 1 s timeout, the benchmark fails
+    (no CUDA), the kernel comparison skips every test, which is no pass; each ran with the
+    wheels' module importable."""
     probe_wheel(tmp_path / "wheels")
-    result = make(tmp_path, f"WHEELS={tmp_path / 'wheels'}", "SUITE_TIMEOUT=1", "GPU_WORKERS=0")
+    variables = ["SUITE_TIMEOUT=1", "GPU_WORKERS=0", "REQUIRE_GPU=0"]
+    result = make(tmp_path, f"WHEELS={tmp_path / 'wheels'}", *variables)
     assert result.returncode != 0, result.stdout
     assert (tmp_path / "site" / "sitecustomize.py").is_file()
     log = (tmp_path / "out" / "gpu-pass.log").read_text()
     assert "== suite: TIMED OUT after 1 s" in log
     assert "== bench: FAILED (exit 2)" in log and "needs a CUDA GPU" in log
-    assert "== kernels: passed" in log
-    assert log.rstrip().endswith("== gpu-pass: failed: suite bench")
+    assert "== kernels: RAN NOTHING (every test skipped, or none collected): not a pass" in log
+    assert "passed" not in log.replace("every part passed", "")
+    assert log.rstrip().endswith("== gpu-pass: failed: suite bench kernels")
     started = (tmp_path / "probe.txt").read_text()
     assert "benchmarks/bench_gpu.py" in started
     assert "tests/gpu/test_pointcloud_kernels_on_gpu.py" in started

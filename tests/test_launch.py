@@ -50,6 +50,38 @@ def test_the_launchers_report_is_held_back_and_its_root_cause_read():
     assert (summary.rank, summary.exit_code) == (0, 2)  # the root cause, not rank 1's SIGTERM
 
 
+# what `accelerate launch` with one process printed when its worker refused --lr -1 (shortened)
+ONE_PROCESS_STDERR = """\
+error: --lr -1.0: give a positive number
+Traceback (most recent call last):
+  File ".venv/bin/accelerate", line 6, in <module>
+    raise subprocess.CalledProcessError(returncode=process.returncode, cmd=cmd)
+subprocess.CalledProcessError: Command '['python', 'recipes/train_template.py', '--lr', '-1']' \
+returned non-zero exit status 2.
+"""
+
+
+def test_a_one_process_launchers_traceback_is_held_back_and_its_exit_code_read():
+    *shown, summary = condense(ONE_PROCESS_STDERR.splitlines(keepends=True))
+    assert "".join(shown) == "error: --lr -1.0: give a positive number\n"
+    assert isinstance(summary, Condensed)
+    assert (summary.exit_code, summary.one_process) == (2, True)
+
+
+@pytest.mark.dist
+def test_a_failed_one_process_launch_is_one_line_and_the_workers_exit_code(tmp_path):
+    command = [str(BIN / "accel-recipes"), "launch", "--", str(BIN / "accelerate"), "launch"]
+    command += ["--config_file", str(CPU_2PROC.with_name("1cpu.yaml"))]
+    command += [str(TEMPLATE), "--lr", "-1", "--output-dir", str(tmp_path / "run")]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=recipe_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    assert "error: --lr -1.0: give a positive number" in result.stderr
+    assert "launcher: the worker failed with exit code 2" in result.stderr
+    assert "Traceback" not in result.stderr and "CalledProcessError" not in result.stderr
+
+
 def test_output_without_a_worker_error_passes_through_whole():
     text = "Traceback (most recent call last):\n  launcher crashed\n"
     *shown, summary = condense(text.splitlines(keepends=True))

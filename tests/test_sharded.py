@@ -24,9 +24,11 @@ missing its average, or a rank-local export would differ by 1e-2 or more.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pickle
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,7 @@ from typer.testing import CliRunner
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.export import load_exported
+from accel_common.launch_guard import sharding_refusal
 from accel_common.tools.cli import app
 from tests.processes import (
     ACCELERATE_LAUNCH,
@@ -316,6 +319,26 @@ def test_fsdp_config_on_cpu_is_refused_not_silently_unsharded(tmp_path, template
     assert result.returncode != 0
     assert "asks for FSDP" in result.stderr and "MULTI_CPU" in result.stderr, result.stderr
     assert not (tmp_path / "out" / "model").exists()
+
+
+def test_fsdp_on_the_cpu_is_refused_by_the_dry_run_and_the_doctor_in_the_runs_words(
+    tmp_path, template_data
+):
+    """The run refuses it (above); its dry run and the doctor used to plan it and find "No
+    problems": all three now say the launch guard's one line."""
+    message, advice = sharding_refusal("FSDP", "MULTI_CPU")
+    # what `accelerate launch` with an FSDP config gives the first of 2 workers
+    env = {**recipe_env(tmp_path), "ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}
+    command = [sys.executable, str(TEMPLATE), "--data", str(template_data), "--cpu", "--dry-run"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.splitlines() == [f"error: {message}; {advice}"]
+    assert "dry run" not in result.stdout
+    config = cpu_fsdp_config(tmp_path)
+    doctor = CliRunner().invoke(app, ["doctor", "--json", "--config-file", str(config)])
+    assert doctor.exit_code == 1, doctor.output
+    problems = json.loads(doctor.stdout)["problems"]
+    assert {"severity": "blocker", "message": message, "advice": advice} in problems
 
 
 # --------------------------------------------------------------------------- DCP folders

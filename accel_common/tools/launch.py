@@ -11,8 +11,9 @@ that rank's exit code. `ACCEL_RECIPES_FULL_REPORT=1` passes everything through u
 exit code and the closing line stay the same).
 
 Before it starts anything, an `accelerate launch` command's config is read as Accelerate would
-read it: a missing or malformed YAML file, or a DeepSpeed launch without DeepSpeed installed, is
-one `error:` line (the checks `accel-recipes doctor --config-file` makes), not a traceback after
+read it: a missing or malformed YAML file, a value Accelerate would fail on after starting
+(`bad_value`: process counts, dynamo settings), or a DeepSpeed launch without DeepSpeed installed,
+is one `error:` line (the checks `accel-recipes doctor --config-file` makes), not a traceback after
 the launcher has started; so is a launcher that does not exist.
 
 Preemption: SIGTERM/SIGUSR1 sent to this wrapper is passed to the launcher, whose torch elastic
@@ -49,6 +50,11 @@ ELASTIC_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/"
 ROOT_CAUSE = "Root Cause (first observed failure):"
 RANK = re.compile(r"^\s*rank\s*: (\d+)")
 EXIT_CODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
+# `accelerate launch` with one process runs the worker itself and reports its failure as a
+# traceback ending in this line
+ONE_PROCESS_EXIT = re.compile(
+    r"^subprocess\.CalledProcessError: .* returned non-zero exit status (\d+)\."
+)
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")  # Ctrl-C, SLURM: the launcher decides
 EXAMPLE = (
     "accel-recipes launch -- accelerate launch --config_file accelerate_configs/cpu_2proc.yaml "
@@ -64,6 +70,7 @@ class Condensed:
     rank: int | None = None
     exit_code: int | None = None
     preempted: bool = False
+    one_process: bool = False
 
 
 def condense(
@@ -73,7 +80,8 @@ def condense(
 
     Once a worker has printed `error...`, or once `stopping()` (a stop signal was passed on), the
     launcher's log lines and its failure report are held back; the report's root-cause block
-    gives the rank and exit code to report instead. `full` shows every line and still reads the
+    gives the rank and exit code to report instead (a one-process launch: its traceback's last
+    line). `full` shows every line and still reads the
     report.
     """
     summary = Condensed(lines=[])
@@ -94,6 +102,9 @@ def condense(
             summary.rank = int(found.group(1))
         if in_root_cause and (found := EXIT_CODE.match(line)):
             summary.exit_code = int(found.group(1))
+        if found := ONE_PROCESS_EXIT.match(line):
+            summary.rank, summary.exit_code = 0, int(found.group(1))
+            summary.one_process = True
         if not full:
             summary.lines.append(line)
     yield summary
@@ -212,6 +223,9 @@ def run(command: Sequence[str]) -> int:
             f"the job to continue{hint}\n"
         )
         return EXIT_PREEMPTED
+    if code != 0 and summary.one_process and summary.exit_code:
+        sys.stderr.write(f"launcher: the worker failed with exit code {summary.exit_code}{hint}\n")
+        return summary.exit_code
     if code != 0 and summary.exit_code is not None and summary.exit_code > 0:
         sys.stderr.write(
             f"launcher: rank {summary.rank} failed first, with exit code {summary.exit_code}; the "

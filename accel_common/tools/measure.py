@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -62,13 +63,20 @@ class PlanRow:
 
 def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, int | None]]:
     """The recipe's script (a name like `template`, or a path), its click command and its
-    default batch (global, per-device: one of them is set)."""
-    script = Path(recipe)
-    if not script.is_file():
-        script = Path(__file__).resolve().parents[2] / "recipes" / f"train_{recipe}.py"
-    if not script.is_file():
-        raise RecipeError(f"--measure {recipe}: no recipes/train_{recipe}.py and no such file")
+    default batch (global, per-device: one of them is set). A path that is not a recipe script
+    (missing, a folder, not Python, not importable, no recipe `train`) is one line naming it."""
     recipes = Path(__file__).resolve().parents[2] / "recipes"
+    names = ", ".join(sorted(p.stem.removeprefix("train_") for p in recipes.glob("train_*.py")))
+    script = Path(recipe)
+    if not script.exists() and re.fullmatch(r"[a-z][a-z0-9_]*", recipe):
+        script = recipes / f"train_{recipe}.py"
+    what = f"--measure {recipe}"
+    if not script.exists():
+        raise RecipeError(f"{what}: no such recipe or file; give a recipe ({names}) or its script")
+    if not script.is_file():
+        raise RecipeError(f"{what} is a folder; give a recipe script such as recipes/train_X.py")
+    if script.suffix != ".py":
+        raise RecipeError(f"{what} is not a Python file; give a recipe ({names}) or its script")
     if script.resolve().parent == recipes:  # one of the project's recipes: import it as one
         train = importlib.import_module(f"recipes.{script.stem}").train
     else:  # a script elsewhere, run as a module of its own (its dataclasses look it up by name)
@@ -76,8 +84,20 @@ def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, i
         spec = importlib.util.spec_from_file_location(name, script)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
-        train = module.train
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # a syntax error, a missing package: the user's file, not ours
+            del sys.modules[name]
+            text = str(err).splitlines()[0] if str(err) else ""
+            if isinstance(err, SyntaxError):
+                text = f"{err.msg} at line {err.lineno}"
+            raise RecipeError(f"{what}: cannot import it ({type(err).__name__}: {text})") from None
+        train = getattr(module, "train", None)
+    if not hasattr(train, "default_batch"):
+        raise RecipeError(
+            f"{what} defines no recipe command `train` (a function decorated by "
+            "accel_common.options.train_command, as in recipes/train_template.py)"
+        )
     app = typer.Typer(add_completion=False)
     app.command()(train)
     return script, typer.main.get_command(app), train.default_batch

@@ -11,6 +11,7 @@ original's module names), so the import is a strict load with no renaming. It is
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from accel_common.convert import load_original_checkpoint
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     read_export_weights,
     read_recipe_export,
@@ -30,6 +31,13 @@ from recipes.crystal.model import VARIANTS, build_network
 
 ORIGINAL = "comformer"
 CONFIG = "config.json"  # the original's training config, beside best_model.pt
+# config.json's numbers this import reads, and what each should be
+NUMBERS = {
+    "mean_train": "set it to the training target's mean (or remove it)",
+    "std_train": "set it to the training target's standard deviation (or remove it)",
+    "cutoff": "set it to the training's graph cutoff in Angstrom",
+    "max_neighbors": "set it to the training's neighbour count",
+}
 
 
 def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, Any]:
@@ -117,15 +125,37 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     require_same_tensors(state, model.state_dict(), f"{source}: not this recipe's {kind}")
     model.load_state_dict(state, strict=True)
     settings = dict(sizes)
-    for ours, theirs in (("cutoff", "cutoff"), ("max_neighbors", "max_neighbors")):
-        if theirs in original:
-            settings[ours] = original[theirs]
+    path = source.parent / CONFIG
+    for key, whole in (("cutoff", False), ("max_neighbors", True)):
+        if (value := _number(original, key, path)) is not None:
+            if value <= 0 or (whole and not isinstance(original[key], int)):
+                kind = "whole number" if whole else "number"
+                raise CheckpointError(
+                    f"{path}: {key} {original[key]!r} is not a positive {kind}; {NUMBERS[key]}"
+                )
+            settings[key] = original[key]
     if isinstance(original.get("target"), str) and original["target"] not in ("", "target"):
         settings["target"] = original["target"]
-    config = CrystalSettings.from_config(settings).as_config()
-    config["mean"] = float(original.get("mean_train") or 0.0)  # the original's default: 0, 1
-    config["std"] = float(original.get("std_train") or 1.0)
+    try:
+        parsed = CrystalSettings.from_config(settings)
+        parsed.validate()
+    except ConfigError as err:  # a value the recipe cannot take: the file is where it came from
+        raise CheckpointError(f"{path}: {err}") from None
+    config = parsed.as_config()
+    config["mean"] = _number(original, "mean_train", path) or 0.0  # the original's default: 0, 1
+    config["std"] = _number(original, "std_train", path) or 1.0
     return model.state_dict(), config
+
+
+def _number(original: dict[str, Any], key: str, path: Path) -> float | None:
+    """config.json's `key` (the target's training mean or std) as a float, None when absent; a
+    value that is no finite number is one line naming the file and key."""
+    value = original.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"{path}: {key} {value!r} is not a number; {NUMBERS[key]}")
+    return float(value)
 
 
 def side_files(model_dir: Path, target: Path) -> list[Path]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from accel_common.errors import ConfigError
+
 CHOICES = ("auto", "torch", "triton")
 
 
@@ -25,10 +27,27 @@ def kernels_choice() -> str:
     """The `POINTCLOUD_KERNELS` setting; an unknown value stops with one line."""
     choice = os.environ.get("POINTCLOUD_KERNELS", "auto")
     if choice not in CHOICES:
-        raise SystemExit(f"POINTCLOUD_KERNELS={choice!r}: use one of {', '.join(CHOICES)}")
+        raise ConfigError(f"POINTCLOUD_KERNELS={choice!r}: use one of {', '.join(CHOICES)}")
     if choice == "triton" and not TRITON_AVAILABLE:
-        raise SystemExit("POINTCLOUD_KERNELS=triton, but triton is not installed")
+        raise ConfigError(
+            "POINTCLOUD_KERNELS=triton, but triton is not installed: `pip install triton`, or "
+            f"use one of {', '.join(c for c in CHOICES if c != 'triton')}"
+        )
     return choice
+
+
+def require_usable_kernels(cuda: bool) -> None:
+    """Refuse, before any work (in a dry run too), a `POINTCLOUD_KERNELS` the ops would fail on
+    later: an unknown value, or `triton` where the tensors are not on a CUDA GPU (`cuda`) and
+    Triton's interpreter is off, which Triton reports deep in the first op as "0 active
+    drivers"."""
+    if kernels_choice() != "triton" or cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ConfigError(
+        "POINTCLOUD_KERNELS=triton runs the Triton kernels, which need a CUDA GPU, and none is "
+        "used here: unset it (auto picks them on a GPU) or set it to torch; TRITON_INTERPRET=1 "
+        "runs them (slowly) in Triton's interpreter on the CPU"
+    )
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

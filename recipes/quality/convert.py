@@ -27,7 +27,7 @@ from accel_common.export import (
     require_same_tensors,
     save_file_atomically,
 )
-from recipes.quality.model import RELIABILITY_KEY, QualityScorer
+from recipes.quality.model import RELIABILITY_KEY, QualityScorer, is_timm_model
 
 ORIGINAL = "crowd-bt"
 ANNOTATOR = "crowd-bt"  # the one reliability an imported checkpoint carries
@@ -61,7 +61,17 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     if not isinstance(config, dict):
         raise CheckpointError(f"{source}: its 'config' is {type(config).__name__}, not a dict")
     backbone = config.get("backbone_name", "efficientnet_b4")  # train.py's default
-    image_size = int(config.get("input_size", 448))
+    if not isinstance(backbone, str) or not is_timm_model(backbone):
+        raise CheckpointError(
+            f"{source}: its config's backbone_name {backbone!r} is not a timm model name, so "
+            "the network it was saved from is unknown; set it to the backbone it was trained with"
+        )
+    image_size = config.get("input_size", 448)
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
+        raise CheckpointError(
+            f"{source}: its config's input_size {image_size!r} is not an image size (a whole "
+            "number of pixels, at least 8); set it to the size it was trained at"
+        )
     check_state(state, backbone, source)
     eta_logit = float(checkpoint.get("eta_logit", DEFAULT_ETA_LOGIT))
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -86,6 +86,25 @@ class QualityScorer(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k != RELIABILITY_KEY}
 
 
+def is_timm_model(backbone: str) -> bool:
+    """Whether timm builds `backbone`: checked before any data or weights are read, since timm's
+    own error comes from deep in the network's construction (a hub name, `hf-hub:...`, is left
+    to the download)."""
+    from timm.models import is_model, parse_model_name  # imported late, as in BackboneWrapper
+
+    source, name = parse_model_name(backbone)
+    return source is not None or is_model(name)
+
+
+def require_known_backbone(backbone: str) -> None:
+    """--backbone names a model timm has, or the run (and its dry run) stops in one line."""
+    if not is_timm_model(backbone):
+        raise ConfigError(
+            f"--backbone {backbone}: not a timm model name; give one that timm.list_models() "
+            "lists, e.g. efficientnet_b3"
+        )
+
+
 def build_scorer(
     backbone: str,
     num_annotators: int,
@@ -95,6 +114,7 @@ def build_scorer(
     head_init: str = "kaiming",
 ) -> QualityScorer:
     """The scorer, with a clear error when pretrained weights cannot be had."""
+    require_known_backbone(backbone)
     try:
         model = QualityScorer(backbone, num_annotators, dropout, pretrained, head_init)
     except RuntimeError as err:  # timm: unknown model

@@ -13,7 +13,7 @@ import yaml
 
 from accel_common.batching import BatchRequest
 from accel_common.errors import RecipeError
-from accel_common.launch_guard import config_asks_for_gpus
+from accel_common.launch_guard import config_asks_for_gpus, sharding_refusal, unsharded_type
 from accel_common.tools.doctor.base import Problem
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -31,12 +31,26 @@ GPU_CONFIGS = {1: "1gpu.yaml", 2: "2gpu.yaml", 4: "4gpu.yaml", 8: "8gpu.yaml"}
 CPU_CONFIG = "cpu_2proc.yaml"
 
 
+# the dynamo settings Accelerate's workers read as truth values (accelerate.utils.str_to_bool)
+DYNAMO_FLAGS = (
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
+TRUTH_VALUES = frozenset({"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"})
+
+
 def yaml_error(err: yaml.YAMLError) -> str:
     """A YAML parse error on one line: where, what, and while doing what."""
     mark = getattr(err, "problem_mark", None)
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     context = getattr(err, "context", None)
+    if isinstance(err, yaml.constructor.ConstructorError):  # `!!python/object/apply:...`
+        return (
+            f"a tag that builds an object{where} ({problem}): an accelerate config holds plain "
+            "values only; remove the tag (nothing in the file was run)"
+        )
     return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
 
 
@@ -56,7 +70,40 @@ def load_config(path: Path, flag: str = "--config-file") -> dict[str, Any]:
         raise RecipeError(f"{flag} {path}: not a text file, so not an accelerate config") from None
     if not isinstance(config, dict):
         raise RecipeError(f"{flag} {path}: not an accelerate config (no `key: value` lines)")
+    if (problem := bad_value(config)) is not None:
+        raise RecipeError(f"{flag} {path}: {problem}")
     return config
+
+
+def bad_value(config: dict[str, Any]) -> str | None:
+    """What in a config `accelerate launch` would accept and then fail on (a traceback from the
+    launcher or every worker), as `key: value: what to give`; None when nothing is.
+
+    Accelerate checks neither the process counts, the port nor the dynamo settings of a config
+    file: a negative count starts a nonsense launch, a bad port, backend or flag kills it after
+    it started."""
+    from accelerate.utils import DynamoBackend  # imported here: accelerate is slow to import
+
+    for key in ("num_processes", "num_machines"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{key}: {value!r}: give a positive whole number"
+    port = config.get("main_process_port")
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
+        return f"main_process_port: {port!r}: give a port from 1 to 65535 (above 1024 without root)"
+    nested = config.get("dynamo_config") or {}
+    if not isinstance(nested, dict):
+        return f"dynamo_config: {nested!r}: give `key: value` lines under it"
+    dynamo = {**nested, **config}  # the top-level spelling is the older one
+    backends = [b.value.lower() for b in DynamoBackend]
+    backend = dynamo.get("dynamo_backend")
+    if backend is not None and str(backend).lower() not in backends:
+        return f"dynamo_backend: {backend!r}: give one of {', '.join(backends)}"
+    for key in DYNAMO_FLAGS:
+        value = dynamo.get(key)
+        if value is not None and str(value).lower() not in TRUTH_VALUES:
+            return f"{key}: {value!r}: give true or false"
+    return None
 
 
 def missing_deepspeed(name: str) -> Problem | None:
@@ -132,6 +179,8 @@ def check_config(
                 "recommended config below",
             )
         )
+    if kind in ("FSDP", "DEEPSPEED") and (use_cpu or gpus == 0):  # what the run refuses
+        problems.append(Problem("blocker", *sharding_refusal(kind, unsharded_type(per_machine))))
     if kind == "DEEPSPEED" and (missing := missing_deepspeed(path.name)) is not None:
         problems.append(missing)
     if config.get("mixed_precision") == "bf16" and gpus and not torch.cuda.is_bf16_supported():

@@ -9,6 +9,7 @@ from typing import Any
 
 import psutil
 
+from accel_common.errors import RecipeError
 from accel_common.tools.doctor.base import DoctorOptions, Problem
 from accel_common.tools.ports import free_port
 
@@ -145,6 +146,13 @@ def resolve_endpoint(
         (env.get("MASTER_PORT", "").strip() or None, "MASTER_PORT"),
     )
     for value, source in candidates:
-        if value is not None and str(value).isdigit():
-            return str(addr), int(value), source
+        if value is None:
+            continue
+        if not str(value).isdigit() or not 1 <= int(value) <= 65535:
+            shown = f"{source}={value}" if source == "MASTER_PORT" else f"{source} {value!r}"
+            raise RecipeError(
+                f"{shown} is not a port: give a whole number from 1 to 65535 (above "
+                "1024 without root), or leave it unset for the default 29500"
+            )
+        return str(addr), int(value), source
     return str(addr), DEFAULT_PORT, "default"

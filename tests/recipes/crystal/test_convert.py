@@ -117,6 +117,26 @@ def test_convert_from_comformer_refuses_another_network_naming_the_tensor(tmp_pa
         convert.import_checkpoint(source)
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"mean_train": "abc"}, "mean_train 'abc' is not a number; set it to the training target"),
+        ({"std_train": [1]}, "std_train [1] is not a number"),
+        ({"cutoff": "abc"}, "cutoff 'abc'"),
+        ({"max_neighbors": -3}, "max_neighbors -3"),
+    ],
+)
+def test_a_bad_value_in_comformers_config_is_one_line_naming_the_file_and_key(
+    tmp_path, config, message
+):
+    source = write_original_checkpoint(tmp_path / "orig", **config)
+    out = tmp_path / "converted"
+    result = CliRunner().invoke(cli.app, ["convert", str(source), str(out), "--from", "comformer"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {source.parent / 'config.json'}: {message}")
+    assert len(result.stderr.splitlines()) == 1 and not out.exists()
+
+
 def test_init_from_starts_training_from_a_converted_comformer_checkpoint(tmp_path):
     source = write_original_checkpoint(tmp_path / "orig", mean_train=0.0, std_train=1.0)
     state, config = convert.import_checkpoint(source)

@@ -192,3 +192,35 @@ def test_init_from_says_which_shape_free_settings_differ_from_the_exports(tmp_pa
         "--vox-res-mult 0.125 (this run: 0.5)" in note
         and "--num-neighbors 8 (this run: 32)" in note
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels run on this GPU")
+@pytest.mark.parametrize(
+    "kernels, message",
+    [
+        ("triton", "POINTCLOUD_KERNELS=triton runs the Triton kernels, which need a CUDA GPU"),
+        ("bogus", "POINTCLOUD_KERNELS='bogus': use one of auto, torch, triton"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train --dry-run", "train", "complete", "evaluate"])
+def test_kernels_the_ops_would_fail_on_are_refused_before_any_work(
+    tmp_path, monkeypatch, kernels, message, command
+):
+    """Triton on the CPU failed in the first op ("0 active drivers"), after the data was read;
+    an unknown value was planned by the dry run, then stopped the run."""
+    monkeypatch.setenv("POINTCLOUD_KERNELS", kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "implant.npy"
+    if command == "complete":
+        function, args = recipe.complete, complete_args(tmp_path, "--out", str(out))
+    elif command == "evaluate":
+        data = tmp_path / "data"  # not there: the refusal comes before it is read
+        function, args = recipe.evaluate_export, ["--model", str(tmp_path), "--data", str(data)]
+    else:
+        function, args = recipe.train, ["--output-dir", str(tmp_path / "run")]
+        args += ["--dry-run"] if command.endswith("--dry-run") else []
+    result = CliRunner().invoke(command_app(function), args)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: {message}"), result.output
+    assert "dry run" not in result.output
+    assert not out.exists() and not (tmp_path / "run").exists()

@@ -152,6 +152,36 @@ def test_a_checkpoint_of_another_network_is_refused_naming_the_tensor(tmp_path):
         import_checkpoint(source)
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "backbone_name",
+            "nosuchnet_xyz",
+            "backbone_name 'nosuchnet_xyz' is not a timm model name",
+        ),
+        ("backbone_name", 7, "backbone_name 7 is not a timm model name"),
+        ("input_size", "big", "input_size 'big' is not an image size"),
+        ("input_size", -448, "input_size -448 is not an image size"),
+    ],
+)
+def test_a_bad_value_in_the_checkpoints_config_is_one_line_naming_the_file_and_key(
+    tmp_path, key, value, message
+):
+    from accel_common.tools.cli import app
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["config"][key] = value
+    torch.save(checkpoint, source)
+    out = tmp_path / "model"
+    result = CliRunner().invoke(app, ["convert", str(source), str(out), "--from", "crowd-bt"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {source}: its config's {message}")
+    assert len(result.stderr.splitlines()) == 1
+    assert not out.exists()
+
+
 def test_gold_reliabilities_and_metrics_follow_the_original():
     """compute_user_reliability (data_loader.py 95-133): accuracy on gold_gold pairs, half a
     point for a draw between adjacent ranks, 0.5 without gold pairs; the metrics: the 0.1 draw

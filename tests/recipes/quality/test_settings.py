@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import recipes.train_quality as recipe
-from accel_common.errors import ConfigError
+from accel_common.errors import ConfigError, exit_on_error
 from recipes.quality.example import ANNOTATORS
 from tests.processes import QUALITY, REPO, dry_run_plan, invoke_train, run_recipe
 
@@ -42,6 +42,18 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
     assert plan["learning rate"].endswith("0 warmup steps, then cosine")
     assert plan["epochs"] == "20" and plan["mixed precision"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "run"])
+def test_an_unknown_backbone_is_refused_alike_by_the_run_and_its_dry_run(tmp_path, dry):
+    """The dry run built the network and died in timm's traceback; the run refused it in one
+    line, after reading the data: both now refuse it as the settings are read."""
+    args = ["--backbone", "nosuchnet_xyz", "--output-dir", str(tmp_path / "run")]
+    # as `python recipes/train_quality.py` runs it (entry.run_recipe): errors as one line
+    result = invoke_train(exit_on_error(recipe.train), args + (["--dry-run"] if dry else []))
+    assert result.exit_code == 2, result.output
+    assert "--backbone nosuchnet_xyz: not a timm model name" in result.output
+    assert "read " not in result.output and not (tmp_path / "run").exists()  # before the data
 
 
 def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
