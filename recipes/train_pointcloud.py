@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from accel_common.console import format_metrics
 from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import resolve_data
+from accel_common.data.loaders import make_eval_loader, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import (
@@ -292,9 +292,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
     )
     train_loader = args.make_train_loader(train_set, plan)
-    test_loader = DataLoader(
-        test_set, batch_size=plan.per_device_batch_size, num_workers=args.workers
-    )
+    test_loader = make_eval_loader(test_set, plan.per_device_batch_size, workers=args.workers)
     args.compile_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
@@ -482,7 +480,7 @@ def evaluate_export(
     model, settings = load_model(model_dir, accelerator.device)
     dataset = skullbreak(data, split, settings, seed=seed)
     pool = implant_pool(skullbreak(data, "train", settings, seed=seed))
-    loader = accelerator.prepare(DataLoader(dataset, batch_size=8))
+    loader = accelerator.prepare(make_eval_loader(dataset, 8))
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     sampler = checked_sampler(sampler or settings.sampler)
     steps = checked_sample_steps(
