@@ -31,9 +31,7 @@ import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
-
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from typing import TYPE_CHECKING
 
 from accel_common.errors import CheckpointError, DataError
 
@@ -44,6 +42,9 @@ NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.E
 _held: dict[Path, int] = {}
 _exclusive: ContextVar[bool] = ContextVar("exclusive_outputs", default=False)
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 
 # --------------------------------------------------------------------------- a run's folder
 
@@ -51,6 +52,8 @@ _exclusive: ContextVar[bool] = ContextVar("exclusive_outputs", default=False)
 def hold_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
     """The main process locks `output_dir` (creating it) until it exits; a folder another live
     run holds is refused on every process, naming that run (collective)."""
+    from accelerate.utils import broadcast_object_list  # late: --out writers need no torch
+
     refusal: list[str | None] = [None]
     if accelerator.is_main_process:
         refusal = [lock_folder(Path(output_dir))]

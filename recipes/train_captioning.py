@@ -53,6 +53,7 @@ from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split, split_files
@@ -270,7 +271,8 @@ def caption(
         ids = greedy_captions(model, pixels.to(device), config["bos"], config["eos"], longest)
         for name, row in zip(names, ids.tolist(), strict=True):
             lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
-    out.write_text("".join(lines))
+    with new_file(out) as partial:
+        partial.write_text("".join(lines))
     print(f"wrote {out}: {len(lines)} captions")
 
 

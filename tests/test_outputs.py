@@ -5,7 +5,9 @@ created exclusively (the loser of a race is told, the winner's result intact).""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,9 +15,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
 
 from accel_common.checkpoint import checkpoint_step, list_checkpoints
-from accel_common.outputs import LOCK_FILE, lock_folder
+from accel_common.errors import DataError
+from accel_common.outputs import (
+    LOCK_FILE,
+    exclusive_outputs,
+    lock_folder,
+    new_file,
+    new_folder,
+    partial_path,
+    place_file,
+)
 from tests import forked
 from tests.processes import TEMPLATE, recipe_env, run_recipe
 
@@ -68,6 +83,7 @@ def test_a_folder_moved_aside_is_locked_again_under_its_name(tmp_path: Path) -> 
     assert aside.communicate(timeout=60)[0].strip() == "None"
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_folder_at_once_one_trains_and_a_killed_run_blocks_no_resume(
     tmp_path: Path, template_data: Path
 ) -> None:
@@ -116,3 +132,157 @@ def test_two_runs_into_one_folder_at_once_one_trains_and_a_killed_run_blocks_no_
     more = ["--resume", "latest", "--max-steps", str(step + 1)]
     resumed = run_recipe([*args, *more], cwd=tmp_path)
     assert f"step {step}" in resumed.stdout
+
+
+# --------------------------------------------------------------------------- exclusive creation
+
+
+def test_a_file_written_meanwhile_is_never_replaced(tmp_path: Path) -> None:
+    """The move into place, not the check before the work, decides: a file another process
+    wrote during this one's work is kept, and this one is told, naming it."""
+    out = tmp_path / "scores.csv"
+    taken = f"^--out {re.escape(str(out))}: another process wrote it meanwhile"
+    with pytest.raises(DataError, match=taken), new_file(out) as partial:
+        partial.write_text("mine")
+        out.write_text("theirs")  # the other process, after this one's check
+    assert out.read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scores.csv"]  # no partial left
+    with new_file(tmp_path / "implant.npy") as partial:
+        assert partial.suffix == ".npy" and partial.parent == tmp_path  # np.save keeps the name
+        partial.write_bytes(b"ok")
+    assert (tmp_path / "implant.npy").read_bytes() == b"ok"
+
+
+def test_place_file_replaces_only_outside_exclusive_outputs(tmp_path: Path) -> None:
+    """A training run's own export is replaced (under the run's lock); convert without --force
+    never replaces."""
+    target = tmp_path / "model.safetensors"
+    target.write_text("old")
+    for exclusive, expected in ((True, "old"), (False, "new")):
+        partial = partial_path(target)
+        partial.write_text("new")
+        with exclusive_outputs(exclusive), contextlib.suppress(DataError):
+            place_file(partial, target, "OUTPUT")
+        assert target.read_text() == expected and not partial.exists()
+
+
+def test_convert_never_replaces_an_export_written_after_its_check(tmp_path, monkeypatch):
+    import accel_common.convert as convert
+
+    source, out = tmp_path / "ckpt.pt", tmp_path / "out"
+    torch.save({"w": torch.ones(2)}, source)
+    read = convert.read_state_dict
+
+    def read_then_another_writes(*args: Any) -> Any:
+        out.mkdir()
+        (out / "model.safetensors").write_text("theirs")
+        return read(*args)
+
+    monkeypatch.setattr(convert, "read_state_dict", read_then_another_writes)
+    target = out / "model.safetensors"
+    with pytest.raises(DataError, match=f"^OUTPUT {re.escape(str(target))}: another process"):
+        convert.convert_checkpoint(source, out)
+    assert target.read_text() == "theirs" and sorted(p.name for p in out.iterdir()) == [
+        "model.safetensors"
+    ]
+
+
+def test_a_folder_filled_meanwhile_is_never_mixed_into(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()  # an empty folder is filled (replaced by the written one)
+    with new_folder(data) as partial:
+        partial.mkdir()
+        (partial / "train.csv").write_text("mine")
+    assert [p.name for p in data.iterdir()] == ["train.csv"]
+    other = tmp_path / "other"
+    taken = f"^DIR {re.escape(str(other))}: another process wrote into it"
+    with pytest.raises(DataError, match=taken), new_folder(other) as partial:
+        partial.mkdir()
+        (partial / "train.csv").write_text("mine")
+        other.mkdir()
+        (other / "1000001.json").write_text("theirs")
+    assert [p.name for p in other.iterdir()] == ["1000001.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "other"]  # no partial left
+
+
+WRITE_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from accel_common.outputs import new_file
+out, me, ready = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+with new_file(out) as partial:
+    partial.write_text(me)
+    (ready / me).touch()
+    while len(list(ready.iterdir())) < 2:  # both have written: now both move into place
+        time.sleep(0.01)
+"""
+
+
+def test_two_writers_of_one_out_file_at_once_one_wins_intact(tmp_path: Path) -> None:
+    """What every --out writer (predict, caption, score, complete, export-onnx) does, in two
+    processes that finish writing together: one file wins whole, the other names it."""
+    out, ready = tmp_path / "predictions.csv", tmp_path / "ready"
+    ready.mkdir()
+    writers = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", WRITE_AT_ONCE, str(out), name, str(ready)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=recipe_env(tmp_path),
+        )
+        for name in ("a", "b")
+    }
+    errors = {name: w.communicate(timeout=120)[1] for name, w in writers.items()}
+    codes = {name: w.returncode for name, w in writers.items()}
+    assert sorted(codes.values()) == [0, 1], errors
+    (winner,) = [name for name, code in codes.items() if code == 0]
+    (loser,) = [name for name, code in codes.items() if code != 0]
+    assert f"--out {out}: another process wrote it meanwhile" in errors[loser]
+    assert out.read_text() == winner
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["predictions.csv", "ready"]
+
+
+MAKE_DATA_AT_ONCE = """
+import importlib, sys, time
+from pathlib import Path
+from accel_common.tools.cli import app
+from accel_common.tools.example_data import generator_module
+name, data, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+importlib.import_module(generator_module(name))  # imported: both start the command together
+(ready / name).touch()
+while len(list(ready.iterdir())) < 2:
+    time.sleep(0.01)
+app(["make-data", name, data])
+"""
+
+
+@pytest.mark.slow
+def test_two_make_data_into_one_folder_at_once_one_set_wins_whole(tmp_path: Path) -> None:
+    """Two recipes' example data into one folder, `accel-recipes make-data` started together
+    (once both have imported what they need): exactly one succeeds and the folder holds its
+    data alone."""
+    data, ready = tmp_path / "data", tmp_path / "ready"
+    ready.mkdir()
+    jobs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", MAKE_DATA_AT_ONCE, name, str(data), str(ready)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=recipe_env(tmp_path),
+        )
+        for name in ("template", "cricket")
+    }
+    outputs = {name: job.communicate(timeout=300) for name, job in jobs.items()}
+    codes = {name: job.returncode for name, job in jobs.items()}
+    assert sorted(codes.values()) == [0, 2], outputs
+    (winner,) = [name for name, code in codes.items() if code == 0]
+    (loser,) = [name for name, code in codes.items() if code != 0]
+    error = outputs[loser][1]
+    assert error.startswith("error: ") and str(data) in error, error
+    names = sorted(p.name for p in data.iterdir())
+    if winner == "template":
+        assert names == ["test.csv", "train.csv"]
+    else:
+        assert "train.csv" not in names and "README.txt" in names
+    assert not [p.name for p in tmp_path.iterdir() if ".partial-" in p.name]  # loser's removed
