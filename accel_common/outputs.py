@@ -81,6 +81,15 @@ def lock_folder(output_dir: Path) -> str | None:
             f"{output_dir} is in use by another run ({holder}): wait for it to finish, or "
             "choose another --output-dir"
         )
+    except OSError as err:  # a filesystem without locks (NFSv3 without lockd, Lustre noflock)
+        os.close(fd)
+        print(
+            f"warning: {output_dir}: its filesystem takes no locks ({err.strerror}); nothing "
+            "stops a second run from writing into it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
     if held is not None:  # the folder was moved aside (--overwrite): its old lock goes too

@@ -6,6 +6,7 @@ created exclusively (the loser of a race is told, the winner's result intact).""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -68,6 +69,18 @@ def test_the_lock_is_refused_to_another_process_naming_the_holder(tmp_path: Path
     assert (tmp_path / "run" / LOCK_FILE).is_file()
     assert lock_folder(tmp_path / "run") is None
     assert lock_folder(tmp_path / "run") is None  # taken again by its holder: a no-op
+
+
+def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import accel_common.outputs as outputs
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(outputs.fcntl, "flock", no_locks)
+    assert lock_folder(tmp_path / "run") is None
+    warning = capsys.readouterr().err
+    assert warning.startswith(f"warning: {tmp_path / 'run'}: its filesystem takes no locks")
 
 
 def test_a_folder_moved_aside_is_locked_again_under_its_name(tmp_path: Path) -> None:
