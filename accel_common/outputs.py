@@ -46,6 +46,20 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
+def _forget_locks() -> None:
+    """In a forked child (a DataLoader worker, a datasets.map process): close its copies of the
+    lock files. A flock belongs to the open file, which a fork shares: a child outliving a
+    SIGKILLed parent by seconds would otherwise hold the parent's folder that long. Closing a
+    copy leaves the parent's lock as it is."""
+    for fd in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
 # --------------------------------------------------------------------------- a run's folder
 
 

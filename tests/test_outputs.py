@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -69,6 +70,39 @@ def test_the_lock_is_refused_to_another_process_naming_the_holder(tmp_path: Path
     assert (tmp_path / "run" / LOCK_FILE).is_file()
     assert lock_folder(tmp_path / "run") is None
     assert lock_folder(tmp_path / "run") is None  # taken again by its holder: a no-op
+
+
+HOLD_AND_FORK = """
+import os, sys, time
+from pathlib import Path
+from accel_common.outputs import lock_folder
+assert lock_folder(Path(sys.argv[1])) is None
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: it outlives its killed parent for a while
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_killed_runs_lock(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_AND_FORK, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=recipe_env(tmp_path),
+    )
+    assert holder.stdout is not None
+    child = int(holder.stdout.readline())
+    try:
+        assert lock_folder(tmp_path / "run") is not None  # the holder lives: refused
+        holder.kill()
+        holder.wait()
+        assert psutil.pid_exists(child)
+        assert lock_folder(tmp_path / "run") is None  # its child lives on, holding nothing
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
