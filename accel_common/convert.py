@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
 from accel_common.errors import CheckpointError
 from accel_common.export import require_export_target, write_export
+from accel_common.outputs import exclusive_outputs
 
 # Wrappers that training scripts put around a state dict, outermost first.
 STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
@@ -180,8 +181,10 @@ def convert_checkpoint(
     force: bool = False,
 ) -> Path:
     """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
-    is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json)."""
+    is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json).
+    Without `force`, never over a file, even one another process wrote after the check."""
     require_export_target(target, force)
     state = read_state_dict(source, model_index)
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
-    return write_export(state, target, metadata)
+    with exclusive_outputs(not force):
+        return write_export(state, target, metadata)

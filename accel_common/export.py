@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.launch_guard import require_writable_folder
+from accel_common.outputs import partial_path, place_file
 from accel_common.parameters import parameter_counts
 
 MODEL_FILE = "model.safetensors"
@@ -122,11 +123,12 @@ def require_new_files(paths: Iterable[Path], force: bool) -> None:
 
 
 def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
-    """Write the weights and their JSON (see `export_paths`), each via a temporary name."""
+    """Write the weights and their JSON (see `export_paths`), each via a private temporary name,
+    moved into place by `outputs.place_file` (never over an existing file in a command that
+    promises so: `outputs.exclusive_outputs`)."""
     model_path, meta_path = export_paths(target)
     text = strict_json(metadata, meta_path)  # before anything is written
-    tmp_model = model_path.with_name(model_path.name + ".tmp")
-    tmp_meta = meta_path.with_name(meta_path.name + ".tmp")
+    tmp_model, tmp_meta = partial_path(model_path), partial_path(meta_path)
     try:
         model_path.parent.mkdir(parents=True, exist_ok=True)
         save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
@@ -145,21 +147,26 @@ def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict
             f"there is unchanged: {WRITE_ADVICE[disk_full(err)]}, then export again (a training "
             "run: --resume latest)"
         ) from None
-    os.replace(tmp_model, model_path)
-    os.replace(tmp_meta, meta_path)
+    try:
+        place_file(tmp_model, model_path, "OUTPUT")
+        place_file(tmp_meta, meta_path, "OUTPUT")
+    finally:
+        tmp_model.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
     return model_path
 
 
 def save_file_atomically(target: Path, write: Callable[[Path], object], what: str) -> Path:
-    """`write(temporary)` then rename it to `target`: a failed write (a full disk, a folder that
-    cannot be written) leaves a file already at `target` unchanged and no partial one, and is
-    one line naming `target` and `what` to do (e.g. 'convert again')."""
+    """`write(temporary)` then move it to `target` (`outputs.place_file`: never over an existing
+    file within `outputs.exclusive_outputs`): a failed write (a full disk, a folder that cannot
+    be written) leaves a file already at `target` unchanged and no partial one, and is one line
+    naming `target` and `what` to do (e.g. 'convert again')."""
     target = Path(target)
-    partial = target.with_name(target.name + ".tmp")
+    partial = partial_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write(partial)
-        partial.replace(target)
+        place_file(partial, target, "OUTPUT")
     except (OSError, RuntimeError, SafetensorError) as raw:
         if (err := as_write_error(raw, target.parent)) is None:
             raise

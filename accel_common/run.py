@@ -53,6 +53,7 @@ from accel_common.export import (
     write_export,
 )
 from accel_common.lr import LRSchedule
+from accel_common.outputs import hold_output_dir
 from accel_common.tracking import METRICS_FILE, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
@@ -141,6 +142,7 @@ class Run:
         objects). `data_files` are the files the run's reader opens, by name
         (accel_common.data.fingerprint.named_files): their contents are part of the identity;
         `data_dir` (--data) names them in messages."""
+        hold_output_dir(accelerator, output_dir)  # first: one live run per folder, for its life
         # read by the main process (once: the per-file digests are cached), the same for all
         found: list[Any] = [None, None]
         if accelerator.is_main_process and data_files is not None:
@@ -367,7 +369,7 @@ class Run:
         if self.accelerator.is_main_process:
             self.output_dir.rename(aside)
             self.output_dir.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
+        hold_output_dir(self.accelerator, self.output_dir)  # its lock moved aside with it
         say(self.accelerator, f"--overwrite: moved the earlier run in {self.output_dir} to {aside}")
 
 

@@ -53,6 +53,7 @@ from accel_common.export import load_for_inference, read_recipe_export
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from accel_common.sharding import forward_is_collective
 from recipes.captioning.data import collate, prepare_split, read_split, split_files
@@ -287,7 +288,8 @@ def caption(
         for name, row in zip(names, ids.tolist(), strict=True):
             lines.append(f"{name}\t{tokenizer.decode(row, skip_special_tokens=True)}\n")
     # a file name's own bytes (b"\xff.png" is no UTF-8): the TSV names the file as it is on disk
-    out.write_text("".join(lines), encoding="utf-8", errors="surrogateescape")
+    with new_file(out) as partial:
+        partial.write_text("".join(lines), encoding="utf-8", errors="surrogateescape")
     print(f"wrote {out}: {len(lines)} captions")
 
 

@@ -62,6 +62,7 @@ from accel_common.export import (
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.cricket.convert import ORIGINAL
 from recipes.cricket.data import (
@@ -492,7 +493,7 @@ def predict(
             predictions += model(graph.to(device)).tolist()
     legal = list_column(table, "legal_before")[0][deliveries.flat]
     score = list_column(table, "score")[0][deliveries.flat]
-    with out.open("w", newline="") as handle:
+    with new_file(out) as partial, partial.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["innings", "over_ball", "score", "predicted", "actual"])
         for k, pred in enumerate(predictions):

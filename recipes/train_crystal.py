@@ -72,6 +72,7 @@ from accel_common.export import (
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
@@ -353,7 +354,7 @@ def predict(
     with torch.no_grad():
         for graph in loader:
             predictions += (model(graph.to(device)) * config["std"] + config["mean"]).tolist()
-    with out.open("w", newline="") as handle:
+    with new_file(out) as partial, partial.open("w", newline="") as handle:
         writer = csv.writer(handle)
         has_target = any(t is not None for t in targets)
         writer.writerow(["index", "formula", "prediction"] + [settings.target] * has_target)

@@ -58,6 +58,7 @@ from accel_common.export import (
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import Settings, setting
 from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.convert import ORIGINAL
@@ -541,10 +542,12 @@ def complete(
         model, condition.to(device), settings.num_nn, steps, generator, sampler
     )
     implant = generated[0].cpu().numpy() * scale + center
-    np.save(out, implant.astype(np.float32))
+    with new_file(out) as partial:
+        np.save(partial, implant.astype(np.float32))
     print(f"wrote {out}: {len(implant)} implant points")
     if png is not None:
-        render_point_clouds(png, [(points, (170, 170, 170)), (implant, (220, 60, 40))])
+        with new_file(png, "--png") as partial:
+            render_point_clouds(partial, [(points, (170, 170, 170)), (implant, (220, 60, 40))])
         print(f"wrote {png}")
 
 

@@ -58,6 +58,7 @@ from accel_common.export import load_for_inference, read_recipe_export, require_
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.outputs import new_file
 from accel_common.settings import Settings, setting
 from recipes.quality.convert import ORIGINAL
 from recipes.quality.data import (
@@ -573,7 +574,7 @@ def score_folder(
     with torch.no_grad():
         values = torch.cat([model(pixels.to(device)).cpu() for pixels in loader])
     scores = dict(zip(names, values.tolist(), strict=True))
-    with out.open("w", newline="") as handle:
+    with new_file(out) as partial, partial.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["image", "score"])
         ranked = sorted(scores.items(), key=lambda row: -row[1])

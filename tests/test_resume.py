@@ -20,6 +20,7 @@ from accelerate.state import AcceleratorState
 from accel_common.checkpoint import list_checkpoints
 from accel_common.entry import train_in_python
 from accel_common.errors import EXIT_PREEMPTED
+from accel_common.outputs import LOCK_FILE
 from recipes import load_recipe
 from tests import forked
 from tests.processes import (
@@ -249,7 +250,9 @@ def template_run(tmp_path: Path, template_data: Path) -> tuple[Path, list[str]]:
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    """Every file of a run's folder but its lock (which records the last process to hold it)."""
+    files = (p for p in sorted(out.rglob("*")) if p.is_file() and p.name != LOCK_FILE)
+    return {str(p.relative_to(out)): p.read_bytes() for p in files}
 
 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(tmp_path, template_data):

@@ -23,6 +23,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file, require_writable_folder
 from accel_common.lr import LRScaling, scale_lr
+from accel_common.outputs import exclusive_outputs, new_file
 from accel_common.tools.bench.report import run_benchmark
 from accel_common.tools.doctor.base import Backend, DoctorOptions
 from accel_common.tools.doctor.comm import parse_sizes
@@ -214,6 +215,20 @@ def convert(
     """
     if from_original and to_original:
         raise RecipeError("give --from or --to, not both")
+    with exclusive_outputs(not force):  # checked before the work, and again at each move
+        convert_to(source, output, recipe, model_index, force, (from_original, to_original))
+
+
+def convert_to(
+    source: Path,
+    output: Path,
+    recipe: str,
+    model_index: int,
+    force: bool,
+    originals: tuple[str | None, str | None],
+) -> None:
+    """`convert`'s work, once its flags are known to go together."""
+    from_original, to_original = originals
     if to_original:
         _, module = converter(to_original)
         if output.is_dir():
@@ -273,7 +288,8 @@ def new(
         text = text.replace(old, new_text)
     require_new_file(target, "--dest")  # a --dest that is a file, or under one: one line
     try:
-        target.write_text(text)
+        with new_file(target, "--dest") as partial:  # never over a recipe written meanwhile
+            partial.write_text(text)
     except OSError as err:
         raise RecipeError(f"--dest {dest}: cannot write {target.name} ({err.strerror})") from None
     console.print(f"created {target}: replace the parts marked WORKLOAD, keep the loop's shape")

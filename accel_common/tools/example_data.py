@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accel_common.errors import RecipeError
+from accel_common.outputs import new_folder
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -38,7 +39,9 @@ def generator(workload: str) -> Callable[..., Path]:
 
 
 def make_data(workload: str, out_dir: Path, *, force: bool = False, **options: object) -> Path:
-    """Write `workload`'s synthetic set to `out_dir`, refusing to overwrite unless forced."""
+    """Write `workload`'s synthetic set to `out_dir` (made, or an empty folder), refusing a
+    non-empty one unless forced; two at once into one folder: one set wins whole, the other
+    process is told."""
     write_dataset = generator(workload)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -51,4 +54,9 @@ def make_data(workload: str, out_dir: Path, *, force: bool = False, **options: o
         raise RecipeError(f"{out_dir}: {above} is a file, not a folder; give a folder's path")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise RecipeError(f"{out_dir} exists and is not empty; pass --force to write into it")
-    return write_dataset(out_dir, **options)
+    if force:  # asked to write into what is there
+        return write_dataset(out_dir, **options)
+    # written whole beside it, then moved into place: never mixed with another process's set
+    with new_folder(out_dir, "DIR") as partial:
+        write_dataset(partial, **options)
+    return out_dir

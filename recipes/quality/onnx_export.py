@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from accel_common.errors import ConfigError
+from accel_common.outputs import new_file
 from recipes.quality.model import QualityScorer
 
 # the opsets torch.onnx's TorchScript exporter (dynamo=False) supports, ONNX_MIN_OPSET to
@@ -28,22 +29,24 @@ def require_onnx() -> None:
 def write_onnx(model: QualityScorer, size: int, out: Path, opset: int) -> None:
     """`model`'s scorer as ONNX at `opset` (input `image` N x 3 x size x size, output `score`
     N x 1, dynamic batch), checked to load (`check_onnx`)."""
-    torch.onnx.export(
-        OnnxScorer(model).cpu().eval(),
-        (torch.zeros(1, 3, size, size),),
-        str(out),
-        input_names=["image"],
-        output_names=["score"],
-        dynamic_axes={"image": {0: "batch"}, "score": {0: "batch"}},
-        opset_version=opset,
-        dynamo=False,
-    )
-    check_onnx(out)
+    with new_file(out) as partial:  # never over a file another process wrote meanwhile
+        torch.onnx.export(
+            OnnxScorer(model).cpu().eval(),
+            (torch.zeros(1, 3, size, size),),
+            str(partial),
+            input_names=["image"],
+            output_names=["score"],
+            dynamic_axes={"image": {0: "batch"}, "score": {0: "batch"}},
+            opset_version=opset,
+            dynamo=False,
+        )
+        check_onnx(partial, out)
 
 
-def check_onnx(path: Path) -> None:
+def check_onnx(path: Path, named: Path) -> None:
     """Load the written file once, as serving would (onnxruntime where installed, else onnx's
-    checker): one that cannot be loaded is removed and refused, never reported as written."""
+    checker): one that cannot be loaded is removed and refused (naming `named`, the --out it
+    was written for), never reported as written."""
     try:
         try:
             import onnxruntime
@@ -56,7 +59,7 @@ def check_onnx(path: Path) -> None:
     except Exception as err:  # any failure to load is the refusal
         path.unlink(missing_ok=True)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--out {path}: the ONNX file written does not load ({first})") from None
+        raise ConfigError(f"--out {named}: the ONNX file written does not load ({first})") from None
 
 
 class OnnxScorer(nn.Module):
