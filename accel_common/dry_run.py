@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,10 +25,21 @@ from accel_common.launch_guard import require_requested_sharding, unsharded_type
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
 from accel_common.parameters import parameter_counts
+from accel_common.settings import Settings, flag
 
 # fp32 weights, their gradients and Adam's two moments: what training holds per parameter
 # before any activation (halve the gradients' share for bf16 gradients; sharding divides it)
 TRAINING_BYTES_PER_PARAMETER = 16
+
+
+# the settings naming files or folders a run reads (outputs are made by it)
+INPUTS = ("data", "init_from", "image_dir")
+
+
+def absent_inputs(*settings: Settings) -> tuple[str, ...]:
+    """`--flag PATH` for each input setting whose path this machine lacks."""
+    found = [(name, getattr(s, name, None)) for s in settings for name in INPUTS]
+    return tuple(f"{flag(n)} {p}" for n, p in found if p and not Path(p).exists())
 
 
 def world_size(processes: int | None) -> int:

@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
-from accel_common.errors import ConfigError, NonFiniteError, Preempted
+from accel_common.errors import NonFiniteError, Preempted
 from accel_common.evaluation import evaluation_generator, require_finite_metrics
 from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
@@ -84,13 +84,7 @@ from accel_common.policy import LoopPolicy, OnNonFinite
 from accel_common.run import BEST_DIR, Run
 from accel_common.stop_signals import StopSignals
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
-from accel_common.tracking import StepLogger
-
-# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
-LOOP_METRICS = frozenset(
-    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
-    | {"best_epoch"}
-)
+from accel_common.tracking import StepLogger, refuse_loop_metrics
 
 
 class TrainLoop:
@@ -390,13 +384,7 @@ class TrainLoop:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        owned = sorted(LOOP_METRICS & set(eval_metrics))
-        if owned:  # merged, they would replace the loop's own value in the log and the export
-            raise ConfigError(
-                f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name "
-                f"the training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the "
-                "recipe's evaluate (e.g. 'eval_' + name)"
-            )
+        refuse_loop_metrics(eval_metrics)
         # before they are logged
         require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
         again = self._finished_before_epoch

@@ -38,7 +38,7 @@ from accel_common.command_line import (
 )
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
-from accel_common.dry_run import print_dry_run
+from accel_common.dry_run import absent_inputs, print_dry_run
 from accel_common.errors import ConfigError
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRScaling, LRSchedule, LRSettings, make_lr_schedule
@@ -147,18 +147,11 @@ class SharedSettings(Settings):
     mixed_precision: MixedPrecision | None = setting(
         None, "no, fp16 or bf16; default: the accelerate config / launcher's choice."
     )
-    seed: int = setting(
-        0,
-        "Seed for weights, shuffling and noise. The weights start alike on every process; "
-        "dropout then draws from a stream per process (--seed + process index) unless "
-        "--one-rng-stream.",
-        min=0,
-    )
+    seed: int = setting(0, "Seed for weights (alike on every process), shuffling and noise.", min=0)
     one_rng_stream: bool = setting(
         False,
-        "Draw dropout and other global-RNG randomness from one stream on every process (each "
-        "process then draws the same masks for its share of the batch), as an original that "
-        "seeded every process alike did. Default: a stream per process.",
+        "One global RNG stream (dropout) on every process, as originals that seeded them alike; "
+        "default: process k draws from --seed + k.",
     )
     deterministic: bool = setting(
         False,
@@ -393,16 +386,6 @@ def model_option(recipe: str) -> Any:
     return typer.Option(
         Path(f"runs/{recipe}/model"), "--model", help="Exported model folder (train's output)."
     )
-
-
-# the settings naming files or folders a run reads (outputs are made by it)
-INPUTS = ("data", "init_from", "image_dir")
-
-
-def absent_inputs(*settings: Settings) -> tuple[str, ...]:
-    """`--flag PATH` for each input setting whose path this machine lacks."""
-    found = [(name, getattr(s, name, None)) for s in settings for name in INPUTS]
-    return tuple(f"{flag(n)} {p}" for n, p in found if p and not Path(p).exists())
 
 
 def train_command(

@@ -12,7 +12,6 @@ the run in every checkpoint and export.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -22,9 +21,10 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_file
 
+from accel_common.accelerator import ONE_STREAM, launcher_restart, split_rng_streams
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint import (
     TrainProgress,
@@ -436,20 +436,6 @@ class RunCheck:
             )
 
 
-ONE_STREAM = "one_rng_stream"  # the setting that keeps one RNG stream for every process
-
-
-def split_rng_streams(accelerator: Accelerator, seed: int, one_stream: bool | None) -> None:
-    """A fresh run's global RNG (dropout masks, any augmentation drawn from it) becomes a stream
-    per process: process k > 0 reseeds with `seed + k`, process 0 goes on as it is, so one
-    process trains as before and the weights, initialised before this from `--seed` on every
-    process, stay alike. Seeded alike, every process would draw the same masks for its share of
-    the batch, and dropout would weaken as processes are added. A resume restores each process's
-    own saved stream instead; `one_stream` keeps them alike, for an original that did so."""
-    if not one_stream and accelerator.process_index > 0:
-        set_seed(int(seed) + accelerator.process_index)
-
-
 def describe_differences(
     saved: dict[str, Any], current: dict[str, Any], derived: frozenset[str] = frozenset()
 ) -> str:
@@ -489,20 +475,6 @@ def run_identity(
     if fingerprint is not None:
         identity[DATA_KEY] = fingerprint
     return json.loads(json.dumps(identity, default=str))
-
-
-def launcher_restart() -> str | None:
-    """How this process was restarted, or None for a first start: torch elastic (torchrun,
-    `accelerate launch --max_restarts N`) counts its restarts of the worker group in
-    TORCHELASTIC_RESTART_COUNT; SLURM counts requeues of the job in SLURM_RESTART_COUNT."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if count not in ("", "0"):
-        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        return f"restart {count} of {limit} by the launcher"
-    count = os.environ.get("SLURM_RESTART_COUNT", "0")
-    if count not in ("", "0"):
-        return f"SLURM requeue {count}"
-    return None
 
 
 def export_step(folder: Path) -> int | None:

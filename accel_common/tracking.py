@@ -198,6 +198,25 @@ class Throughput:
         return rate
 
 
+# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
+LOOP_METRICS = frozenset(
+    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
+    | {"best_epoch"}
+)
+
+
+def refuse_loop_metrics(eval_metrics: dict[str, float]) -> None:
+    """A recipe metric named like one the loop owns would replace the loop's own value in the
+    log, the printout and the export: refused in one line."""
+    owned = sorted(LOOP_METRICS & set(eval_metrics))
+    if owned:
+        raise ConfigError(
+            f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name the "
+            f"training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the recipe's "
+            "evaluate (e.g. 'eval_' + name)"
+        )
+
+
 class StepLogger:
     """The loop's bookkeeping: loss means, samples/s, the progress bar and tracker records.
 
