@@ -8,10 +8,12 @@ Each takes plain values, so a script with its own argparse can call them directl
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
@@ -49,6 +51,7 @@ def make_train_loader(
       balanced (balance.BalancedBatchSampler): the same global batches, less waiting.
     """
     sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+    dataset = FetchRngLog(dataset)  # a resume draws a transform's global-RNG values exactly
     generator = torch.Generator().manual_seed(seed)
     common = {"num_workers": workers, "collate_fn": collate_fn, "generator": generator}
     if costs is None:
@@ -57,6 +60,72 @@ def make_train_loader(
         raise ValueError("make_train_loader: costs need the plan whose per-device batch this is")
     batches = BalancedBatchSampler(sampler, costs, plan)
     return DataLoader(dataset, batch_sampler=batches, **common)
+
+
+def global_rng_state() -> dict[str, Any]:
+    """The global RNG states a transform draws from: torch's, numpy's and Python's."""
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+class FetchRngLog(Dataset):
+    """The training set, noting the global RNG state before each batch is fetched.
+
+    Accelerate's loader fetches one batch ahead (to know an epoch's last batch), so a transform
+    that draws from the global RNG in the main process (`--workers 0`) has drawn batch k+1's
+    values before step k ends and is saved: a resumed run that only restored the RNG state of the
+    save would draw them again, one batch late, and end elsewhere. The loop saves the state noted
+    before that fetch (`pending_fetch`) and, on resume, has the first fetch start from it and the
+    next from the restored state (`resume_at`), as in the uninterrupted run. (In worker processes
+    the RNG is each worker's own; a transform there is exact only with per-sample seeds.)"""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset, self.epoch, self.fetched = dataset, 0, 0
+        self.noted: tuple[int, dict[str, Any]] | None = None  # (fetch index, state before it)
+        self.starts: dict[int, dict[str, Any]] = {}  # fetch index -> state to start it from
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """One batch (the DataLoader's fetch with a batch sampler): its items, one after another."""
+        if self.fetched in self.starts:
+            set_global_rng_state(self.starts.pop(self.fetched))
+        self.noted = (self.fetched, global_rng_state())
+        self.fetched += 1
+        return [self.dataset[index] for index in indices]
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.fetched, self.noted, self.starts = epoch, 0, None, {}
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def pending_fetch(self, consumed: int) -> dict[str, Any] | None:
+        """For a save after `consumed` batches of this epoch: the state before the fetch of the
+        next batch, if it was fetched ahead."""
+        if self.noted is None or self.noted[0] != consumed:
+            return None
+        return {"epoch": self.epoch, "fetch": consumed, "state": self.noted[1]}
+
+    def resume_at(self, consumed: int, saved: dict[str, Any] | None) -> None:
+        """A resumed epoch fetches from batch `consumed` on: from the state `saved` noted before
+        it, and the batch after from the state restored now (the one saved after the step)."""
+        self.fetched = consumed
+        if saved and saved["epoch"] == self.epoch and saved["fetch"] == consumed:
+            self.starts = {consumed: saved["state"], consumed + 1: global_rng_state()}
 
 
 class FixedWindow(Dataset):
