@@ -25,7 +25,8 @@ from accel_common.data.images import (
 )
 from accel_common.data.loaders import existing_data
 from accel_common.errors import ConfigError, DataError, error_message
-from recipes.quality.data import ImageReader, read_truth
+from recipes.pointcloud.data import SPACING_FILE, read_spacing
+from recipes.quality.data import ImageReader, read_entries, read_truth
 from tests.processes import POINTCLOUD, TEMPLATE
 
 
@@ -55,6 +56,24 @@ def test_a_csv_of_random_bytes_is_refused_naming_the_file_and_line(tmp_path):
         read_numeric_csv(csv, required=["y"])
     limit = "field larger than field limit (131072)"
     assert str(error.value) == f"{csv}, line 3: not CSV text ({limit})"
+
+
+def test_a_text_file_that_is_not_utf8_is_one_line_naming_file_line_and_offset(tmp_path):
+    """Before: a UnicodeDecodeError traceback (a SkullBreak CSV), or the codec's own words
+    ('utf-8' codec can't decode byte 0xe9 in position 6) in a JSON file's error."""
+    path = tmp_path / SPACING_FILE
+    path.write_bytes('[\n"café"]\n'.encode("latin-1"))  # é is byte 0xe9 in Latin-1
+    as_csv, as_text = "save the file as UTF-8 comma-separated values", "save it as UTF-8 text"
+    readers = [
+        (lambda: read_path_list(path, (".npy",)), as_csv),  # pointcloud's train.csv
+        (lambda: read_truth(path, [], []), as_text),  # quality's truth.json
+        (lambda: read_entries(path), as_text),  # quality's comparison_data.json
+        (lambda: read_spacing(tmp_path), as_text),  # pointcloud's voxel spacing
+    ]
+    for read, fix in readers:
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == f"{path}, line 2: byte 0xe9 at offset 6 is not UTF-8 text; {fix}"
 
 
 @pytest.mark.parametrize(("delimiter", "named"), [(";", "';'"), ("\t", "tab"), ("|", "'|'")])

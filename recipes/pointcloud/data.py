@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from accel_common.data.files import read_path_list, require_finite
+from accel_common.data.files import read_path_list, read_text, require_finite
 from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
@@ -122,7 +122,7 @@ def read_spacing(root: Path, checked: bool = True) -> dict[str, list[float] | No
     if not path.is_file():
         return {}
     try:
-        recorded = dict(json.loads(path.read_text())["spacing"])
+        recorded = dict(json.loads(read_text(path))["spacing"])
     except (ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
     if not checked:

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.data.files import read_text
 from accel_common.data.images import open_image
-from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
 
 ORIGINAL_FILE = "comparison_data.json"
@@ -104,9 +104,8 @@ def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
 
 def read_entries(path: Path) -> list:
     """A file's records: {"comparisons": [...]} as the original writes it, or a bare list."""
-    require_regular(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
     except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and isinstance(data.get("comparisons"), list):
@@ -242,7 +241,7 @@ def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | N
     if not path.is_file():
         return None
     try:
-        truth = json.loads(path.read_text())
+        truth = json.loads(read_text(path))
     except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     fix = "fix it, or remove it to train without the metrics that need true values"
