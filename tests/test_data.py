@@ -25,8 +25,15 @@ from accel_common.data.images import (
 )
 from accel_common.data.loaders import existing_data
 from accel_common.errors import ConfigError, DataError, error_message
+from recipes.crystal.data import STRUCTURES_FILE, extxyz_file
 from recipes.pointcloud.data import SPACING_FILE, read_spacing
-from recipes.quality.data import ImageReader, read_entries, read_truth
+from recipes.quality.data import (
+    ORIGINAL_FILE,
+    ImageReader,
+    annotation_files,
+    read_entries,
+    read_truth,
+)
 from tests.processes import POINTCLOUD, TEMPLATE
 
 
@@ -203,6 +210,28 @@ def test_a_fifo_or_a_device_given_as_a_data_file_is_refused_as_such_before_readi
         with pytest.raises(DataError) as error:
             read_rgb(path, 8)
         assert str(error.value) == f"{path}: {kind}"
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_where_an_optional_file_belongs_is_refused_not_taken_for_no_file(tmp_path):
+    """Before: a FIFO named truth.json, voxel_spacing.json or an annotator's
+    comparison_data.json was taken for no file, and the run went on without it (structures.extxyz:
+    'no structures.extxyz in this folder')."""
+    (tmp_path / "hitul").mkdir()
+    readers = {
+        tmp_path / "truth.json": lambda: read_truth(tmp_path / "truth.json", [], []),
+        tmp_path / SPACING_FILE: lambda: read_spacing(tmp_path),
+        tmp_path / "hitul" / ORIGINAL_FILE: lambda: annotation_files(tmp_path),
+        tmp_path / STRUCTURES_FILE: lambda: extxyz_file(tmp_path),
+    }
+    for path, read in readers.items():
+        os.mkfifo(path)
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == f"{path}: is a FIFO (named pipe), not a regular file"
+        path.unlink()
+    assert read_truth(tmp_path / "truth.json", [], []) is None  # absent: still optional
+    assert read_spacing(tmp_path) == {}
 
 
 def test_a_number_too_large_for_float32_is_refused_at_read_time_naming_row_and_column(tmp_path):
