@@ -18,6 +18,15 @@ def say(accelerator: Accelerator, message: str) -> None:
         print(message, flush=True)
 
 
+def print_names(text: str) -> None:
+    """Print `text` with the file names in it as their own bytes: a name that is not UTF-8
+    (b"\\xff.png", which Python holds as a surrogate) stops print() with UnicodeEncodeError."""
+    data = f"{text}\n".encode(sys.stdout.encoding or "utf-8", "surrogateescape")
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
 def print_banner(
     accelerator: Accelerator,
     *,

@@ -64,7 +64,7 @@ from accel_common.lr import Decay
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
-from recipes.cricket.convert import ORIGINAL
+from recipes.cricket.convert import ORIGINAL, read_vocabulary
 from recipes.cricket.data import (
     DEFAULT_MATCH_TYPES,
     FEATURES,
@@ -230,7 +230,7 @@ def read_start(export: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             "were trained with); convert cricketmodel's checkpoint with its entity_mapper.pkl "
             "beside it, or use an export of train"
         )
-    return read_export_weights(weights), json.loads(vocab_path.read_text())
+    return read_export_weights(weights), read_vocabulary(vocab_path)
 
 
 def require_start_fits(model: nn.Module, state: dict[str, torch.Tensor], export: Path) -> None:
@@ -464,7 +464,7 @@ def predict(
             "again with train, or convert the original's checkpoint with its entity_mapper.pkl "
             "beside it"
         )
-    vocab = json.loads(vocab_path.read_text())
+    vocab = read_vocabulary(vocab_path)
     model = network(settings, config["vocab_sizes"])
     device = load_for_inference(model_dir, model)
     try:

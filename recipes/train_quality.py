@@ -48,7 +48,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.console import say
+from accel_common.console import print_names, say
 from accel_common.data.fingerprint import named_files
 from accel_common.data.images import list_images
 from accel_common.data.loaders import existing_data, resolve_data
@@ -528,7 +528,7 @@ def compare(
     with torch.no_grad():
         scores = model(torch.stack([read(str(path)) for path in images]).to(device)).tolist()
     if len(images) == 1:
-        print(f"{images[0]}: score {scores[0]:.6f}")
+        print_names(f"{images[0]}: score {scores[0]:.6f}")
         return
     diff = scores[0] - scores[1]
     p_first = torch.sigmoid(torch.tensor(diff)).item()
@@ -537,7 +537,9 @@ def compare(
     else:
         better = images[0] if diff > 0 else images[1]
         verdict = f"{better} is better, probability {max(p_first, 1 - p_first):.4f}"
-    print(f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}")
+    print_names(
+        f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}"
+    )
 
 
 def export_onnx(
@@ -574,7 +576,11 @@ def score_folder(
     with torch.no_grad():
         values = torch.cat([model(pixels.to(device)).cpu() for pixels in loader])
     scores = dict(zip(names, values.tolist(), strict=True))
-    with new_file(out) as partial, partial.open("w", newline="") as handle:
+    # a file name's own bytes (b"\xff.png" is no UTF-8): the CSV names the file as it is on disk
+    with (
+        new_file(out) as partial,
+        partial.open("w", newline="", encoding="utf-8", errors="surrogateescape") as handle,
+    ):
         writer = csv.writer(handle)
         writer.writerow(["image", "score"])
         ranked = sorted(scores.items(), key=lambda row: -row[1])

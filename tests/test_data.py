@@ -25,7 +25,15 @@ from accel_common.data.images import (
 )
 from accel_common.data.loaders import existing_data
 from accel_common.errors import ConfigError, DataError, error_message
-from recipes.quality.data import ImageReader, read_truth
+from recipes.crystal.data import STRUCTURES_FILE, extxyz_file
+from recipes.pointcloud.data import SPACING_FILE, read_spacing
+from recipes.quality.data import (
+    ORIGINAL_FILE,
+    ImageReader,
+    annotation_files,
+    read_entries,
+    read_truth,
+)
 from tests.processes import POINTCLOUD, TEMPLATE
 
 
@@ -55,6 +63,24 @@ def test_a_csv_of_random_bytes_is_refused_naming_the_file_and_line(tmp_path):
         read_numeric_csv(csv, required=["y"])
     limit = "field larger than field limit (131072)"
     assert str(error.value) == f"{csv}, line 3: not CSV text ({limit})"
+
+
+def test_a_text_file_that_is_not_utf8_is_one_line_naming_file_line_and_offset(tmp_path):
+    """Before: a UnicodeDecodeError traceback (a SkullBreak CSV), or the codec's own words
+    ('utf-8' codec can't decode byte 0xe9 in position 6) in a JSON file's error."""
+    path = tmp_path / SPACING_FILE
+    path.write_bytes('[\n"café"]\n'.encode("latin-1"))  # é is byte 0xe9 in Latin-1
+    as_csv, as_text = "save the file as UTF-8 comma-separated values", "save it as UTF-8 text"
+    readers = [
+        (lambda: read_path_list(path, (".npy",)), as_csv),  # pointcloud's train.csv
+        (lambda: read_truth(path, [], []), as_text),  # quality's truth.json
+        (lambda: read_entries(path), as_text),  # quality's comparison_data.json
+        (lambda: read_spacing(tmp_path), as_text),  # pointcloud's voxel spacing
+    ]
+    for read, fix in readers:
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == f"{path}, line 2: byte 0xe9 at offset 6 is not UTF-8 text; {fix}"
 
 
 @pytest.mark.parametrize(("delimiter", "named"), [(";", "';'"), ("\t", "tab"), ("|", "'|'")])
@@ -184,6 +210,28 @@ def test_a_fifo_or_a_device_given_as_a_data_file_is_refused_as_such_before_readi
         with pytest.raises(DataError) as error:
             read_rgb(path, 8)
         assert str(error.value) == f"{path}: {kind}"
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_where_an_optional_file_belongs_is_refused_not_taken_for_no_file(tmp_path):
+    """Before: a FIFO named truth.json, voxel_spacing.json or an annotator's
+    comparison_data.json was taken for no file, and the run went on without it (structures.extxyz:
+    'no structures.extxyz in this folder')."""
+    (tmp_path / "hitul").mkdir()
+    readers = {
+        tmp_path / "truth.json": lambda: read_truth(tmp_path / "truth.json", [], []),
+        tmp_path / SPACING_FILE: lambda: read_spacing(tmp_path),
+        tmp_path / "hitul" / ORIGINAL_FILE: lambda: annotation_files(tmp_path),
+        tmp_path / STRUCTURES_FILE: lambda: extxyz_file(tmp_path),
+    }
+    for path, read in readers.items():
+        os.mkfifo(path)
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == f"{path}: is a FIFO (named pipe), not a regular file"
+        path.unlink()
+    assert read_truth(tmp_path / "truth.json", [], []) is None  # absent: still optional
+    assert read_spacing(tmp_path) == {}
 
 
 def test_a_number_too_large_for_float32_is_refused_at_read_time_naming_row_and_column(tmp_path):

@@ -33,7 +33,7 @@ def read_csv_rows(path: Path, required: Sequence[str]) -> list[tuple[int, dict[s
                     raise DataError(f"{path}, line {reader.line_num}: wrong number of fields")
                 rows.append((reader.line_num, row))
         except UnicodeDecodeError:
-            raise DataError(_not_utf8(path)) from None
+            raise DataError(not_utf8(path, path.read_bytes(), CSV_TEXT)) from None
         except csv.Error as err:  # a NUL byte, as in a file cut short by a crash
             raise DataError(f"{path}, line {reader.line_num + 1}: not CSV text ({err})") from None
     if not rows:
@@ -67,18 +67,32 @@ def _lacking(path: Path, header: Sequence[str], missing: Sequence[str]) -> str:
     )
 
 
-def _not_utf8(path: Path) -> str:
-    """Where a file that is not UTF-8 text (binary, UTF-16, Latin-1) first stops being it."""
+CSV_TEXT = "save the file as UTF-8 comma-separated values"
+
+
+def read_text(path: Path, fix: str = "save it as UTF-8 text") -> str:
+    """A data text file's contents (a leading BOM, as Notepad and Excel write it, skipped); one
+    that is not UTF-8 is refused in one line naming the file, line, byte and offset, and `fix`."""
+    require_regular(path)
     data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise DataError(not_utf8(path, data, fix)) from None
+
+
+def not_utf8(path: Path, data: bytes, fix: str) -> str:
+    """Where `data`, the contents of a file that is not UTF-8 text (binary, UTF-16, Latin-1),
+    first stops being it, and `fix`."""
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         return (
             f"{path}, line {line}: byte 0x{data[err.start]:02x} at offset {err.start} is not "
-            "UTF-8 text; save the file as UTF-8 comma-separated values"
+            f"UTF-8 text; {fix}"
         )
-    return f"{path}: not UTF-8 text; save the file as UTF-8 comma-separated values"
+    return f"{path}: not UTF-8 text; {fix}"
 
 
 def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]]:
@@ -86,10 +100,9 @@ def read_path_list(csv: Path, suffixes: tuple[str, ...]) -> list[tuple[int, str]
 
     A first line that does not end in one of `suffixes` is taken as a header and skipped.
     """
-    require_regular(csv)
     rows = []
     wanted = " or ".join(suffixes)
-    for line, text in enumerate(csv.read_text().splitlines(), start=1):
+    for line, text in enumerate(read_text(csv, CSV_TEXT).splitlines(), start=1):
         entry = text.split(",")[0].strip().strip('"')
         if not entry or (line == 1 and not entry.endswith(suffixes)):
             continue

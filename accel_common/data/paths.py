@@ -52,6 +52,16 @@ def require_regular(path: Path, label: str = "", expected: str = "") -> None:
         raise DataError(f"{label}{path}: {not_regular(path, mode)}{expected}")
 
 
+def is_present(path: Path) -> bool:
+    """Whether an optional data file (quality's truth.json, a voxel-spacing file) is there:
+    False where nothing is, True for a regular file; anything else is refused by what it is, as
+    a FIFO named truth.json would otherwise be taken for no file and silently skipped."""
+    if not os.path.exists(path):
+        return False
+    require_regular(path)
+    return True
+
+
 def require_folder(path: Path, label: str = "") -> None:
     """Refuse `path` unless it is a folder: '{label}{path}: no such folder', or what it is
     instead ('is a regular file, not a folder')."""

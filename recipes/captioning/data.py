@@ -21,6 +21,7 @@ each batch's captions. The example generator is in recipes/captioning/example.py
 from __future__ import annotations
 
 import csv
+import io
 import json
 import time
 import zlib
@@ -32,6 +33,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from accel_common.data.cache import cache_key, cache_root, code_digest
+from accel_common.data.files import CSV_TEXT, read_text
 from accel_common.data.images import is_image, read_rgb, to_signed_unit
 from accel_common.data.paths import require_regular
 from accel_common.errors import DataError
@@ -70,7 +72,7 @@ def _json_kind(value: object) -> str:
 
 def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:
     records = []
-    for line, text in enumerate(path.read_text().splitlines(), start=1):
+    for line, text in enumerate(read_text(path).splitlines(), start=1):
         if not text.strip():
             continue
         try:
@@ -87,7 +89,7 @@ def _imagefolder_jsonl(folder: Path, path: Path) -> list[tuple[str, str]]:
 
 
 def _imagefolder_csv(folder: Path, path: Path) -> list[tuple[str, str]]:
-    with path.open(newline="") as handle:
+    with io.StringIO(read_text(path, CSV_TEXT), newline="") as handle:
         reader = csv.DictReader(handle)
         missing = {"file_name", "text"} - set(reader.fieldnames or [])
         if missing:
@@ -100,7 +102,7 @@ def _imagefolder_csv(folder: Path, path: Path) -> list[tuple[str, str]]:
 
 def _manifest(folder: Path, path: Path) -> list[tuple[str, str]]:
     try:
-        mapping = json.loads(path.read_text())
+        mapping = json.loads(read_text(path))
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
     except RecursionError:
@@ -116,9 +118,8 @@ def _sidecars(folder: Path) -> list[tuple[str, str]]:
         caption = image.with_suffix(".txt")
         if not caption.exists():
             raise DataError(f"{image}: no caption file {caption.name} beside it")
-        require_regular(caption)
         name = image.relative_to(folder).as_posix()
-        records.append(_checked(folder, str(caption), name, caption.read_text()))
+        records.append(_checked(folder, str(caption), name, read_text(caption)))
     return records
 
 
@@ -135,8 +136,6 @@ def read_folder(folder: Path) -> list[tuple[str, str]]:
             f"{folder}: holds {both}{named}, and only one of them would be read; keep the one "
             f"with the captions to train on and move the {others} out of the folder"
         )
-    if found:
-        require_regular(folder / found[0])
     records = layouts[found[0]](folder, folder / found[0]) if found else _sidecars(folder)
     if not records:
         raise DataError(

@@ -193,17 +193,24 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return {k: v.contiguous() for k, v in state.items()}, config
 
 
+def read_vocabulary(path: Path) -> dict[str, Any]:
+    """An export's vocab.json; one that is not JSON (cut short, not UTF-8) or not an object is
+    one line naming it."""
+    try:
+        vocab = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested too deeply
+        raise CheckpointError(f"{path}: not a readable vocabulary ({err})") from None
+    if not isinstance(vocab, dict):
+        raise CheckpointError(f"{path}: not a vocabulary (a JSON object)")
+    return vocab
+
+
 def name_vocabulary(model_dir: Path) -> tuple[Path, dict[str, Any] | None]:
     """The export's vocab.json and its contents when it keys players by name, as the original's
     EntityMapper does (only one imported from cricketmodel does), else None."""
     model_dir = Path(model_dir)
     vocab_path = (model_dir if model_dir.is_dir() else model_dir.parent) / VOCAB_FILE
-    try:
-        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else {}
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{vocab_path}: not a readable vocabulary ({err})") from None
-    if not isinstance(vocab, dict):
-        raise CheckpointError(f"{vocab_path}: not a vocabulary (a JSON object)")
+    vocab = read_vocabulary(vocab_path) if vocab_path.is_file() else {}
     return vocab_path, vocab if vocab.get("player_key") == "name" else None
 
 

@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.data import Data
 
 from accel_common.data.cache import cache_key, cache_root, code_digest, files_digest, save_whole
-from accel_common.data.paths import require_regular
+from accel_common.data.paths import is_present, require_regular
 from accel_common.errors import ConfigError, DataError
 
 READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
@@ -126,7 +126,7 @@ def extxyz_file(data: Path) -> Path:
     structures.extxyz (the layout make-data writes)."""
     if not data.is_dir():
         return data
-    if not (data / STRUCTURES_FILE).is_file():
+    if not is_present(data / STRUCTURES_FILE):
         raise DataError(
             f"{data}: no {STRUCTURES_FILE} in this folder; give the extxyz file itself, or a "
             f"folder holding {STRUCTURES_FILE}"

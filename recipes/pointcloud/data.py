@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from accel_common.data.files import read_path_list, require_finite
-from accel_common.data.paths import require_regular
+from accel_common.data.files import read_path_list, read_text, require_finite
+from accel_common.data.paths import is_present, require_regular
 from accel_common.errors import DataError
 
 DEFECTS = ("bilateral", "frontoorbital", "parietotemporal", "random_1", "random_2")
@@ -119,10 +119,10 @@ def read_spacing(root: Path, checked: bool = True) -> dict[str, list[float] | No
     """mm per coordinate unit per axis for each point file (None: unknown), as `prepare`
     records it; every entry is checked (`checked`=False: as written, for prepare to merge)."""
     path = root / SPACING_FILE
-    if not path.is_file():
+    if not is_present(path):
         return {}
     try:
-        recorded = dict(json.loads(path.read_text())["spacing"])
+        recorded = dict(json.loads(read_text(path))["spacing"])
     except (ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: not a voxel-spacing file written by prepare ({err})") from None
     if not checked:

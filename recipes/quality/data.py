@@ -30,8 +30,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from accel_common.data.files import read_text
 from accel_common.data.images import open_image
-from accel_common.data.paths import require_regular
+from accel_common.data.paths import is_present
 from accel_common.errors import DataError
 
 ORIGINAL_FILE = "comparison_data.json"
@@ -84,7 +85,7 @@ class Comparisons:
 
 def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
     """The layout found in `root` and its files, each with its annotator (None: per record)."""
-    folders = sorted(p for p in root.iterdir() if (p / ORIGINAL_FILE).is_file())
+    folders = sorted(p for p in root.iterdir() if is_present(p / ORIGINAL_FILE))
     flat = root / "annotations"
     flat_files = sorted(flat.glob("*.json")) if flat.is_dir() else []
     if folders and flat_files:
@@ -104,9 +105,8 @@ def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
 
 def read_entries(path: Path) -> list:
     """A file's records: {"comparisons": [...]} as the original writes it, or a bare list."""
-    require_regular(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
     except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and isinstance(data.get("comparisons"), list):
@@ -239,10 +239,10 @@ def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | N
     """The optional truth.json ({"quality": {image: q}, "reliability": {annotator: eta}}) that
     synthetic data carries, checked up front: every image and annotator, finite numbers. Real
     data has none (the original has no such file)."""
-    if not path.is_file():
+    if not is_present(path):
         return None
     try:
-        truth = json.loads(path.read_text())
+        truth = json.loads(read_text(path))
     except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise DataError(f"{path}: not valid JSON ({err})") from None
     fix = "fix it, or remove it to train without the metrics that need true values"

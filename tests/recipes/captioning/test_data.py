@@ -191,6 +191,44 @@ def test_an_empty_txt_caption_names_the_txt_file(tmp_path):
         read_split(folder.parent, "train")
 
 
+LATIN_1 = "caf\xe9".encode("latin-1")  # a caption saved in Latin-1: byte 0xe9 is no UTF-8
+NOT_UTF8_CAPTIONS = {  # each layout's file with a Latin-1 caption on its second line
+    "metadata.jsonl": b'{"file_name": "00000.png", "text": "a cat"}\n'
+    b'{"file_name": "00001.png", "text": "a ' + LATIN_1 + b'"}\n',
+    "metadata.csv": b"file_name,text\n00000.png,a " + LATIN_1 + b"\n",
+    "captions.json": b'{"00000.png": "a cat",\n "00001.png": "a ' + LATIN_1 + b'"}',
+    "00000.txt": b"a\n" + LATIN_1,
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_UTF8_CAPTIONS))
+def test_a_caption_file_that_is_not_utf8_is_one_line_naming_file_line_and_offset(tmp_path, name):
+    """Before: a UnicodeDecodeError traceback."""
+    folder = _without_metadata(tmp_path)
+    for stem in ("00000", "00001", "00002"):
+        (folder / f"{stem}.txt").write_text("a cat")
+    path = folder / name
+    path.write_bytes(NOT_UTF8_CAPTIONS[name])
+    offset = NOT_UTF8_CAPTIONS[name].index(LATIN_1) + 3
+    fix = (
+        "save the file as UTF-8 comma-separated values"
+        if name.endswith(".csv")
+        else ("save it as UTF-8 text")
+    )
+    with pytest.raises(DataError) as raised:
+        read_split(folder.parent, "train")
+    expected = f"{path}, line 2: byte 0xe9 at offset {offset} is not UTF-8 text; {fix}"
+    assert str(raised.value) == expected
+
+
+def test_a_txt_caption_saved_with_a_byte_order_mark_is_read_without_it(tmp_path):
+    """Notepad writes UTF-8 with a BOM; it was read into the caption as U+FEFF."""
+    folder = _without_metadata(tmp_path)
+    for stem in ("00000", "00001", "00002"):
+        (folder / f"{stem}.txt").write_bytes(b"\xef\xbb\xbfa cat")
+    assert [text for _, text in caption_data.read_folder(folder)] == ["a cat"] * 3
+
+
 def test_a_caption_over_max_tokens_names_its_image(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     folder = _without_metadata(tmp_path)

@@ -299,6 +299,22 @@ def test_predict_reads_the_vocabulary_beside_a_safetensors_file(tmp_path):
     assert "a.safetensors/" not in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("text", [b"{", "\u00e9".encode("latin-1"), b"[]"])
+def test_an_exports_broken_vocabulary_is_one_line_naming_it(tmp_path, text):
+    """Before: predict and --init-from ended in a JSONDecodeError or UnicodeDecodeError
+    traceback on a vocab.json cut short or not UTF-8."""
+    model = convert_original(tmp_path)
+    vocab = model / cricket.VOCAB_FILE
+    vocab.write_bytes(text)
+    for read in (
+        lambda: recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "p"),
+        lambda: recipe.read_start(model),
+    ):
+        with pytest.raises(CheckpointError) as err:
+            read()
+        assert str(err.value).startswith(f"{vocab}: not a ") and "\n" not in str(err.value)
+
+
 def test_convert_never_replaces_a_file_beside_the_one_named(tmp_path):
     """`--from cricketmodel` into OUT/a.safetensors, then OUT/b.safetensors, replaced A's
     vocab.json; `--to cricketmodel` of two exports into one folder, the first's
