@@ -33,6 +33,7 @@ from accel_common.checkpoint_files import (
     custom_states_read_weights_only,
     detail_of,
     first_unloadable,
+    load_state_file,
     read_manifest,
     read_rng_state,
     set_rng_state,
@@ -50,6 +51,7 @@ from accel_common.export import (
 
 CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
+PROCESS_STATE = "process_state_{}.pt"  # a process's own extra state (the loader's fetch RNG)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -136,12 +138,14 @@ def save_checkpoint(
     plan: BatchPlan,
     keep_last: int = 2,
     run: dict[str, Any] | None = None,
+    process_state: dict[str, Any] | None = None,
 ) -> Path:
     """Save resumable state for `progress.step`; every process must call this (collective).
 
     `run` ({"id", "identity"}, see accel_common.run) is recorded so that a resume can tell
     this run from another one in the same folder; pruning to `keep_last` touches only the
-    checkpoints of the same run.
+    checkpoints of the same run. `process_state`: this process's own extra state (tensors,
+    numbers, numpy arrays), read back by `read_process_state`.
     """
     final = checkpoint_dir(output_dir, progress.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -151,6 +155,8 @@ def save_checkpoint(
     remove_unfinished_saves(accelerator, output_dir)
     try:
         accelerator.save_state(str(tmp))
+        if process_state is not None:
+            torch.save(process_state, tmp / PROCESS_STATE.format(accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank's RNG file is in place
         if accelerator.is_main_process:
             (tmp / PROGRESS_FILE).write_text(text)
@@ -279,6 +285,12 @@ def _checked_before_loading(
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed_files(path)  # DeepSpeed's engine unpickles its files unchecked
     return progress, run, rng
+
+
+def read_process_state(path: Path, process_index: int) -> dict[str, Any] | None:
+    """This process's extra state in a checkpoint (weights-only), or None if it saved none."""
+    found = Path(path) / PROCESS_STATE.format(process_index)
+    return load_state_file(found) if found.is_file() else None
 
 
 def saved_sharding(path: Path) -> str | None:

@@ -16,11 +16,9 @@ A recipe's loop keeps in view what is about its workload and hands the rest to a
         loop.end_epoch(evaluate(model, test_loader))
     return loop.finish(model)
 
-Everything happens in that order, in the recipe's own loop; `TrainLoop` has no callbacks. The
-run's identity, folder, checkpoints and exports belong to the `Run` (accel_common.run), which
-the loop saves and exports through.
-`batches()` does its bookkeeping when the recipe asks for the next batch, i.e. after the
-optimizer step of the previous one:
+All in that order, in the recipe's own loop: no callbacks. The run's identity, folder,
+checkpoints and exports belong to the `Run` (accel_common.run). `batches()` does its
+bookkeeping when the recipe asks for the next batch (after the previous one's optimizer step):
 
 - every micro-batch: count the samples seen in this epoch (the resume position);
 - after a micro-batch that ends an accumulation window (an optimizer step happened): step the
@@ -33,18 +31,16 @@ With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
 run stops after N epochs without improvement (with `min_epochs` M, not before epoch M + 1: the
 count may reach N earlier, the stop waits). Both decide from the value the main process holds,
-broadcast to all, so every process stops at the same epoch (none waits alone in a collective);
-a resumed run restores the best value and the count.
+broadcast to all, so every process stops at the same epoch; a resume restores best and count.
 
-`epochs()` sets the epoch on the loader and on a dataset that has `set_epoch` (so samples that
-depend on the epoch are the same on 1 or N processes), and skips what a resumed run already
-trained on. A run resumed after it had finished yields no epoch and `finish` leaves its export
-as it was (it says so); only if that export is missing (a crash between the final save and the
-export) does it yield one epoch with no batches, so the recipe's evaluation runs again and the
-export carries its metrics (the last training loss too). Checkpoints keep the logged means'
-running sums, so a resumed epoch's train_loss is the uninterrupted run's (without them, an older
-checkpoint's: marked partial, or none if nothing was trained since the resume).
-Nothing non-finite reaches a JSON file: a NaN evaluation metric stops the run like a NaN loss.
+`epochs()` sets the epoch on the loader and a dataset with `set_epoch` (so epoch-dependent
+samples match on 1 or N processes), and skips what a resumed run trained on. A run resumed
+after it had finished yields no epoch and `finish` leaves its export as it was (it says so);
+only if that export is missing (a crash between the final save and the export) does it yield
+one epoch with no batches, so the recipe's evaluation runs again and the export carries its
+metrics (the last training loss too). Checkpoints keep the logged means' running sums, so a
+resumed epoch's train_loss is the uninterrupted run's (an older checkpoint's: partial, or none
+if nothing was trained since). A NaN metric stops the run like a NaN loss.
 
 Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
 processes all-reduce one small flag vector (any non-finite loss in the step, any stop signal
@@ -76,6 +72,7 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
+from accel_common.data.loaders import FetchRngLog, fetched_ahead
 from accel_common.errors import NonFiniteError, Preempted
 from accel_common.evaluation import evaluation_generator, require_finite_metrics
 from accel_common.export import read_export_metadata
@@ -204,6 +201,8 @@ class TrainLoop:
         batches = self.loader
         if self.progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
             skip = self.progress.batches_to_skip(self.plan)
+            if isinstance(dataset, FetchRngLog):  # the batch fetched ahead of the save, exactly
+                dataset.resume_at(skip, self.run.resumed_state)
             batches = self.accelerator.skip_first_batches(self.loader, skip)
         self._timing_since = time.perf_counter()
         try:
@@ -433,7 +432,8 @@ class TrainLoop:
         resume from."""
         self._count_time()  # the checkpoint records the training time up to here
         self.progress.loss_sums = self.log.state()
-        return self.run.save(self.policy.saves.keep_last)
+        consumed = self.progress.batches_to_skip(self.plan)  # this epoch's, on this process
+        return self.run.save(self.policy.saves.keep_last, fetched_ahead(self.loader, consumed))
 
     def finish(self, model: torch.nn.Module) -> dict[str, float]:
         """Save the final resumable state, export `model` with the last metrics, close trackers.

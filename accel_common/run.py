@@ -31,6 +31,7 @@ from accel_common.checkpoint import (
     checkpoint_step,
     list_checkpoints,
     load_checkpoint,
+    read_process_state,
     remove_unfinished_saves,
     resolve_resume,
     save_checkpoint,
@@ -119,6 +120,7 @@ class Run:
         self.id, self.progress = "", TrainProgress()
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
+        self.resumed_state: dict[str, Any] | None = None  # this process's, from the checkpoint
 
     @classmethod
     def open(
@@ -179,8 +181,9 @@ class Run:
         record = {"id": self.id, "identity": self.identity, "settings": self.config.as_json()}
         return record | ({"data_files": self.data_digests} if self.data_digests else {})
 
-    def save(self, keep_last: int) -> Path:
-        """Save resumable state at the run's step (collective: every process calls it)."""
+    def save(self, keep_last: int, process_state: dict[str, Any] | None = None) -> Path:
+        """Save resumable state at the run's step (collective: every process calls it), with
+        this process's own `process_state`, which a resume gives back as `resumed_state`."""
         self.last_saved = save_checkpoint(
             self.accelerator,
             self.output_dir,
@@ -188,6 +191,7 @@ class Run:
             plan=self.plan,
             keep_last=keep_last,
             run=self.record(),
+            process_state=process_state,
         )
         return self.last_saved
 
@@ -248,6 +252,7 @@ class Run:
             self.plan, self.identity, self.config, self.total_steps, data_dir, self.data_digests
         )
         progress, run = load_checkpoint(self.accelerator, path, self.plan, accept=check)
+        self.resumed_state = read_process_state(path, self.accelerator.process_index)
         self._make_way_for(path, progress.step, resume, start.overwrite_later)
         noted = self.config.adjustable - LAUNCH_SETTINGS
         saved = run.get("settings", run.get("identity", {}))

@@ -113,7 +113,10 @@ def test_dropout_draws_a_stream_per_process_and_a_resume_continues_each(tmp_path
     """tests/scripts/dropout_streams.py on 2 processes: the weights start alike and stay alike,
     but each process draws its own dropout masks (seeded alike, both drew the same masks for
     their halves of the batch); --one-rng-stream keeps them alike. Stopped after the save of
-    step 2 and resumed, each process continues its own stream: bit-equal masks and weights."""
+    step 2 and resumed, each process continues its own stream: bit-equal masks and weights,
+    and the loader's global-RNG jitter too, although Accelerate had fetched batch 3 (and drawn
+    its jitter) before step 2 was saved: without the state noted before that fetch, the resumed
+    run drew it one batch late."""
     script = REPO / "tests" / "scripts" / "dropout_streams.py"
 
     def ranks(name: str, *args: str) -> list[dict]:
@@ -130,6 +133,8 @@ def test_dropout_draws_a_stream_per_process_and_a_resume_continues_each(tmp_path
     cut = ranks("cut", "0", "2", "0")
     assert [r["masks"] for r in cut] == [r["masks"][:3] for r in full]  # stopped in step 3
     resumed = ranks("cut", "0", "0", "1")
+    per_batch = 4  # items per process and micro-batch: 4 draws each
     for rank in (0, 1):
         assert resumed[rank]["masks"] == full[rank]["masks"][2:]
+        assert resumed[rank]["draws"] == full[rank]["draws"][2 * per_batch :]
         assert resumed[rank]["weights"] == full[rank]["weights"]

@@ -128,6 +128,12 @@ class FetchRngLog(Dataset):
             self.starts = {consumed: saved["state"], consumed + 1: global_rng_state()}
 
 
+def fetched_ahead(loader: DataLoader, consumed: int) -> dict[str, Any] | None:
+    """What a save after `consumed` batches of the epoch keeps of a FetchRngLog training set."""
+    dataset = getattr(loader, "dataset", None)
+    return dataset.pending_fetch(consumed) if isinstance(dataset, FetchRngLog) else None
+
+
 class FixedWindow(Dataset):
     """`dataset` as it is now, without its `set_epoch`: a prepared DataLoader calls
     `dataset.set_epoch(n)` at its n-th pass, so an evaluation set whose samples depend on the

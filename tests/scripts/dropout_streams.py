@@ -1,7 +1,8 @@
-"""A toy run with dropout: which masks each process draws, and where a resumed run ends.
+"""A toy run with dropout and an augmentation drawn from the global RNG in the loader (as
+torchvision's random transforms draw): which masks each process draws, where a resumed run ends.
 
 tests/test_distributed.py runs it on 2 processes (gloo). Each rank writes the hash of every
-dropout mask it drew and its final weights to OUT/rank_R.json. Usage:
+dropout mask it drew, every augmentation draw and its final weights to OUT/rank_R.json. Usage:
 dropout_streams.py OUT ONE_STREAM(0|1) STOP_AFTER(0 = run to the end) RESUME(0|1)
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset
 
 from accel_common.accelerator import make_accelerator
 from accel_common.batching import BatchRequest
@@ -28,8 +29,25 @@ out, one_stream, stop_after, resume = Path(sys.argv[1]), *map(int, sys.argv[2:5]
 accelerator, plan = make_accelerator(
     output_dir=out, batch=BatchRequest(global_batch_size=8), cpu=True, seed=3
 )
-x = torch.linspace(-1, 1, 64 * 4).reshape(64, 4)
-data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+draws: list[float] = []
+
+
+class Jittered(Dataset):
+    """64 points with their sum as target, jittered by the global RNG at every read."""
+
+    def __init__(self) -> None:
+        self.x = torch.linspace(-1, 1, 64 * 4).reshape(64, 4)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        jitter = 0.1 * torch.randn(4)
+        draws.append(round(float(jitter[0]), 6))
+        return self.x[index] + jitter, self.x[index].sum(dim=0, keepdim=True)
+
+
+data = Jittered()
 model = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5), nn.Linear(32, 1))
 masks: list[str] = []
 model[1].register_forward_hook(
@@ -62,5 +80,5 @@ for _epoch in loop.epochs():
 else:
     loop.finish(model)
 weights = [p.detach().flatten().tolist() for p in accelerator.unwrap_model(model).parameters()]
-record = {"masks": masks, "weights": weights, "step": loop.step}
+record = {"masks": masks, "draws": draws, "weights": weights, "step": loop.step}
 (out / f"rank_{accelerator.process_index}.json").write_text(json.dumps(record))
