@@ -337,3 +337,30 @@ def test_an_evaluation_loader_is_never_rewindowed_by_set_epoch(accelerator):
     assert plain[0] != plain[1]  # the failure mode this loader exists for
     fixed = passes(accelerator.prepare(make_eval_loader(EpochDrawn(), 2)))
     assert fixed == [[0, 100, 200, 300]] * 3
+
+
+def test_per_sample_rng_draws_depend_on_the_sample_alone_and_leave_the_stream_alone():
+    """What a transform draws inside per_sample_rng depends only on (seed, epoch, index): not on
+    the global state before (another process, a resume), and the global stream goes on after it
+    as if nothing had been drawn."""
+    import random
+
+    import numpy as np
+
+    from accel_common.data.loaders import per_sample_rng
+
+    def draw() -> tuple[float, float, float]:
+        return torch.rand(()).item(), float(np.random.rand()), random.random()
+
+    torch.manual_seed(1)
+    with per_sample_rng(7, 2, 5):
+        first = draw()
+    after = draw()
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    with per_sample_rng(7, 2, 5):
+        assert draw() == first
+    with per_sample_rng(7, 3, 5):
+        assert draw() != first  # another epoch
+    torch.manual_seed(1)
+    np.random.seed(99), random.seed(99)
+    assert draw()[0] == after[0]  # torch's stream as if per_sample_rng never ran

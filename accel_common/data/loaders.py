@@ -8,8 +8,9 @@ Each takes plain values, so a script with its own argparse can call them directl
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,24 @@ def set_global_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+@contextlib.contextmanager
+def per_sample_rng(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Inside: the global CPU RNGs (torch's, numpy's, Python's) seeded by (seed, epoch, index)
+    alone; outside, as they were. A transform that draws from them (torchvision's random crops
+    and flips) then draws the same values for a sample whichever process reads it and whenever:
+    N processes train as 1, and a resume is exact with any number of loader workers. Use it in
+    a dataset's __getitem__: `with per_sample_rng(self.seed, self.epoch, index): x = aug(x)`."""
+    state = global_rng_state()
+    mixed = (seed * 1_000_003 + epoch) * 1_000_003 + index
+    torch.default_generator.manual_seed(mixed)  # the CPU generator only: CUDA's is dropout's
+    np.random.seed(mixed % 2**32)
+    random.seed(mixed)
+    try:
+        yield
+    finally:
+        set_global_rng_state(state)
 
 
 class FetchRngLog(Dataset):
