@@ -30,6 +30,7 @@ from accel_common.checkpoint_files import (
     MANIFEST_FILE,
     check_dcp_folders,
     check_deepspeed_files,
+    checkpoint_files,
     custom_states_read_weights_only,
     detail_of,
     first_unloadable,
@@ -259,6 +260,7 @@ def _checked_before_loading(
     accept: Callable[[Path, TrainProgress, int, dict[str, Any]], None] | None,
 ) -> tuple[TrainProgress, dict[str, Any], dict[str, Any] | None]:
     """Everything `load_checkpoint` checks before it loads: progress, run record, RNG state."""
+    checkpoint_files(path)  # regular files only: a FIFO would block its reader
     manifest = read_manifest(path)
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from accel_common.data.paths import file_kind
 from accel_common.dcp_reader import DCP_METADATA, read_dcp_metadata
 from accel_common.errors import CheckpointError
 
@@ -53,7 +54,7 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
-def _files(folder: Path) -> list[Path]:
+def checkpoint_files(folder: Path) -> list[Path]:
     """Every file below `folder` but the manifest, sorted; a link or special file is refused
     (nothing the save writes is one, and reading a FIFO or /dev/zero would hang)."""
     found = []
@@ -62,7 +63,7 @@ def _files(folder: Path) -> list[Path]:
         if stat.S_ISDIR(mode):
             continue
         if not stat.S_ISREG(mode):
-            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+            kind = f"a symbolic link to {path.resolve()}" if stat.S_ISLNK(mode) else file_kind(mode)
             raise CheckpointError(
                 f"{path} is {kind}; a checkpoint holds regular files only, so it was not read "
                 "(resume from an earlier step_N folder, or copy the checkpoint without links)"
@@ -77,7 +78,7 @@ def write_manifest(folder: Path, progress_record: dict[str, Any]) -> None:
     everything else is written (main process)."""
     files = {
         path.relative_to(folder).as_posix(): {"size": path.stat().st_size, "sha256": _sha256(path)}
-        for path in _files(folder)
+        for path in checkpoint_files(folder)
     }
     manifest = {"format": MANIFEST_FORMAT, "files": files, "progress": progress_record}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, allow_nan=False))
@@ -110,7 +111,7 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 def verify_files(folder: Path, manifest: dict[str, Any], *, hashes: bool = True) -> None:
     """Every file is the one the save wrote: same names, sizes and (with `hashes`) SHA-256."""
     listed: dict[str, dict[str, Any]] = manifest["files"]
-    present = {path.relative_to(folder).as_posix(): path for path in _files(folder)}
+    present = {path.relative_to(folder).as_posix(): path for path in checkpoint_files(folder)}
     advice = (
         "it was changed after the save (edited or damaged); resume from an earlier step_N folder"
     )

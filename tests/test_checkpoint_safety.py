@@ -365,3 +365,16 @@ def test_a_payload_in_one_ranks_file_stops_every_rank_and_runs_nothing(tmp_path)
     output = result.stdout + result.stderr
     assert "random_states_1.pkl holds a pickled" in output, output[-3000:]
     assert "Traceback" not in output
+
+
+def test_a_fifo_in_a_checkpoint_is_named_as_one_without_reading_it(tmp_path, accelerator):
+    import os
+
+    path = saved_checkpoint(accelerator, tmp_path / "run")
+    (path / "optimizer.bin").unlink()
+    os.mkfifo(path / "optimizer.bin")
+    with pytest.raises(CheckpointError, match=r"optimizer\.bin is a FIFO \(named pipe\)"):
+        load_checkpoint(accelerator, path, PLAN)
+    (path / MANIFEST_FILE).unlink()  # an older checkpoint: refused all the same, never opened
+    with pytest.raises(CheckpointError, match=r"optimizer\.bin is a FIFO \(named pipe\)"):
+        load_checkpoint(accelerator, path, PLAN)
