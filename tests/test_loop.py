@@ -104,8 +104,11 @@ def open_loop(
     return TrainLoop(accelerator, plan, loader, schedule, run, policy)
 
 
-def train(accelerator, model, optimizer, loop) -> tuple[list[int], list[float], list[int]]:
-    """The recipes' loop; returns the epoch numbers, first x of each batch, and the LR steps."""
+def train(
+    accelerator, model, optimizer, loop, metrics=lambda epoch: {"epoch": float(epoch)}
+) -> tuple[list[int], list[float], list[int]]:
+    """The recipes' loop, evaluating `metrics(epoch)`; returns the epoch numbers, first x of each
+    batch, and the LR steps."""
     epochs, firsts, lr_steps = [], [], []
     for epoch in loop.epochs():
         epochs.append(epoch)
@@ -119,7 +122,7 @@ def train(accelerator, model, optimizer, loop) -> tuple[list[int], list[float], 
             loop.record(loss)
             firsts.append(x[0, 0].item())
             lr_steps.append(loop.scheduler.last_epoch)
-        loop.end_epoch({"epoch": float(epoch)})
+        loop.end_epoch(metrics(epoch))
     return epochs, firsts, lr_steps
 
 
@@ -312,15 +315,7 @@ def test_a_checkpoint_without_loss_sums_resumes_and_marks_its_means_partial(run,
 def test_a_non_finite_evaluation_metric_stops_the_run_before_it_reaches_a_json_file(run, tmp_path):
     accelerator, model, optimizer, loop, _ = run()
     with pytest.raises(NonFiniteError, match=r"the evaluation metric r2 is nan at epoch 1"):
-        for epoch in loop.epochs():
-            for x, y in loop.batches():
-                with accelerator.accumulate(model):
-                    loss = (model(x / 1000) - y).pow(2).mean()
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                loop.record(loss)
-            loop.end_epoch({"epoch": float(epoch), "r2": float("nan")})
+        train(accelerator, model, optimizer, loop, lambda epoch: {"r2": float("nan")})
     for line in metrics_lines(tmp_path):
         json.loads(line, parse_constant=refuse)
     assert not (tmp_path / "model").exists()
@@ -549,15 +544,7 @@ def test_a_recipe_metric_named_like_one_the_loop_owns_is_refused(run):
     the log, the printout and the export."""
     accelerator, model, optimizer, loop, _ = run()
     with pytest.raises(ConfigError, match=r"returns 'train_loss', a metric name the training"):
-        for epoch in loop.epochs():
-            for x, y in loop.batches():
-                with accelerator.accumulate(model):
-                    loss = (model(x / 1000) - y).pow(2).mean()
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                loop.record(loss)
-            loop.end_epoch({"epoch": float(epoch), "train_loss": 9.0})
+        train(accelerator, model, optimizer, loop, lambda epoch: {"train_loss": 9.0})
 
 
 def test_the_logged_lr_is_the_lr_the_step_used(tmp_path):
