@@ -251,6 +251,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/accel-recipes bench --out docs/BENCHMARKS.md --plot docs/scaling.png
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_graphs.py --out docs/BENCHMARKS.md
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_checkpoint_manifest.py --out docs/BENCHMARKS.md
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_quality_pairs.py --out docs/BENCHMARKS.md
 
 clean:
 	rm -rf runs data/example .pytest_cache

@@ -136,6 +136,11 @@ class QualitySettings(Settings):
         "colour jitter (dataset.py 35-43); --no-augment turns it off.",
     )
     draw_weight: float = setting(0.1, "Penalty on |s_i - s_j| for a draw.", min=0.0)
+    pair_forward: str = setting(
+        "joint",
+        "'separate': the i sides, then the j sides, as the original (BatchNorm statistics per "
+        "side, running ones updated twice a step); 'joint': one pass over both (faster).",
+    )
     eta_lr: float = setting(
         2e-2, "Learning rate of the annotator reliabilities (no weight decay).", min=0.0
     )
@@ -167,6 +172,8 @@ class QualitySettings(Settings):
             )
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"--head-init {self.head_init}: choose kaiming or torch")
+        if self.pair_forward not in ("joint", "separate"):
+            raise ConfigError(f"--pair-forward {self.pair_forward}: choose joint or separate")
         require_known_backbone(self.backbone)  # here: the dry run refuses it as the run does
 
 
@@ -487,7 +494,8 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     for _epoch in loop.epochs():
         for image_i, image_j, choice, annotator in loop.batches():
             with accelerator.accumulate(model):
-                s_i, s_j = model(torch.cat([image_i, image_j])).chunk(2)
+                parts = 2 if settings.pair_forward == "separate" else 1
+                s_i, s_j = model(torch.cat([image_i, image_j]), parts).chunk(2)
                 eta = reliabilities(accelerator.unwrap_model(model), mode, fixed_eta, gold)
                 loss = loss_of(s_i - s_j, choice, eta[annotator], settings.draw_weight)
                 accelerator.backward(loss)

@@ -78,8 +78,14 @@ class QualityScorer(nn.Module):
         # reliable crowd and a reversed one with reversed scores
         self.annotator_logits = nn.Parameter(torch.full((num_annotators,), math.log(4.0)))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(images)).squeeze(1)
+    def forward(self, images: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """Scores of `images`, computed in `parts` equal chunks one after another (2: a pair's
+        two sides as the original scores them, model(image_i) then model(image_j), so each
+        BatchNorm normalises with one side's statistics and updates its running ones twice),
+        inside one forward of the module: DDP, FSDP and torch.compile see one call per step."""
+        return torch.cat(
+            [self.head(self.backbone(part)).squeeze(1) for part in images.chunk(parts)]
+        )
 
     def scorer_state_dict(self) -> dict[str, torch.Tensor]:
         """The original's QualityScorer keys only (backbone.backbone.*, head.*)."""
