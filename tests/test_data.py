@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,3 +365,26 @@ def test_per_sample_rng_draws_depend_on_the_sample_alone_and_leave_the_stream_al
     torch.manual_seed(1)
     np.random.seed(99), random.seed(99)
     assert draw()[0] == after[0]  # torch's stream as if per_sample_rng never ran
+
+
+def test_an_example_written_meanwhile_by_another_run_is_used_not_mixed(
+    tmp_path, monkeypatch, accelerator
+):
+    """Two runs without --data started at once both wrote data/example/NAME.tmp: one folder,
+    two writers. Each now writes a folder of its own; the second to finish uses the first's."""
+    from accel_common.data.loaders import resolve_data
+
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "data" / "example" / "toy"
+    written = []
+
+    def make_example(folder: Path) -> None:
+        written.append(folder)
+        folder.mkdir(parents=True)
+        (folder / "mine.csv").write_text("x\n")
+        target.mkdir(parents=True)  # meanwhile, the other run's example arrived
+        (target / "theirs.csv").write_text("x\n")
+
+    assert resolve_data(accelerator, "toy", None, make_example).resolve() == target
+    assert [p.name for p in target.iterdir()] == ["theirs.csv"]
+    assert written[0] != target.with_name("toy.tmp") and not written[0].exists()

@@ -9,7 +9,9 @@ Each takes plain values, so a script with its own argparse can call them directl
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,7 +214,14 @@ def resolve_data(
     with accelerator.main_process_first():
         if accelerator.is_main_process and not target.exists():
             say(accelerator, f"no --data given: writing example {workload} data to {target}")
-            tmp = target.with_name(target.name + ".tmp")
-            make_example(tmp)
-            tmp.rename(target)
+            # a folder of this process's own: two runs started at once never write into one
+            partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+            shutil.rmtree(partial, ignore_errors=True)  # a killed run's with this pid
+            make_example(partial)
+            try:
+                partial.rename(target)  # fails if another run put its example there meanwhile
+            except OSError:
+                if not target.is_dir():
+                    raise
+                shutil.rmtree(partial)  # the same example (same seed): theirs is used
     return target
