@@ -18,9 +18,12 @@ from accel_common.batching import plan_batch
 from accel_common.checkpoint import TrainProgress, load_checkpoint, save_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.export import load_exported
+from accel_common.sharding import keeping_ties_whole, without_containers
 from accel_common.ties import TIES_FILE
 from accel_common.tools.cli import app
 from tests.processes import REPO, run_recipe
+from tests.results import max_relative_difference
+from tests.test_sharded import TOLERANCE, launch_fsdp
 from tests.tied_model import TiedGPT
 
 SCRIPT = REPO / "tests" / "scripts" / "tied_gpt.py"
@@ -71,6 +74,27 @@ def test_an_export_missing_a_tied_name_says_so_not_the_width_flags(tmp_path):
     assert "width/depth" not in message and "\n" not in message
 
 
+def over_1000(module: torch.nn.Module) -> bool:
+    """Accelerate's FSDP2 size policy at fsdp_min_num_params 1000."""
+    return sum(p.numel() for p in module.parameters()) > 1000
+
+
+def test_the_fsdp_size_policy_never_splits_a_tie():
+    """Above 1000 parameters the embedding and the head (2048 each) would be units of their own,
+    and fully_shard refuses the second ('shared with a parameter already managed by another FSDP
+    group'); the blocks still are units."""
+    model = TiedGPT()
+    policy = keeping_ties_whole(without_containers(over_1000), model)
+    units = {name for name, module in model.named_modules() if name and policy(module)}
+    assert {"transformer.h.0", "transformer.h.1.mlp"} <= units
+    assert not units & {"lm_head", "transformer.wte", "transformer"}
+    assert over_1000(model.lm_head) and over_1000(model.transformer["wte"])  # out for the tie
+    shared = torch.nn.Linear(40, 40)  # one module in two places: no unit holds one place only
+    pair = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})
+    policy = keeping_ties_whole(without_containers(over_1000), pair)
+    assert [name for name, m in pair.named_modules() if name and policy(m)] == ["a.0"]
+
+
 def exported(out: Path) -> dict[str, torch.Tensor]:
     """A run's export, loaded strictly into a plain TiedGPT by plain torch."""
     state = load_file(str(out / "model" / "model.safetensors"))
@@ -103,3 +127,18 @@ def test_a_tied_model_trains_resumes_and_converts_on_2_processes(ddp, tmp_path):
     state = converted(full / "checkpoints" / "step_4", tmp_path / "merged")
     assert state.keys() == ends.keys()
     assert all(torch.equal(state[k], ends[k]) for k in ends)
+
+
+@pytest.mark.dist
+def test_a_tied_model_runs_under_fsdp_with_the_tie_in_one_unit(ddp, tmp_path):
+    """fsdp_8gpu.yaml's size policy at 1000 parameters on 2 CPU processes (the FSDP shim): the
+    run, its export and the merged sharded checkpoint load strictly, and equal plain DDP's."""
+    result = launch_fsdp(tmp_path, [str(tmp_path / "fsdp"), "0", "0"], recipe=SCRIPT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    units = [line for line in result.stdout.splitlines() if line.startswith("fsdp unit: ")]
+    assert units.count("fsdp unit: Block") == 2 and "fsdp unit: Embedding" not in units, units
+    ends = exported(tmp_path / "fsdp")
+    state = converted(tmp_path / "fsdp" / "checkpoints" / "step_4", tmp_path / "merged")
+    assert state.keys() == ends.keys()
+    assert all(torch.equal(state[k], ends[k]) for k in ends)
+    assert max_relative_difference(exported(ddp[0]), ends) <= TOLERANCE
