@@ -49,6 +49,7 @@ from accel_common.export import (
     strict_json,
     write_failure,
 )
+from accel_common.ties import recording_ties
 
 CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
@@ -155,7 +156,8 @@ def save_checkpoint(
     text = strict_json(record, final / PROGRESS_FILE)
     remove_unfinished_saves(accelerator, output_dir)
     try:
-        accelerator.save_state(str(tmp))
+        with recording_ties(accelerator):  # tied weights: every name restorable (ties.py)
+            accelerator.save_state(str(tmp))
         if process_state is not None:
             torch.save(process_state, tmp / PROCESS_STATE.format(accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank's RNG file is in place

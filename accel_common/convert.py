@@ -19,6 +19,7 @@ from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_mod
 from accel_common.errors import CheckpointError
 from accel_common.export import require_export_target, write_export
 from accel_common.outputs import exclusive_outputs
+from accel_common.ties import restore_ties, saved_ties
 
 # Wrappers that training scripts put around a state dict, outermost first.
 STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
@@ -184,7 +185,8 @@ def convert_checkpoint(
     is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json).
     Without `force`, never over a file, even one another process wrote after the check."""
     require_export_target(target, force)
-    state = read_state_dict(source, model_index)
+    # the tied names a save_state file lacks (safetensors keeps one of them), restored
+    state = restore_ties(read_state_dict(source, model_index), saved_ties(source, model_index))
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
     with exclusive_outputs(not force):
         return write_export(state, target, metadata)

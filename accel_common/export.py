@@ -27,6 +27,7 @@ from accel_common.errors import CheckpointError, ConfigError
 from accel_common.launch_guard import require_writable_folder
 from accel_common.outputs import partial_path, place_file
 from accel_common.parameters import parameter_counts
+from accel_common.ties import missing_tie
 
 MODEL_FILE = "model.safetensors"
 META_FILE = "model.json"
@@ -347,7 +348,14 @@ def load_exported(
         f"{model_path} does not fit this model (were the width/depth flags the same as in "
         f"training? see {META_FILE} beside it)"
     )
-    require_same_tensors(state, model.state_dict(), misfit)  # one line, not torch's list
+    expected = model.state_dict()
+    if tie := missing_tie(state, expected):
+        raise CheckpointError(
+            f"{model_path}: {tie[0]} is tied to {tie[1]} in this model and is absent from the "
+            "file (safetensors keeps one name of tied weights); convert the checkpoint again "
+            "with `accel-recipes convert`, which writes every name of a tie"
+        )
+    require_same_tensors(state, expected, misfit)  # one line, not torch's list
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:

@@ -8,6 +8,13 @@ refuses one outright ("fully_shard does not support containers that do not imple
 ModuleList"). Nearly every real model keeps its blocks in a ModuleList, so `fsdp_8gpu.yaml` would
 crash on it. `guard_wrap_policy` keeps Accelerate's policy and leaves out every module without a
 forward of its own; the blocks inside such a container are still their own units.
+
+It also keeps a tie whole: a parameter that two modules share (nanoGPT's `lm_head.weight =
+wte.weight`) must be in one unit, or `fully_shard` refuses it ("... is shared with a parameter
+already managed by another FSDP group"). The size policy alone makes a unit of a large embedding
+(GPT-2's exceeds fsdp_8gpu.yaml's fsdp_min_num_params); `keeping_ties_whole` leaves out every
+module that holds some but not all names of a shared parameter, so the tie lands in the smallest
+unit holding all of them (the root, for an embedding tied to the head).
 """
 
 from __future__ import annotations
@@ -32,18 +39,39 @@ def without_containers(policy: Policy) -> Policy:
     return lambda module: has_own_forward(module) and policy(module)
 
 
+def keeping_ties_whole(policy: Policy, model: nn.Module) -> Policy:
+    """`policy`, minus the modules of `model` that would split a shared parameter's names
+    (a tied embedding and head; a module used in two places) between two units."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    shared = [group for group in names.values() if len(group) > 1]
+    if not shared:
+        return policy
+    prefixes: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(module), []).append(f"{name}." if name else "")
+
+    def whole(module: nn.Module) -> bool:
+        under = tuple(prefixes.get(id(module), ()))
+        return all(len({name.startswith(under) for name in group}) == 1 for group in shared)
+
+    return lambda module: whole(module) and policy(module)
+
+
 def _guarded(prepare: Callable[..., Policy | None]) -> Callable[..., Policy | None]:
     @functools.wraps(prepare)
     def prepare_policy(plugin, model: nn.Module) -> Policy | None:
         policy = prepare(plugin, model)
-        return None if policy is None else without_containers(policy)
+        return None if policy is None else keeping_ties_whole(without_containers(policy), model)
 
     prepare_policy.guarded = True
     return prepare_policy
 
 
 def guard_wrap_policy() -> None:
-    """Make Accelerate's FSDP2 auto-wrap skip forward-less containers (idempotent).
+    """Make Accelerate's FSDP2 auto-wrap skip forward-less containers and keep ties whole
+    (idempotent).
 
     Accelerate looks the policy builder up by name in `accelerate.utils.fsdp_utils` each time it
     prepares a model, and takes no policy callable of ours (any function that is not one of
