@@ -70,6 +70,7 @@ score difference, backward, Adam), medians of {steps} interleaved steps each; on
 
 `separate` is the original's step (BatchNorm statistics per side, running statistics updated
 twice); `joint` normalises both sides with one set of statistics, in fewer, larger kernels.
+On a loaded machine (the load average above) the two numbers are noisy: rerun on an idle one.
 {SECTION_END}
 """
 

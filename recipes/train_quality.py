@@ -139,7 +139,7 @@ class QualitySettings(Settings):
     pair_forward: str = setting(
         "joint",
         "'separate': the i sides, then the j sides, as the original (BatchNorm statistics per "
-        "side, running ones updated twice a step); 'joint': one pass over both (faster).",
+        "side, running ones updated twice a step); 'joint': one pass over both sides.",
     )
     eta_lr: float = setting(
         2e-2, "Learning rate of the annotator reliabilities (no weight decay).", min=0.0
