@@ -30,7 +30,10 @@ evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optim
 (epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
 checkpoints and export: accel_common/run.py).
 A workload that outgrows one file keeps this script and moves its model, readers and example
-generator into `recipes/NAME/` (see recipes/pointcloud/).
+generator into `recipes/NAME/` (see recipes/pointcloud/). That folder holds the script's parts: the
+script imports them, and none of them imports the script (tests/test_layout.py checks it), so what
+a part needs from here moves into the folder with it (e.g. the settings, to
+`recipes/NAME/settings.py`, once convert.py builds the network from them).
 """
 
 from __future__ import annotations

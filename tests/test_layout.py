@@ -1,5 +1,6 @@
 """The library's layout: no import circle in accel_common, no module over 500 lines, no import of
-a recipe, and conversion's torch.distributed.checkpoint out of every recipe's start-up."""
+a recipe, and conversion's torch.distributed.checkpoint out of every recipe's start-up; and the
+recipes' shape: a recipe's folder never imports a recipe's script."""
 
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ def recipe_importers(root: Path) -> set[str]:
     }
 
 
+def script_importers(root: Path) -> dict[str, list[str]]:
+    """{recipes/X/ module: the recipe scripts it imports} for every recipe recipes/train_X.py: its
+    folder holds the script's parts, so that an import of the script from there is a circle (or
+    one a copier starts by copying)."""
+    found = {}
+    for script in sorted((root / "recipes").glob("train_*.py")):
+        folder = root / "recipes" / script.stem.removeprefix("train_")
+        for path in sorted(folder.rglob("*.py")):
+            names = imported_names(path, module_name(root, path))
+            if scripts := sorted(n for n in names if n.startswith("recipes.train_")):
+                found[str(path.relative_to(root))] = scripts
+    return found
+
+
 def test_the_cycle_finder_sees_a_circle_through_a_deferred_import(tmp_path):
     package = tmp_path / LIBRARY
     package.mkdir()
@@ -106,6 +121,28 @@ def test_no_library_module_is_over_500_lines():
 def test_the_library_imports_no_recipe():
     found = recipe_importers(ROOT)
     assert not found, f"import a recipe: {sorted(found)}"
+
+
+def test_the_script_finder_sees_a_deferred_and_a_relative_import(tmp_path):
+    (tmp_path / "recipes" / "toy" / "inner").mkdir(parents=True)
+    (tmp_path / "recipes" / "train_toy.py").write_text("from recipes.toy.model import Net\n")
+    (tmp_path / "recipes" / "toy" / "model.py").write_text("import torch\n")
+    (tmp_path / "recipes" / "toy" / "convert.py").write_text(
+        "def f():\n    from recipes.train_toy import Net\n"
+    )
+    (tmp_path / "recipes" / "toy" / "inner" / "api.py").write_text("from ... import train_toy\n")
+    assert script_importers(tmp_path) == {
+        "recipes/toy/convert.py": ["recipes.train_toy", "recipes.train_toy.Net"],
+        "recipes/toy/inner/api.py": ["recipes.train_toy"],
+    }
+
+
+def test_no_recipe_folder_imports_a_recipe_script():
+    found = script_importers(ROOT)
+    assert not found, (
+        "a recipe's folder imports a script (move what both need into the folder, e.g. "
+        f"recipes/X/settings.py): {found}"
+    )
 
 
 def test_checkpoints_and_exports_do_not_import_torch_distributed_checkpoint(tmp_path):
