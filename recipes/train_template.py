@@ -33,7 +33,8 @@ A workload that outgrows one file keeps this script and moves its model, readers
 generator into `recipes/NAME/` (see recipes/pointcloud/). That folder holds the script's parts: the
 script imports them, and none of them imports the script (tests/test_layout.py checks it), so what
 a part needs from here moves into the folder with it (e.g. the settings, to
-`recipes/NAME/settings.py`, once convert.py builds the network from them).
+`recipes/NAME/settings.py`, once convert.py builds the network from them). From a plain DDP
+script to a recipe, step by step: docs/porting.md.
 """
 
 from __future__ import annotations
