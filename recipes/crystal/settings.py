@@ -1,6 +1,6 @@
 """The crystal recipe's settings, declared once (`CrystalSettings`: flags, `--config` keys, the
-export's config and the resume check). recipes/train_crystal.py, convert.py and api.py all read
-them, so they live here: the folder never imports the script."""
+export's config and the resume check). recipes/train_crystal.py, convert.py and
+recipes/crystal_api.py all read them, so they live here: the folder never imports the script."""
 
 from __future__ import annotations
 
