@@ -123,7 +123,7 @@ class MLPSettings(Settings):
     init_from: Path | None = setting(
         None,
         "Start from the weights of an export (fine-tuning): this recipe's, or a foreign "
-        "checkpoint converted with `accel-recipes convert CKPT OUT --recipe template`; loaded "
+        f"checkpoint converted with `accel-recipes convert CKPT OUT --recipe {RECIPE}`; loaded "
         "strictly, so --hidden and --depth must be its sizes.",
     )
 
