@@ -48,8 +48,13 @@ from accel_common.data.fingerprint import named_files
 from accel_common.data.images import image_batches, list_images
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
-from accel_common.errors import CheckpointError, ConfigError
-from accel_common.export import load_for_inference, read_recipe_export
+from accel_common.errors import CheckpointError, ConfigError, DataError
+from accel_common.export import (
+    load_exported,
+    load_for_inference,
+    read_recipe_export,
+    require_start_export,
+)
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
 from accel_common.options import SharedSettings, model_option, train_command
@@ -84,6 +89,13 @@ class CaptioningSettings(Settings):
     max_tokens: int = setting(24, "Longest caption in tokens, with BOS/EOS.", min=3)
     init_scale: float = setting(2.0**15, "fp16: initial loss scale (dynamic).")
     growth_interval: int = setting(100, "fp16: steps before the scale grows.", min=1)
+    init_from: Path | None = setting(
+        None,
+        "Start from the weights of an export (fine-tuning), loaded strictly, with the "
+        f"{TOKENIZER_FILE} beside it in place of one trained on --data's captions: this "
+        "recipe's, or a checkpoint converted with `accel-recipes convert CKPT OUT --recipe "
+        f"captioning` and its tokenizer saved as OUT/{TOKENIZER_FILE}.",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -100,7 +112,11 @@ def build_model(args: SharedSettings, settings: CaptioningSettings) -> Captioner
     tokenizer trained on them, as the run does), or the example's; a --data this machine lacks
     leaves it uncounted (DataError)."""
     vocab_size = EXAMPLE_VOCAB
-    if args.data is not None:
+    if settings.init_from is not None:  # its tokenizer, as the run's
+        if not settings.init_from.exists():  # planned on another machine than the run's
+            raise DataError(f"--init-from {settings.init_from}: not on this machine")
+        vocab_size = read_tokenizer(settings.init_from, "--init-from").get_vocab_size()
+    elif args.data is not None:
         captions = [text for _, text in read_split(existing_data(RECIPE, args.data), "train")[1]]
         vocab_size = train_tokenizer(captions).get_vocab_size()
     return Captioner(vocab_size, **settings.network())
@@ -183,11 +199,15 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
     scaler = GradScalerKwargs(
         init_scale=settings.init_scale, growth_interval=settings.growth_interval
     )
+    start = None
+    if settings.init_from is not None:  # before the data is read: its weights and tokenizer
+        require_start_export(settings.init_from, RECIPE, None)
+        start = read_tokenizer(settings.init_from, "--init-from")
     accelerator, plan = args.make_accelerator(kwargs_handlers=[scaler])
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     train_folder, train_records = read_split(data_dir, "train")
     test_folder, test_records = read_split(data_dir, "test")
-    tokenizer = shared_tokenizer(accelerator, [text for _, text in train_records])
+    tokenizer = start or shared_tokenizer(accelerator, [text for _, text in train_records])
     size, max_tokens = settings.image_size, settings.max_tokens
     with accelerator.main_process_first():  # the main process decodes; the others read its cache
         train_set, seconds, cached = prepare_split(
@@ -204,6 +224,8 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
     derived = {"vocab_size": tokenizer.get_vocab_size()}
     derived |= {t.lower()[1:-1]: tokenizer.token_to_id(t) for t in (BOS, EOS)}
     model = Captioner(derived["vocab_size"], **settings.network())
+    if settings.init_from is not None:  # fine-tuning: strictly, or one line naming the misfit
+        load_exported(settings.init_from, model)
     # Adam with L2 weight decay, as the original (not AdamW's decoupled decay)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # each step's captions spread over the processes by their token count
@@ -218,9 +240,13 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
         register_fsdp_forward_method(accelerator.unwrap_model(model), method)  # else a no-op
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     read = [*split_files(train_folder, train_records), *split_files(test_folder, test_records)]
+    data_files = named_files(read, data_dir)
+    if settings.init_from is not None:  # the tokenizer read is data: a changed one is another run
+        path = tokenizer_path(settings.init_from)
+        data_files |= named_files([path], path.parent, "--init-from/")
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule,
-        recipe=RECIPE, data_files=named_files(read, data_dir), settings=settings, derived=derived,
+        recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
     )  # fmt: skip
     token_mean = GlobalItemMean(accelerator, plan)  # exact over varying caption lengths
 
@@ -245,13 +271,18 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
 # --------------------------------------------------------------------------- single-device use
 
 
-def read_tokenizer(model_dir: Path) -> Tokenizer:
+def tokenizer_path(model_dir: Path) -> Path:
+    """Where training saves the tokenizer: beside the export (a folder, or its .safetensors)."""
+    return (model_dir if model_dir.is_dir() else model_dir.parent) / TOKENIZER_FILE
+
+
+def read_tokenizer(model_dir: Path, flag: str = "--model") -> Tokenizer:
     """The tokenizer training saved beside the export (`model_dir` a folder, or the
     .safetensors in one); missing or unreadable, one line naming it."""
-    path = (model_dir if model_dir.is_dir() else model_dir.parent) / TOKENIZER_FILE
+    path = tokenizer_path(model_dir)
     if not path.is_file():
         raise CheckpointError(
-            f"--model {model_dir}: no {TOKENIZER_FILE} beside the export ({path}); training "
+            f"{flag} {model_dir}: no {TOKENIZER_FILE} beside the export ({path}); training "
             f"saves it there: copy it with the model"
         )
     try:

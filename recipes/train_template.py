@@ -30,7 +30,11 @@ evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optim
 (epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
 checkpoints and export: accel_common/run.py).
 A workload that outgrows one file keeps this script and moves its model, readers and example
-generator into `recipes/NAME/` (see recipes/pointcloud/).
+generator into `recipes/NAME/` (see recipes/pointcloud/). That folder holds the script's parts: the
+script imports them, and none of them imports the script (tests/test_layout.py checks it), so what
+a part needs from here moves into the folder with it (e.g. the settings, to
+`recipes/NAME/settings.py`, once convert.py builds the network from them). From a plain DDP
+script to a recipe, step by step: docs/porting.md.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from accel_common.data.files import read_numeric_csv
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
-from accel_common.export import load_exported, read_recipe_export
+from accel_common.export import load_exported, read_recipe_export, require_start_export
 from accel_common.options import SharedSettings, model_option, train_command
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 
@@ -116,6 +120,12 @@ class MLPSettings(Settings):
 
     hidden: int = setting(64, "Width of the MLP's hidden layers.", min=1)
     depth: int = setting(2, "Number of hidden layers.", min=1, max=MAX_BLOCKS)
+    init_from: Path | None = setting(
+        None,
+        "Start from the weights of an export (fine-tuning): this recipe's, or a foreign "
+        f"checkpoint converted with `accel-recipes convert CKPT OUT --recipe {RECIPE}`; loaded "
+        "strictly, so --hidden and --depth must be its sizes.",
+    )
 
 
 class MLPRegressor(nn.Module):
@@ -181,6 +191,8 @@ def evaluate(
 )
 def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     """Train the template MLP regressor on CSV data (or a generated example)."""
+    if settings.init_from is not None:  # before the data is read: not an export is one line
+        require_start_export(settings.init_from, RECIPE, None)  # WORKLOAD: your original's name
     accelerator, plan = args.make_accelerator()
     data_dir = resolve_data(accelerator, RECIPE, args.data, write_dataset)
     train_set = load_split(data_dir, "train")  # WORKLOAD
@@ -188,6 +200,8 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     train_mean = train_set.tensors[1].mean().item()
 
     model = MLPRegressor(train_set.tensors[0].shape[1], settings.hidden, settings.depth)
+    if settings.init_from is not None:  # fine-tuning: strictly, or one line naming the misfit
+        load_exported(settings.init_from, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)

@@ -12,19 +12,28 @@ block, and every number on it must be what the dry run prints:
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 import yaml
 from typer.testing import CliRunner
 
-from tests.processes import REPO
+from tests.processes import REPO, recipe_env
+from tests.test_layout import originals_without_license, script_importers
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+# the porting guide's commands create the recipe they launch: run in order, in a copy of the
+# project, by test_the_porting_guide_runs_step_by_step
+PORTING = REPO / "docs" / "porting.md"
+DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p != PORTING)]
 SUBCOMMANDS = {"evaluate", "complete", "predict", "score", "caption", "prepare", "compare"}
 SUBCOMMANDS |= {"export-onnx"}
 GPUS_PER_NODE = 8  # the Makefile's and the cluster scripts' default
@@ -212,9 +221,9 @@ def dry_run(command: Command, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     return result.output
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
-def test_a_documented_command_runs_and_prints_what_its_text_says(command, monkeypatch, tmp_path):
-    output = dry_run(command, monkeypatch, tmp_path)
+def require_stated_plan(command: Command, output: str) -> None:
+    """The dry run's `output` is planned for the command's processes, and every number on its
+    `# plan:` line is what it printed."""
     batch = re.search(
         r"global batch (\d+) = (\d+) per device x (\d+) processes x (\d+) accumulation", output
     )
@@ -231,3 +240,105 @@ def test_a_documented_command_runs_and_prints_what_its_text_says(command, monkey
             f"{command.where}: the text says {name} {value:g}, the command gives "
             f"{printed[name]:g}\n{command.text}\n{output}"
         )
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
+def test_a_documented_command_runs_and_prints_what_its_text_says(command, monkeypatch, tmp_path):
+    require_stated_plan(command, dry_run(command, monkeypatch, tmp_path))
+
+
+def guide_blocks(path: Path, language: str) -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of each code block fenced as `language`, in order."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fence = line.strip()
+        if current is None and fence == f"```{language}":
+            current, start = [], number + 1
+        elif current is not None and fence == "```":
+            blocks.append((start, current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def shell_commands(path: Path) -> list[tuple[str, str, dict[str, float]]]:
+    """(file:line, command, its stated plan) of every command in `path`'s bash blocks, in order;
+    a line ending in a backslash continues on the next."""
+    commands = []
+    for start, lines in guide_blocks(path, "bash"):
+        i = 0
+        while i < len(lines):
+            number, text = start + i, lines[i].strip()
+            while text.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                text = text.removesuffix("\\") + " " + lines[i].strip()
+            i += 1
+            if not text or text.startswith("#"):
+                continue
+            stated = {}
+            if i < len(lines) and lines[i].strip().startswith("# plan:"):
+                stated = stated_plan(lines[i])
+            commands.append((f"{path.relative_to(REPO)}:{number}", text, stated))
+    return commands
+
+
+def porting_workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh copy of the project, the guide's train_ddp.py, the original's LICENSE and the
+    checkpoint.pt its DDP run saved (every key under `module.`); and the environment that runs
+    the guide's commands there (`python` and `accel-recipes` this interpreter's, this copy's
+    code)."""
+    work = tmp_path / "work"
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package in ("accel_common", "recipes"):
+        shutil.copytree(REPO / package, work / package, ignore=ignore)
+    (work / "accelerate_configs").symlink_to(REPO / "accelerate_configs")
+    (_, script), *_ = guide_blocks(PORTING, "python")
+    (work / "train_ddp.py").write_text("\n".join(script) + "\n")
+    (work / "LICENSE").write_text("MIT License (the original project's)\n")
+    original = {"__name__": "train_ddp"}
+    exec(compile("\n".join(script), str(work / "train_ddp.py"), "exec"), original)
+    torch.manual_seed(0)
+    state = original["MLP"]().state_dict()
+    torch.save({f"module.{k}": v for k, v in state.items()}, work / "checkpoint.pt")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, run in (("python", ""), ("accel-recipes", " -m accel_common.tools.cli")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {sys.executable}{run} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    env = recipe_env(tmp_path) | {"PYTHONPATH": str(work)}
+    env["PATH"] = os.pathsep.join([str(bin_dir), os.environ["PATH"]])
+    return work, env
+
+
+@pytest.mark.slow
+def test_the_porting_guide_runs_step_by_step(tmp_path):
+    """docs/porting.md's commands, in order, in a fresh copy of the project: `accel-recipes new`,
+    the original kept aside, make-data, a run, the dry runs (an `accelerate launch` runs as its
+    dry run at its process count, as above), convert of the DDP script's checkpoint and a run
+    started from it. Each exits 0 and prints the plan its text states."""
+    work, env = porting_workspace(tmp_path)
+    ran = []
+    for where, text, stated in shell_commands(PORTING):
+        words = shlex.split(text, comments=True)
+        command = parse(list(words), where, text)
+        run = text
+        if command is not None and words[:2] == ["accelerate", "launch"]:
+            argv = ["python", f"recipes/train_{command.recipe}.py", *command.args]
+            argv += ["--dry-run", "--processes", str(command.processes)]
+            if command.mixed_precision and "--mixed-precision" not in command.args:
+                argv += ["--mixed-precision", command.mixed_precision]
+            run = shlex.join(argv)
+        result = subprocess.run(
+            ["bash", "-c", run], cwd=work, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, f"{where}: {text}\n{result.stdout}\n{result.stderr}"
+        if stated:
+            command.stated = stated
+            require_stated_plan(command, result.stdout)
+        ran.append(text)
+    steps = ["accel-recipes new mymodel", "accel-recipes convert", "--init-from", "accelerate"]
+    assert all(any(step in text for text in ran) for step in steps), ran
+    assert (work / "recipes" / "mymodel" / "original" / "train_ddp.py").is_file()
+    assert script_importers(work) == {} and originals_without_license(work) == []
+    assert (work / "runs" / "mymodel-finetuned" / "model" / "model.safetensors").is_file()

@@ -1,5 +1,8 @@
 """The library's layout: no import circle in accel_common, no module over 500 lines, no import of
-a recipe, and conversion's torch.distributed.checkpoint out of every recipe's start-up."""
+a recipe, and conversion's torch.distributed.checkpoint out of every recipe's start-up; and the
+recipes' shape: a recipe's folder never imports a recipe's script, and an original's file kept
+as it is (recipes/X/original/) keeps its license beside it and is left alone by ruff and these
+checks."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from tests.processes import recipe_env
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "accel_common"
 MAX_LINES = 500
+ORIGINAL = "original"  # recipes/X/original/: an original project's files, kept as they are
+LICENSES = ("LICENSE*", "COPYING*")
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -77,6 +82,37 @@ def recipe_importers(root: Path) -> set[str]:
     }
 
 
+def script_importers(root: Path) -> dict[str, list[str]]:
+    """{recipes/X/ module: the recipe scripts it imports} for every recipe recipes/train_X.py: its
+    folder holds the script's parts, so that an import of the script from there is a circle (or
+    one a copier starts by copying)."""
+    found = {}
+    for script in sorted((root / "recipes").glob("train_*.py")):
+        folder = root / "recipes" / script.stem.removeprefix("train_")
+        for path in sorted(folder.rglob("*.py")):
+            if path.relative_to(folder).parts[0] == ORIGINAL:  # not ours: any style, any import
+                continue
+            names = imported_names(path, module_name(root, path))
+            if scripts := sorted(n for n in names if n.startswith("recipes.train_")):
+                found[str(path.relative_to(root))] = scripts
+    return found
+
+
+def originals_without_license(root: Path) -> list[str]:
+    """The recipes/X/original/ folders with no LICENSE (or COPYING) file of the original's."""
+    return [
+        str(folder.relative_to(root))
+        for folder in sorted((root / "recipes").glob(f"*/{ORIGINAL}"))
+        if folder.is_dir() and not any(any(folder.glob(name)) for name in LICENSES)
+    ]
+
+
+def ruff(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
 def test_the_cycle_finder_sees_a_circle_through_a_deferred_import(tmp_path):
     package = tmp_path / LIBRARY
     package.mkdir()
@@ -106,6 +142,60 @@ def test_no_library_module_is_over_500_lines():
 def test_the_library_imports_no_recipe():
     found = recipe_importers(ROOT)
     assert not found, f"import a recipe: {sorted(found)}"
+
+
+def test_the_script_finder_sees_a_deferred_and_a_relative_import(tmp_path):
+    (tmp_path / "recipes" / "toy" / "inner").mkdir(parents=True)
+    (tmp_path / "recipes" / "train_toy.py").write_text("from recipes.toy.model import Net\n")
+    (tmp_path / "recipes" / "toy" / "model.py").write_text("import torch\n")
+    (tmp_path / "recipes" / "toy" / "convert.py").write_text(
+        "def f():\n    from recipes.train_toy import Net\n"
+    )
+    (tmp_path / "recipes" / "toy" / "inner" / "api.py").write_text("from ... import train_toy\n")
+    assert script_importers(tmp_path) == {
+        "recipes/toy/convert.py": ["recipes.train_toy", "recipes.train_toy.Net"],
+        "recipes/toy/inner/api.py": ["recipes.train_toy"],
+    }
+
+
+def test_no_recipe_folder_imports_a_recipe_script():
+    found = script_importers(ROOT)
+    assert not found, (
+        "a recipe's folder imports a script (move what both need into the folder, e.g. "
+        f"recipes/X/settings.py): {found}"
+    )
+
+
+def test_an_originals_file_kept_as_it_is_is_left_alone(tmp_path):
+    """recipes/X/original/ may hold a file that fails our lint and format and imports anything;
+    `ruff check .`, `ruff format --check .` and the layout checks pass over it, and the same file
+    anywhere else in the folder fails them."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (tmp_path / "recipes" / "toy" / ORIGINAL).mkdir(parents=True)
+    (tmp_path / "recipes" / "train_toy.py").write_text('"""Toy."""\n')
+    theirs = "import os, sys\nfrom recipes.train_toy import *\ndef f( x ):\n  return x==None\n"
+    kept = tmp_path / "recipes" / "toy" / ORIGINAL / "train.py"
+    kept.write_text(theirs)
+    (kept.parent / "LICENSE").write_text("MIT License\n")
+    for args in (["check", "."], ["format", "--check", "."]):
+        result = ruff(args, tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert script_importers(tmp_path) == {}
+    assert originals_without_license(tmp_path) == []
+    (tmp_path / "recipes" / "toy" / "train.py").write_text(theirs)  # not kept aside: ours
+    for args in (["check", "."], ["format", "--check", "."]):
+        assert ruff(args, tmp_path).returncode == 1
+    assert list(script_importers(tmp_path)) == ["recipes/toy/train.py"]
+
+
+def test_an_originals_file_keeps_its_license_beside_it(tmp_path):
+    (tmp_path / "recipes" / "toy" / ORIGINAL).mkdir(parents=True)
+    (tmp_path / "recipes" / "toy" / ORIGINAL / "model.py").write_text("x = 1\n")
+    assert originals_without_license(tmp_path) == ["recipes/toy/original"]
+    (tmp_path / "recipes" / "toy" / ORIGINAL / "LICENSE.txt").write_text("BSD\n")
+    assert originals_without_license(tmp_path) == []
+    found = originals_without_license(ROOT)
+    assert not found, f"an original's files without its LICENSE beside them: {found}"
 
 
 def test_checkpoints_and_exports_do_not_import_torch_distributed_checkpoint(tmp_path):

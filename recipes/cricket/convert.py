@@ -43,6 +43,7 @@ from accel_common.export import (
 )
 from recipes.cricket.data import VOCAB_FILE
 from recipes.cricket.model import MODELS
+from recipes.cricket.settings import CricketSettings, network
 
 ORIGINAL = "cricketmodel"
 STATE_KEY = "model_state_dict"
@@ -167,8 +168,6 @@ def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, Any]
 
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The original's checkpoint as this recipe's state dict and export config."""
-    from recipes.train_cricket import CricketSettings, network
-
     checkpoint = _read(source)
     state = {k.removeprefix("module."): v for k, v in checkpoint[STATE_KEY].items()}
     shape = architecture(state, source)

@@ -28,6 +28,7 @@ from accel_common.export import (
     strip_wrapper_prefixes,
 )
 from recipes.crystal.model import VARIANTS, build_network
+from recipes.crystal.settings import CrystalSettings
 
 ORIGINAL = "comformer"
 CONFIG = "config.json"  # the original's training config, beside best_model.pt
@@ -105,8 +106,6 @@ def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Pat
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A ComFormer `best_model.pt` as this recipe's state dict and export config; the graph
     settings, target and its mean/std come from the `config.json` beside it when there is one."""
-    from recipes.train_crystal import CrystalSettings
-
     source = Path(source)
     loaded = load_original_checkpoint(source, ORIGINAL, "model")
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None

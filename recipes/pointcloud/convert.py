@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import yaml
@@ -25,9 +25,7 @@ from accel_common.export import (
     require_same_tensors,
     save_file_atomically,
 )
-
-if TYPE_CHECKING:
-    from recipes.train_pointcloud import PointCloudSettings
+from recipes.pointcloud.settings import PointCloudSettings, network
 
 ORIGINAL = "pcdiff"
 PRESET = Path(__file__).parent / "configs" / "original.yaml"
@@ -66,8 +64,6 @@ def settings_for(state: dict[str, torch.Tensor], source: Path) -> PointCloudSett
     """The recipe's settings for the original's network these weights come from: its preset
     (original.yaml), with the width multiplier, embedding size and attention read off the
     tensors (the voxel-resolution multiplier changes no tensor: the preset's 1 is assumed)."""
-    from recipes.train_pointcloud import PointCloudSettings  # the settings live with the recipe
-
     names = list(PointCloudSettings.hints())
     raw = yaml.safe_load(PRESET.read_text())  # the preset also holds training flags (bs, lr)
     preset = {k.replace("-", "_"): v for k, v in raw.items() if k.replace("-", "_") in names}
@@ -84,8 +80,6 @@ def settings_for(state: dict[str, torch.Tensor], source: Path) -> PointCloudSett
 
 def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A pcdiff checkpoint as this recipe's state dict and export config (loads strictly)."""
-    from recipes.train_pointcloud import network
-
     state = read_state(Path(source))
     settings = settings_for(state, source)
     try:  # a width whose channels GroupNorm cannot split in 8 groups
@@ -111,8 +105,6 @@ def export_checkpoint(model_dir: Path, target: Path) -> Path:
     compiled model (`model._orig_mod.*`); no Adam state of this recipe's run maps onto it, and a
     fresh one would replace the trainer's learning rate with a made-up one, so none is written
     and the note printed says so (fine-tuning: this recipe's --init-from)."""
-    from recipes.train_pointcloud import PointCloudSettings, network
-
     weights, _ = export_paths(model_dir)
     if not weights.is_file():
         raise CheckpointError(

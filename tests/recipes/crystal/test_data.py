@@ -17,7 +17,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 import recipes.train_crystal as recipe
 from accel_common.errors import ConfigError, DataError
 from accel_common.export import write_export
-from recipes.crystal import api
+from recipes import crystal_api as api
 from recipes.crystal.data import load_graphs, read_frames, split_indices, target_value
 from recipes.crystal.model import Comformer
 from tests.processes import CRYSTAL, run_recipe

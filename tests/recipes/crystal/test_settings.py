@@ -13,7 +13,7 @@ from ase.build import bulk
 import recipes.train_crystal as recipe
 from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError, ConfigError
-from recipes.crystal import api
+from recipes import crystal_api as api
 from recipes.crystal.model import Comformer, EComformer
 from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.crystal.helpers import write_volumes

@@ -16,7 +16,7 @@ from ase.build import bulk
 
 import recipes.train_crystal as recipe
 from accel_common.export import inference_device, write_export
-from recipes.crystal import api
+from recipes import crystal_api as api
 from recipes.crystal.data import CrystalGraphs, load_graphs, read_frames
 from recipes.crystal.model import Comformer
 from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO, recipe_env, run_processes, run_recipe

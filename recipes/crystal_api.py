@@ -1,9 +1,10 @@
 """The original's Python API for the crystal recipe: `train_from_extxyz` and `train_from_list`,
 called with the original's keywords, run `recipes/train_crystal.py`'s training command in this
 process or, with `num_processes=N` (or `distributed=True`), on N processes through Accelerate's
-launcher.
+launcher. It runs the script, so it lives beside it, not in recipes/crystal/ (the script's parts,
+which never import it).
 
-    from recipes.crystal.api import train_from_extxyz
+    from recipes.crystal_api import train_from_extxyz
     metrics, model_dir = train_from_extxyz("structures.extxyz", "energy_per_atom", n_epochs=50)
 """
 
@@ -20,6 +21,7 @@ from accel_common.entry import train_in_python
 from accel_common.errors import ConfigError
 from accel_common.options import SharedSettings
 from accel_common.settings import flag, read_config_file
+from recipes.crystal.settings import CrystalSettings
 
 # what an argument left out takes: the original's preset (its API's defaults: lr 1e-3, batch 64,
 # 500 epochs, cutoff 6, 25 neighbours, width 256, ...), not the CPU-sized command-line defaults;
@@ -32,9 +34,7 @@ PRESETS = {
 
 
 def original_defaults(model_name: str = "iComformer") -> dict[str, Any]:
-    names = [f.name for f in fields(recipe.CrystalSettings)] + [
-        f.name for f in fields(SharedSettings)
-    ]
+    names = [f.name for f in fields(CrystalSettings)] + [f.name for f in fields(SharedSettings)]
     return read_config_file(preset(model_name), names)
 
 
