@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
 from accel_common.errors import CheckpointError
-from accel_common.export import require_export_target, write_export
+from accel_common.export import UNNAMED_RECIPE, require_export_target, write_export
 from accel_common.outputs import exclusive_outputs
 from accel_common.ties import restore_ties, saved_ties
 
@@ -177,7 +177,7 @@ def convert_checkpoint(
     source: Path,
     target: Path,
     *,
-    recipe: str = "unknown",
+    recipe: str = UNNAMED_RECIPE,
     model_index: int = 0,
     force: bool = False,
 ) -> Path:

@@ -31,6 +31,7 @@ from accel_common.ties import missing_tie
 
 MODEL_FILE = "model.safetensors"
 META_FILE = "model.json"
+UNNAMED_RECIPE = "unknown"  # what `accel-recipes convert` records without --recipe
 # Prefixes added by DDP / DataParallel (`module.`), torch.compile (`_orig_mod.`) and Lightning-style
 # modules holding a DDP model (`model.module.`), in any nesting.
 WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
@@ -310,7 +311,7 @@ def require_start_export(
     convert = (
         f"convert it first: accel-recipes convert --from {original} {source} OUT"
         if original
-        else f"convert it first: accel-recipes convert {source} OUT"
+        else f"convert it first: accel-recipes convert {source} OUT --recipe {recipe}"
     ) + f", then {flag} OUT"
     if source.is_file() and source.suffix != ".safetensors":
         kind = f"{original}'s checkpoint or another torch.save file" if original else "a file"
@@ -328,7 +329,7 @@ def require_start_export(
             "training run wrote (OUTPUT/model), or its NAME.safetensors"
         )
     other = read_export_metadata(weights).get("recipe") if meta_path.is_file() else None
-    if other is not None and other != recipe:
+    if other not in (None, recipe, UNNAMED_RECIPE):  # unnamed: convert without --recipe
         made = f" (or convert --from {original})" if original else ""
         raise ConfigError(
             f"{flag} {source} is the {other} recipe's export, not the {recipe} recipe's; give "

@@ -16,6 +16,7 @@ from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import (
+    UNNAMED_RECIPE,
     require_export_target,
     require_new_files,
     save_file_atomically,
@@ -182,7 +183,7 @@ def convert(
         help="Folder to write model.safetensors + model.json into, or a NAME.safetensors file "
         "to write, with its metadata as NAME.json beside it.",
     ),
-    recipe: str = typer.Option("unknown", help="Recipe name recorded in the JSON."),
+    recipe: str = typer.Option(UNNAMED_RECIPE, help="Recipe name recorded in the JSON."),
     model_index: int = typer.Option(0, help="Which model of a multi-model save_state folder."),
     force: bool = typer.Option(
         False,

@@ -33,10 +33,13 @@ def train(argv: list[str], out) -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_init_from_trains_from_a_converted_ddp_checkpoint(tmp_path, template_data):
+@pytest.mark.parametrize("named", [["--recipe", "template"], []], ids=["recipe", "unnamed"])
+def test_init_from_trains_from_a_converted_ddp_checkpoint(tmp_path, template_data, named):
+    """Converted with --recipe template, or without (as `accel-recipes convert SRC OUT` says
+    it: recorded as no recipe's, which the strict load then checks, not refused as another's)."""
     start = ddp_checkpoint(tmp_path / "ddp.pt")
     converted = tmp_path / "converted"
-    argv = ["convert", str(tmp_path / "ddp.pt"), str(converted), "--recipe", "template"]
+    argv = ["convert", str(tmp_path / "ddp.pt"), str(converted), *named]
     result = CliRunner().invoke(cli.app, argv)
     assert result.exit_code == 0, result.output
     # one step at a tiny learning rate: the weights stay the checkpoint's, not a fresh draw's
@@ -53,7 +56,8 @@ def test_init_from_trains_from_a_converted_ddp_checkpoint(tmp_path, template_dat
 def test_init_from_refuses_an_unconverted_checkpoint_and_other_sizes(tmp_path, template_data):
     ddp_checkpoint(tmp_path / "ddp.pt")
     run = ["--data", str(template_data), *SIZES, "--max-steps", "1"]
-    with pytest.raises(ConfigError, match=r"convert it first: accel-recipes convert .*ddp\.pt"):
+    hint = r"convert it first: accel-recipes convert .*ddp\.pt OUT --recipe template"
+    with pytest.raises(ConfigError, match=hint):
         train([*run, "--init-from", str(tmp_path / "ddp.pt")], tmp_path / "a")
     converted = tmp_path / "converted"
     argv = ["convert", str(tmp_path / "ddp.pt"), str(converted), "--recipe", "template"]
