@@ -58,6 +58,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
+from accel_common.command import model_option, train_command
 from accel_common.data.cache import list_lengths
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
@@ -71,7 +72,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (

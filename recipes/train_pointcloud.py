@@ -43,6 +43,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
+from accel_common.command import model_option, train_command
 from accel_common.console import format_metrics
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import make_eval_loader, resolve_data
@@ -57,7 +58,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.settings import Settings, setting
 from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.convert import ORIGINAL

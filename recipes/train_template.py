@@ -47,13 +47,14 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from accel_common.command import model_option, train_command
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 
 RECIPE = "template"
