@@ -21,7 +21,14 @@ from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRScaling, LRSchedule, LRSettings, make_lr_schedule
+from accel_common.lr import (
+    Decay,
+    LRScaling,
+    LRSchedule,
+    LRSettings,
+    make_lr_schedule,
+    parse_milestones,
+)
 from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
@@ -94,14 +101,53 @@ class SharedSettings(Settings):
     )
     schedule: Decay = setting(
         Decay.cosine,
-        "Decay after warmup: constant, cosine (to --min-lr-ratio), exponential (--gamma per "
-        "step) or onecycle.",
+        "Decay after warmup: constant, cosine (to --min-lr-ratio x the peak at --decay-steps or "
+        "the last step), exponential (x --gamma per step), step (x --gamma every --step-size), "
+        "multistep (x --gamma at each of --milestones) or onecycle. LR of optimizer step k "
+        "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
+        "peak x (s + (1 - s)(k + 1)/W) while k < W, s = --warmup-start; then cosine: peak x (m "
+        "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
     )
     warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0)
-    min_lr_ratio: float = setting(
-        0.0, "Floor of cosine decay, as a fraction of the peak LR.", min=0, max=1
+    warmup_start: float = setting(
+        0.0,
+        "Fraction of the peak LR that the warmup rises from, linearly (torch's LinearLR "
+        "start_factor; 0 = from zero).",
+        min=0.0,
+        max=1.0,
     )
-    gamma: float = setting(1.0, "Per-step factor of exponential decay.", above=0, max=1)
+    min_lr_ratio: float = setting(
+        0.0,
+        "Floor of cosine and onecycle decay, as a fraction of the peak LR (the scaled --lr): "
+        "0.1 ends at 0.1 x peak.",
+        min=0,
+        max=1,
+    )
+    decay_steps: int = setting(
+        0,
+        "Optimizer step where cosine or exponential decay ends and the LR then holds its floor "
+        "(nanoGPT's lr_decay_iters), apart from the run's length; 0 = the run's last step.",
+        min=0,
+    )
+    gamma: float = setting(
+        1.0,
+        "Factor of exponential decay per step, and of step and multistep decay at each change "
+        "(torch's StepLR / MultiStepLR gamma, e.g. 0.1).",
+        above=0,
+        max=1,
+    )
+    step_size: int = setting(
+        0,
+        "With --schedule step: multiply the LR by --gamma every N optimizer steps after the "
+        "warmup (epochs with --decay-per-epoch), as torch's StepLR.",
+        min=0,
+    )
+    milestones: str = setting(
+        "",
+        "With --schedule multistep: comma-separated optimizer steps after the warmup (epochs "
+        "with --decay-per-epoch) where the LR is multiplied by --gamma, as torch's MultiStepLR "
+        "(e.g. 30,60,80).",
+    )
     hold_epochs: int = setting(
         0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0
     )
@@ -217,6 +263,7 @@ class SharedSettings(Settings):
     def validate(self) -> None:
         super().validate()
         parse_report_to(self.report_to)
+        self.lr_settings  # noqa: B018 (refuses a schedule that lacks its --step-size, ...)
 
     # The flags in groups, each built here once and passed whole to the library function that
     # takes it (a script with its own flags builds the groups itself).
@@ -232,6 +279,8 @@ class SharedSettings(Settings):
         return LRSettings(
             self.lr, self.ref_bs, self.lr_scaling, self.schedule, self.warmup_steps,
             self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
+            warmup_start=self.warmup_start, decay_steps=self.decay_steps,
+            step_size=self.step_size, milestones=parse_milestones(self.milestones),
         )  # fmt: skip
 
     @property
@@ -293,10 +342,8 @@ class SharedSettings(Settings):
         optimizer: torch.optim.Optimizer,
         plan: BatchPlan,
         steps_per_epoch: int,
-        warmup_start: float = 0.0,
     ) -> LRSchedule:
-        """--lr scaled to the global batch, warmup (rising from `warmup_start` x the peak) and
-        decay (lr.make_lr_schedule)."""
+        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
         return make_lr_schedule(
             accelerator,
             optimizer,
@@ -305,7 +352,6 @@ class SharedSettings(Settings):
             steps_per_epoch=steps_per_epoch,
             epochs=self.epochs,
             max_steps=self.max_steps,
-            warmup_start=warmup_start,
         )
 
     def make_loop(

@@ -157,13 +157,6 @@ class PointCloudSettings(Settings):
     eval_every: int = setting(
         15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
     )
-    warmup_start: float = setting(
-        0.01,
-        "Fraction of the peak LR that --warmup-steps rise from, linearly (the original's "
-        "--lr-warmup-start-factor 0.01: torch's LinearLR).",
-        min=0.0,
-        max=1.0,
-    )
     ema_decay: float = setting(
         0.0, "EMA of the weights (e.g. 0.999; 0 = off).", min=0.0, max=0.9999
     )
@@ -254,6 +247,7 @@ def csv_folder(data: Path, flag: str, split: str) -> Path:
     epochs=45,
     schedule=Decay.cosine,  # the original's is constant after warmup; cosine to 0 suits a short run
     warmup_steps=10,
+    warmup_start=0.01,  # the original's --lr-warmup-start-factor 0.01: torch's LinearLR
     output_dir=Path("runs/pointcloud"),
     aliases={"data": ["--path"], "epochs": ["--niter"]},
 )
@@ -299,9 +293,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         model, optimizer, train_loader, test_loader
     )
     diffusion = Diffusion(settings.timesteps, accelerator.device)
-    schedule = args.make_lr_schedule(
-        accelerator, optimizer, plan, len(train_loader), warmup_start=settings.warmup_start
-    )
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     if ema is not None:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
