@@ -63,6 +63,8 @@ def train_command(
     default_per_device_bs: int | None = None,
     aliases: dict[str, list[str]] | None = None,
     build_model: Callable[[SharedSettings, Any], torch.nn.Module] | None = None,
+    build_optimizer: Callable[[SharedSettings, Any, torch.nn.Module], torch.optim.Optimizer]
+    | None = None,
     **defaults: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Make `train(args: SharedSettings, settings: S)` a Typer command with every shared flag (with
@@ -73,8 +75,10 @@ def train_command(
     it applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
     names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
     `build_model(args, settings)` builds the network (on the `meta` device) for `--dry-run`'s
-    parameter count. The command's `resolve(**values)` gives the (SharedSettings, S) that the same
-    values would give on the command line, for a recipe's Python API.
+    parameter count; `build_optimizer(args, settings, model)`, the one the recipe trains with,
+    sizes the optimizer's state in its memory line (else Adam's is assumed). The command's
+    `resolve(**values)` gives the (SharedSettings, S) that the same values would give on the
+    command line, for a recipe's Python API.
     """
     aliases = aliases or {}
     shared_names = [f.name for f in fields(SharedSettings)]
@@ -140,12 +144,16 @@ def train_command(
                 raise
             if dry_run:
                 build = functools.partial(build_model, args, own) if build_model else None
+                optimizer = (
+                    functools.partial(build_optimizer, args, own) if build_optimizer else None
+                )
                 precision = args.mixed_precision.value if args.mixed_precision else None
                 length = (args.epochs, args.max_steps)
                 print_dry_run(
                     recipe, args.batch_request, args.lr_settings, length=length,
                     precision=precision, build_model=build, processes=processes,
                     compile=args.compile, absent=absent_inputs(args, own), cpu=args.cpu,
+                    build_optimizer=optimizer,
                 )  # fmt: skip
                 return None
             return fn(args, own)

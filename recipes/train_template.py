@@ -20,8 +20,9 @@ Check a command's plan (batch, LR, parameters, memory) without running it, for a
 What a new workload replaces is marked WORKLOAD: `write_dataset` (a small example in your data's
 format: `accel-recipes make-data NAME DIR` finds it here), `load_split` (read your data),
 `MLPSettings` (your model's settings: flags, `--help`, `--config` keys, the export's config and the
-resume check all come from it), `MLPRegressor` and `build_model`, `evaluate` (your quality measure
-next to a trivial baseline), `evaluate_export`, and in `train` the lines that load data, the
+resume check all come from it), `MLPRegressor`, `build_model` and `build_optimizer` (the
+`--dry-run` builds them too), `evaluate` (your quality measure next to a trivial baseline),
+`evaluate_export`, and in `train` the lines that load data, the
 files they read (`data_files`: their contents are part of the run's identity, so a resume on
 changed data is refused; tests/test_data_files.py checks the list against the files opened), the
 values the export needs besides the settings (`derived`), the forward pass and loss, and the
@@ -143,6 +144,13 @@ def build_model(args: SharedSettings, settings: MLPSettings) -> MLPRegressor:
     return MLPRegressor(features, settings.hidden, settings.depth)
 
 
+def build_optimizer(
+    args: SharedSettings, settings: MLPSettings, model: nn.Module
+) -> torch.optim.Optimizer:
+    """The optimizer `train` uses, also built by `--dry-run` to size its state per device."""
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
 # --------------------------------------------------------------------------- WORKLOAD: quality
 
 
@@ -174,6 +182,7 @@ def evaluate(
 @train_command(
     MLPSettings,
     build_model=build_model,
+    build_optimizer=build_optimizer,
     default_bs=64,
     lr=3e-3,
     ref_bs=64,
@@ -189,7 +198,7 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     train_mean = train_set.tensors[1].mean().item()
 
     model = MLPRegressor(train_set.tensors[0].shape[1], settings.hidden, settings.depth)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = build_optimizer(args, settings, model)  # WORKLOAD: your optimizer
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
     args.compile_model(model)  # --compile: in place, before prepare

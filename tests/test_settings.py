@@ -125,7 +125,7 @@ def test_dry_run_plans_any_process_count_and_writes_nothing(tmp_path, monkeypatc
     # the template's --lr 3e-3 at --ref-bs 64, linearly to 512
     assert plan["learning rate"].startswith("peak 0.024 (--lr 0.003 at --ref-bs 64, linear")
     assert plan["mixed precision"] == "no"
-    assert "weights, gradients and Adam state" in plan["memory per device"]
+    assert "weights, gradients and AdamW state" in plan["memory per device"]
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
