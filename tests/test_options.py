@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,10 +16,11 @@ from typer.testing import CliRunner
 
 from accel_common.accelerator import make_accelerator
 from accel_common.batching import BatchRequest
+from accel_common.command import train_command
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import require_writable_output_dir
 from accel_common.options import SharedSettings
-from tests.processes import POINTCLOUD, QUALITY, TEMPLATE
+from tests.processes import POINTCLOUD, QUALITY, REPO, TEMPLATE
 
 OUT_OF_RANGE = [
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("weight_decay", -0.1),
@@ -91,3 +95,20 @@ def test_fp16_on_the_cpu_is_refused_instead_of_silently_training_fp32(fresh_stat
 
 
 # A GPU launch config on a machine without GPUs: tests/test_runtime_guards.py launches one.
+
+
+def test_the_readme_documents_every_keyword_train_command_takes():
+    """ "Starting a new recipe" shows train_command's keywords: each one it names is one
+    train_command takes (its own or a setting's default), and none of its own is left out."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Starting a new recipe")[1].split("\n## ")[0]
+    block = section.split("@train_command(")[1].split("\ndef train")[0]
+    documented = set(re.findall(r"(\w+)=", block))
+    own = {
+        name
+        for name, p in inspect.signature(train_command).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    settings = {f.name for f in fields(SharedSettings)}
+    assert own <= documented, f"undocumented: {own - documented}"
+    assert documented <= own | settings, f"not train_command's: {documented - own - settings}"
