@@ -76,10 +76,11 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
-from accel_common.errors import ConfigError, NonFiniteError, Preempted
+from accel_common.errors import ConfigError, Preempted
 from accel_common.evaluation import evaluation_generator, require_finite_metrics
 from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
+from accel_common.nonfinite import all_finite, diverged, nonfinite_losses, reduce_flags
 from accel_common.policy import LoopPolicy, OnNonFinite
 from accel_common.run import BEST_DIR, Run
 from accel_common.stop_signals import StopSignals
@@ -244,7 +245,7 @@ class TrainLoop:
         elif skip_mode or self.log.logs_at(self.progress.step + 1):
             self._grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
         if skip_mode:
-            self._flags = self._reduce_flags(grad_norm=self._grad_norm)
+            self._flags = self._reduce_flags(self._grad_norm)
             self._skip_step = self._flags[0] > 0
             if self._skip_step:
                 for parameter in model.parameters():
@@ -294,7 +295,7 @@ class TrainLoop:
         if skipped:
             self._skipped_nonfinite()
         elif nonfinite:
-            self._nonfinite_loss(losses)
+            self._diverged(nonfinite_losses(self.accelerator, losses))
         else:
             for loss in losses:
                 self.log.add_loss(loss)
@@ -333,20 +334,6 @@ class TrainLoop:
         if record:
             self.accelerator.log(record, step=self.step)
 
-    def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
-        """(processes with a non-finite loss or gradient norm in this optimizer step, processes
-        that received a stop signal): one all-reduce, the same answer on every process."""
-        device = self.accelerator.device
-        local = torch.zeros(2, device=device)
-        values = [loss.float().reshape(-1) for loss in self._window_losses]
-        if grad_norm is not None:
-            values.append(grad_norm.float().reshape(-1).to(device))
-        if values:
-            local[0] = (~torch.isfinite(torch.cat(values))).any()
-        local[1] = self.stop_signals.received is not None
-        nonfinite, stop_signals = self.accelerator.reduce(local, reduction="sum").tolist()
-        return int(nonfinite), int(stop_signals)
-
     def _skipped_nonfinite(self) -> None:
         """Count and report a step that every process skipped (its losses are not logged)."""
         self.progress.nonfinite_skipped += 1
@@ -358,15 +345,6 @@ class TrainLoop:
             f"optimizer step {self.step}: non-finite loss or gradients on some process; every "
             f"process skipped this step ({self.progress.nonfinite_skipped} skipped so far)",
         )
-
-    def _nonfinite_loss(self, losses: list[torch.Tensor]) -> None:
-        """Stop every process at this step, naming the processes whose loss was non-finite."""
-        local = torch.cat([loss.float().reshape(-1) for loss in losses])
-        bad = ~torch.isfinite(local)
-        value = local[bad][0].item() if bad.any() else float("nan")
-        flags = self.accelerator.gather(bad.any().reshape(1).float()).tolist()
-        where = ", ".join(str(rank) for rank, flag in enumerate(flags) if flag) or "?"
-        self._diverged(f"the training loss went non-finite ({value}) on process {where}")
 
     def _preempted(self) -> None:
         """Save the step every process just finished, then leave with Preempted."""
@@ -483,30 +461,14 @@ class TrainLoop:
         """Every setting of this run as it reads back from JSON (recorded with checkpoints)."""
         return self.run.config.as_json()
 
+    def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
+        received = self.stop_signals.received is not None
+        return reduce_flags(self.accelerator, self._window_losses, received, grad_norm)
+
     def _require_finite(self, loss: float) -> None:
         """Stop on a non-finite (reduced, so identical on every process) training loss."""
         if not math.isfinite(loss):
             self._diverged(f"the training loss is {loss}")
 
     def _diverged(self, what: str) -> None:
-        where = (
-            f"The last good checkpoint is {self.run.last_saved}: resume from it with a lower --lr "
-            "or a --clip-grad"
-            if self.run.last_saved
-            else "No checkpoint was saved before it: lower --lr or set --clip-grad"
-        )
-        raise NonFiniteError(
-            f"{what} at optimizer step {self.progress.step}; stopped without saving or "
-            f"exporting. {where}, pass --on-nonfinite skip to skip such steps, or check the data "
-            "for NaN and infinite values"
-        )
-
-
-@torch.no_grad()
-def all_finite(accelerator: Accelerator, model: torch.nn.Module) -> bool:
-    """Whether every weight of `model` is finite on every process (collective)."""
-    bad = torch.zeros((), device=accelerator.device)
-    for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP2
-        bad += (~torch.isfinite(local)).sum()
-    return accelerator.reduce(bad, reduction="sum").item() == 0
+        raise diverged(what, self.progress.step, self.run.last_saved)
