@@ -65,6 +65,7 @@ def train_command(
     build_model: Callable[[SharedSettings, Any], torch.nn.Module] | None = None,
     build_optimizer: Callable[[SharedSettings, Any, torch.nn.Module], torch.optim.Optimizer]
     | None = None,
+    replaces: tuple[str, ...] = (),
     **defaults: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Make `train(args: SharedSettings, settings: S)` a Typer command with every shared flag (with
@@ -76,13 +77,23 @@ def train_command(
     names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
     `build_model(args, settings)` builds the network (on the `meta` device) for `--dry-run`'s
     parameter count; `build_optimizer(args, settings, model)`, the one the recipe trains with,
-    sizes the optimizer's state in its memory line (else Adam's is assumed). The command's
+    sizes the optimizer's state in its memory line (else Adam's is assumed). `replaces` names
+    shared settings that a setting of the recipe's own, of the same name and another meaning,
+    takes the place of (pointcloud's --eval-every counts epochs): the shared one keeps its
+    default. The command's
     `resolve(**values)` gives the (SharedSettings, S) that the same values would give on the
     command line, for a recipe's Python API.
     """
     aliases = aliases or {}
-    shared_names = [f.name for f in fields(SharedSettings)]
     own_names = [f.name for f in fields(settings)]
+    both = {f.name for f in fields(SharedSettings)} & set(own_names)
+    if both != set(replaces):
+        raise TypeError(
+            f"train_command: {settings.__name__} declares shared settings {sorted(both)}, "
+            f"replaces names {sorted(replaces)}: rename the recipe's own, or name each in "
+            "replaces (its flag then has the recipe's meaning)"
+        )
+    shared_names = [f.name for f in fields(SharedSettings) if f.name not in replaces]
     unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(own_names) | (
         {"bs", "per_device_bs"} & set(defaults)
     )
@@ -122,6 +133,7 @@ def train_command(
         recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
         own_params = settings_parameters(settings, defaults, aliases, {})
         shared_params = settings_parameters(SharedSettings, defaults, aliases, helps)
+        shared_params = [p for p in shared_params if p.name not in replaces]
         params = own_params + shared_params + CLI_PARAMETERS
         annotations = {p.name: p.annotation for p in params}
 

@@ -76,8 +76,8 @@ from torch.utils.data import DataLoader
 from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
-from accel_common.errors import ConfigError, Preempted
-from accel_common.evaluation import evaluation_generator, require_finite_metrics
+from accel_common.errors import Preempted
+from accel_common.evaluation import check_eval_metrics, evaluation_generator
 from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
 from accel_common.nonfinite import all_finite, diverged, nonfinite_losses, reduce_flags
@@ -86,12 +86,6 @@ from accel_common.run import BEST_DIR, Run
 from accel_common.stop_signals import StopSignals
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
 from accel_common.tracking import StepLogger
-
-# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
-LOOP_METRICS = frozenset(
-    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
-    | {"best_epoch"}
-)
 
 
 class TrainLoop:
@@ -123,6 +117,7 @@ class TrainLoop:
         self._finished_before_epoch = False
         self._grad_norm: torch.Tensor | None = None
         self._recorded = False
+        self._booked: bool | None = None  # eval_due took the micro-batch's bookkeeping: done?
         self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
         self._flags: tuple[int, int] | None = None  # reduced early by clip_gradients (skip mode)
         self._skip_step = False
@@ -216,7 +211,9 @@ class TrainLoop:
         try:
             for batch in batches:
                 yield batch
-                if self._after_micro_batch():
+                done = self._after_micro_batch() if self._booked is None else self._booked
+                self._booked = None
+                if done:
                     break  # the epoch stays unfinished: the final checkpoint records where
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
@@ -362,21 +359,36 @@ class TrainLoop:
 
     # ----------------------------------------------------------------------- around the loop
 
+    def eval_due(self) -> bool:
+        """Call after `loop.record(loss)`: whether the optimizer step this micro-batch ended is
+        one to evaluate at (`eval_every`: every N steps, counted from the run's start, so a
+        resumed run evaluates at the uninterrupted run's steps). Not at an epoch's last step or
+        the run's: the recipe's `end_epoch` evaluates those. On such a micro-batch it does the
+        step's bookkeeping now (else done when the next batch is asked for), so the evaluation
+        sees the step counted, logged, checked and saved."""
+        every = self.policy.saves.eval_every
+        if not every or not self.accelerator.sync_gradients or self._booked is not None:
+            return False
+        self._booked = self._after_micro_batch()
+        micro_step_samples = self.plan.per_device_batch_size * self.plan.num_processes
+        epoch_ends = self.progress.samples_in_epoch // micro_step_samples >= len(self.loader)
+        return self.step % every == 0 and not self.done and not epoch_ends
+
+    def log_eval(self, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log an evaluation at this optimizer step (`eval_due`), as `eval/NAME` at the step and
+        printed once, checked as `end_epoch` checks its metrics (reduced across processes by
+        the recipe; no name the loop owns; finite). The epoch's training-loss mean goes on."""
+        check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        return self.log.log_eval(self.step, eval_metrics)
+
     def end_epoch(
         self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
     ) -> dict[str, float]:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        owned = sorted(LOOP_METRICS & set(eval_metrics))
-        if owned:  # merged, they would replace the loop's own value in the log and the export
-            raise ConfigError(
-                f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name "
-                f"the training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the "
-                "recipe's evaluate (e.g. 'eval_' + name)"
-            )
         # before they are logged
-        require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
         again = self._finished_before_epoch
         self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics, again=again)
         if "train_loss" in self.metrics:  # none when nothing was trained (after a resume)

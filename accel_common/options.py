@@ -208,6 +208,13 @@ class SharedSettings(Settings):
         min=0,
         adjustable=True,
     )
+    eval_every: int = setting(
+        0,
+        "Evaluate every N optimizer steps, counted from the run's start (a resumed run "
+        "evaluates at the same steps), besides each epoch's end; 0 = only at epoch ends.",
+        min=0,
+        adjustable=True,
+    )
     keep_last: int = setting(
         2, "Resumable checkpoints to keep (older ones are deleted).", min=1, adjustable=True
     )
@@ -285,8 +292,8 @@ class SharedSettings(Settings):
 
     @property
     def save_policy(self) -> SavePolicy:
-        """--log-every, --save-every, --keep-last."""
-        return SavePolicy(self.log_every, self.save_every, self.keep_last)
+        """--log-every, --save-every, --keep-last, --eval-every."""
+        return SavePolicy(self.log_every, self.save_every, self.keep_last, self.eval_every)
 
     @property
     def start_request(self) -> StartRequest:

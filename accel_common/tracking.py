@@ -284,6 +284,13 @@ class StepLogger:
             self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")
         return metrics
 
+    def log_eval(self, step: int, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log an evaluation between epoch ends at `step`; print it once."""
+        self.accelerator.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
+        if self.accelerator.is_main_process:
+            self.bar.write(f"step {step}: {format_metrics(eval_metrics)}")
+        return eval_metrics
+
     def state(self) -> dict[str, Any]:
         """The running sums, for a checkpoint (collective)."""
         return {

@@ -155,7 +155,11 @@ class PointCloudSettings(Settings):
         aliases=("--num_ens",),
     )
     eval_every: int = setting(
-        15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
+        15,
+        "Evaluate (sample and score) every N epochs, and at the run's end (the original's "
+        "--vizIter). Epochs, not the other recipes' optimizer steps.",
+        min=1,
+        adjustable=True,
     )
     ema_decay: float = setting(
         0.0, "EMA of the weights (e.g. 0.999; 0 = off).", min=0.0, max=0.9999
@@ -250,6 +254,7 @@ def csv_folder(data: Path, flag: str, split: str) -> Path:
     warmup_start=0.01,  # the original's --lr-warmup-start-factor 0.01: torch's LinearLR
     output_dir=Path("runs/pointcloud"),
     aliases={"data": ["--path"], "epochs": ["--niter"]},
+    replaces=("eval_every",),  # its own: epochs, as the original's --vizIter (not steps)
 )
 def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""

@@ -223,6 +223,8 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
+            if loop.eval_due():  # --eval-every N optimizer steps, besides the epoch end
+                loop.log_eval(evaluate(accelerator, model, test_loader, train_mean))
         loop.end_epoch(evaluate(accelerator, model, test_loader, train_mean))  # WORKLOAD
     return loop.finish(model)
 

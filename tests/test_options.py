@@ -6,7 +6,7 @@ import importlib
 import inspect
 import math
 import re
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from accel_common.command import train_command
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import require_writable_output_dir
 from accel_common.options import SharedSettings
+from accel_common.settings import Settings, setting
 from tests.processes import POINTCLOUD, QUALITY, REPO, TEMPLATE
 
 OUT_OF_RANGE = [
@@ -112,3 +113,20 @@ def test_the_readme_documents_every_keyword_train_command_takes():
     settings = {f.name for f in fields(SharedSettings)}
     assert own <= documented, f"undocumented: {own - documented}"
     assert documented <= own | settings, f"not train_command's: {documented - own - settings}"
+
+
+def test_a_recipe_setting_named_like_a_shared_one_must_say_it_replaces_it():
+    """pointcloud's --eval-every counts epochs, the shared one optimizer steps: a recipe takes a
+    shared flag's name only by saying so (replaces), and the shared setting keeps its default."""
+
+    @dataclass
+    class Own(Settings):
+        eval_every: int = setting(15, "Every N epochs.", min=1, adjustable=True)
+
+    with pytest.raises(TypeError, match=r"declares shared settings \['eval_every'\]"):
+        train_command(Own, default_bs=8)
+    command = train_command(Own, default_bs=8, replaces=("eval_every",))(lambda args, own: None)
+    args, own = command.resolve(eval_every=4)
+    assert (args.eval_every, own.eval_every) == (0, 4)
+    pointcloud = importlib.import_module("recipes.train_pointcloud")
+    assert [p for p in inspect.signature(pointcloud.train).parameters].count("eval_every") == 1
