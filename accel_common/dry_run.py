@@ -127,7 +127,11 @@ def print_dry_run(
         "learning rate": lr.describe(
             plan.global_batch_size, lr.run_warmup(max_steps) if max_steps else None
         ),
-        "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
+        "epochs": (
+            f"as many as {max_steps} steps take (--epochs 0)"
+            if not epochs
+            else f"{epochs}" + (f", at most {max_steps} steps" if max_steps else "")
+        ),
         "mixed precision": mixed_precision(precision),
         "compile": compile_line(compile),
         **(

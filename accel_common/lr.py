@@ -304,21 +304,25 @@ def make_lr_schedule(
     """Count the run's optimizer steps, scale the LR to the global batch, build the schedule.
 
     `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
-    `max_steps` > 0 caps the run. `settings.hold_epochs` keep the peak LR after the warmup;
+    `max_steps` > 0 caps the run, and with `epochs` 0 is its length, over as many epochs as it
+    takes. `settings.hold_epochs` keep the peak LR after the warmup;
     `settings.decay_per_epoch` changes the LR (warmup and decay) only at epoch boundaries. A
     parameter group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler is
     registered for checkpointing, not prepared (see the module docstring for why).
     """
-    total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
-    if total_steps < 1:
+    passes = max(epochs, 1)  # --epochs 0: as many as --max-steps takes
+    total_steps = total_optimizer_steps(steps_per_epoch, passes, plan.grad_accum_steps)
+    if steps_per_epoch < 1 or (epochs and total_steps < 1):
         usable = steps_per_epoch * plan.per_device_batch_size * plan.num_processes
         raise ConfigError(
-            f"the training split is smaller than one global batch: its {epochs} epoch(s) fill "
-            f"{usable * epochs} of the {plan.global_batch_size} samples of one optimizer step "
+            f"the training split is smaller than one global batch: its {passes} epoch(s) fill "
+            f"{usable * passes} of the {plan.global_batch_size} samples of one optimizer step "
             f"({plan.describe()}); pass a smaller --bs (at most the training split's size), or "
             "use more data"
         )
-    if max_steps:
+    if not epochs:
+        total_steps = max_steps
+    elif max_steps:
         total_steps = min(total_steps, max_steps)
     warmup_steps = settings.run_warmup(total_steps)
     epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch

@@ -20,6 +20,7 @@ import accel_common.accelerator
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
+from accel_common.errors import ConfigError
 from accel_common.loop import TrainLoop
 from accel_common.lr import (
     Decay,
@@ -57,7 +58,13 @@ class SharedSettings(Settings):
     output_dir: Path = setting(
         Path("runs/recipe"), "Where checkpoints, logs and the exported model go.", adjustable=True
     )
-    epochs: int = setting(10, "Passes over the training set.", min=1, adjustable=True)
+    epochs: int = setting(
+        10,
+        "Passes over the training set; 0 = as many as --max-steps takes (training by "
+        "iterations: the run's length is --max-steps).",
+        min=0,
+        adjustable=True,
+    )
     max_steps: int = setting(
         0, "Stop after this many optimizer steps (0 = run all epochs).", min=0, adjustable=True
     )
@@ -269,6 +276,11 @@ class SharedSettings(Settings):
 
     def validate(self) -> None:
         super().validate()
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ConfigError(
+                "--epochs 0 trains by iterations, until --max-steps: give --max-steps N "
+                "(optimizer steps), or a number of epochs"
+            )
         parse_report_to(self.report_to)
         self.lr_settings  # noqa: B018 (refuses a schedule that lacks its --step-size, ...)
 
@@ -330,9 +342,11 @@ class SharedSettings(Settings):
         plan: BatchPlan,
         collate_fn: Callable | None = None,
         costs: Sequence[float] | None = None,
+        replacement: bool = False,
     ) -> DataLoader:
         """The shuffled, drop-last training loader (data.loaders.make_train_loader); with `costs`
-        (one per item), each step's items balanced over processes by cost."""
+        (one per item), each step's items balanced over processes by cost; with `replacement`,
+        each epoch's items drawn with replacement (iteration-sampled training)."""
         return loaders.make_train_loader(
             dataset,
             plan.per_device_batch_size,
@@ -341,6 +355,7 @@ class SharedSettings(Settings):
             collate_fn=collate_fn,
             costs=costs,
             plan=plan,
+            replacement=replacement,
         )
 
     def make_lr_schedule(

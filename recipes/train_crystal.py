@@ -283,7 +283,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
     )
-    if total_optimizer_steps(len(train_loader), args.epochs, plan.grad_accum_steps) < 1:
+    if total_optimizer_steps(len(train_loader), max(args.epochs, 1), plan.grad_accum_steps) < 1:
         n_train = len(train_set)
         raise ConfigError(
             f"the training split ({n_train} structures) is smaller than the global batch "

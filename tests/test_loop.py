@@ -63,6 +63,8 @@ def run(tmp_path):
         overwrite_later: bool = False,
         log_every: int = 1,
         eval_every: int = 0,
+        epochs: int = 3,
+        replacement: bool = False,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -74,11 +76,11 @@ def run(tmp_path):
         data = EpochAwareData()
         model = nn.Linear(3, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        loader = make_train_loader(data, plan.per_device_batch_size)
+        loader = make_train_loader(data, plan.per_device_batch_size, replacement=replacement)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         schedule = make_lr_schedule(
             accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=4, decay=Decay.constant),
-            steps_per_epoch=len(loader), epochs=3, max_steps=max_steps,
+            steps_per_epoch=len(loader), epochs=epochs, max_steps=max_steps,
         )  # fmt: skip
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
@@ -652,3 +654,24 @@ def test_without_eval_every_no_step_is_due(run):
     assert train_evaluating(accelerator, model, optimizer, loop) == []
     accelerator, model, optimizer, loop, _ = run(eval_every=5, out=loop.run.output_dir / "b")
     assert train_evaluating(accelerator, model, optimizer, loop) == []  # 5, 10: epoch ends
+
+
+def test_epochs_0_trains_by_iterations_on_draws_with_replacement_and_resumes_exactly(run, tmp_path):
+    """--epochs 0 --max-steps 23: the run is 23 optimizer steps over as many 5-step epochs as
+    that takes; with `replacement` each epoch draws its 20 items with replacement, by (seed,
+    epoch), and a run resumed mid-epoch sees the uninterrupted run's remaining draws."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    accelerator, model, optimizer, loop, _ = run(out=full, epochs=0, max_steps=23, replacement=True)
+    assert loop.total_steps == 23
+    epochs, uninterrupted, _ = train(accelerator, model, optimizer, loop)
+    assert epochs == [1, 2, 3, 4, 5] and loop.step == 23 and len(uninterrupted) == 46
+    first_epoch = [int(x) for x in uninterrupted[:10]]  # 10 micro-batches' first items
+    assert len(set(first_epoch)) < 10  # drawn with replacement: items repeat
+    accelerator, model, optimizer, loop, _ = run(out=cut, epochs=0, max_steps=23, replacement=True)
+    train(accelerator, model, optimizer, loop)  # saves step_4 ... step_20
+    accelerator, model, optimizer, loop, _ = run(
+        out=cut, epochs=0, max_steps=23, replacement=True, overwrite_later=True,
+        resume=str(cut / "checkpoints" / "step_12"),
+    )  # fmt: skip
+    _, resumed, _ = train(accelerator, model, optimizer, loop)
+    assert resumed == uninterrupted[24:]

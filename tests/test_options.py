@@ -130,3 +130,9 @@ def test_a_recipe_setting_named_like_a_shared_one_must_say_it_replaces_it():
     assert (args.eval_every, own.eval_every) == (0, 4)
     pointcloud = importlib.import_module("recipes.train_pointcloud")
     assert [p for p in inspect.signature(pointcloud.train).parameters].count("eval_every") == 1
+
+
+def test_epochs_0_needs_max_steps():
+    with pytest.raises(ConfigError, match=r"^--epochs 0 trains by iterations, until --max-steps"):
+        SharedSettings(epochs=0).validate()
+    SharedSettings(epochs=0, max_steps=100).validate()

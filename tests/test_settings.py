@@ -222,3 +222,10 @@ def test_parameter_counts_see_zero3_partitioned_parameters():
         parameter.ds_numel = parameter.numel()
         parameter.data = torch.empty(0)
     assert parameter_counts(model) == {"parameters": 10}
+
+
+def test_a_dry_run_by_iterations_plans_max_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = dry_run(["--epochs", "0", "--max-steps", "200", "--warmup-steps", "500"])
+    assert plan["epochs"] == "as many as 200 steps take (--epochs 0)"
+    assert "; 200 warmup steps, then" in plan["learning rate"]  # cut to the run, as it is

@@ -92,10 +92,11 @@ def test_a_diverging_run_stops_and_saves_nothing(template_data, tmp_path):
 
 
 def test_eval_every_scores_the_test_set_between_epoch_ends(template_data, tmp_path):
-    """--eval-every 2 on a 5-step run: the template evaluates after steps 2 and 4 (logged at
-    their step as eval/test_mse, printed once) and at the run's end."""
+    """--eval-every 2 on a run by iterations (--epochs 0 --max-steps 5): the template evaluates
+    after steps 2 and 4 (logged at their step as eval/test_mse, printed once) and at the run's
+    end, which is step 5."""
     out = tmp_path / "run"
-    args = ["--data", str(template_data), "--output-dir", str(out), "--epochs", "1"]
+    args = ["--data", str(template_data), "--output-dir", str(out), "--epochs", "0"]
     args += ["--max-steps", "5", "--eval-every", "2"]
     AcceleratorState._reset_state(reset_partial_state=True)
     result = invoke_train(load_recipe_module().train, args)
