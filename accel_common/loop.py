@@ -13,6 +13,8 @@ A recipe's loop keeps in view what is about its workload and hands the rest to a
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
+            if loop.eval_due():  # every --eval-every optimizer steps
+                loop.log_eval(evaluate(model, test_loader))
         loop.end_epoch(evaluate(model, test_loader))
     return loop.finish(model)
 

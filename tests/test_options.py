@@ -26,7 +26,7 @@ from tests.processes import POINTCLOUD, QUALITY, REPO, TEMPLATE
 OUT_OF_RANGE = [
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("weight_decay", -0.1),
     ("seed", -1), ("workers", -1), ("save_every", -1), ("keep_last", 0), ("clip_grad", math.nan),
-    ("clip_grad", -1.0), ("epochs", 0), ("max_steps", -5), ("log_every", 0), ("grad_accum", 0),
+    ("clip_grad", -1.0), ("epochs", -1), ("max_steps", -5), ("log_every", 0), ("grad_accum", 0),
     ("warmup_steps", -1), ("ref_bs", 0), ("dist_timeout", -1),
 ]  # fmt: skip
 
