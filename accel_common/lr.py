@@ -116,6 +116,19 @@ class LRSettings:
                 "--schedule multistep needs --milestones a,b,c: multiply the LR by --gamma at "
                 "each (optimizer steps after the warmup; epochs with --decay-per-epoch)"
             )
+        unused = [
+            name
+            for name, value, used_by in (
+                ("--step-size", self.step_size, Decay.step),
+                ("--milestones", self.milestones, Decay.multistep),
+            )
+            if value and decay is not used_by
+        ]
+        if unused:
+            raise ConfigError(
+                f"{unused[0]} shapes another schedule than --schedule {decay.value}: drop it, "
+                "or choose --schedule step (--step-size) or multistep (--milestones)"
+            )
         if self.decay_steps and decay in (Decay.step, Decay.multistep, Decay.constant):
             raise ConfigError(
                 f"--decay-steps {self.decay_steps} ends a cosine, onecycle or exponential "

@@ -241,6 +241,8 @@ def test_decay_steps_end_the_cosine_there_as_nanogpts_lr_decay_iters():
         ({"schedule": "multistep", "milestones": "5,3"}, "--milestones 5,3: give increasing"),
         ({"schedule": "multistep", "milestones": "a"}, "--milestones a: give increasing"),
         ({"schedule": "step", "step_size": 2, "decay_steps": 9}, "--decay-steps 9 ends a"),
+        ({"step_size": 30}, "--step-size shapes another schedule than --schedule cosine"),
+        ({"schedule": "step", "step_size": 3, "milestones": "5"}, "--milestones shapes another"),
     ],
 )
 def test_a_schedule_missing_its_shape_is_refused_naming_the_flag(flags, message):
