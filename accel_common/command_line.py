@@ -1,6 +1,6 @@
 """A Settings class as command-line flags: one Typer parameter per field, the options every
 training command adds (--config, --dry-run, --processes), and --config's values read through
-each flag's own conversion (accel_common.options.train_command puts them together)."""
+each flag's own conversion (accel_common.command.train_command puts them together)."""
 
 from __future__ import annotations
 

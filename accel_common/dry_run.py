@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,21 +24,12 @@ from accel_common.launch_guard import require_requested_sharding, unsharded_type
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
 from accel_common.parameters import parameter_counts
-from accel_common.settings import Settings, flag
 
-# fp32 weights, their gradients and Adam's two moments: what training holds per parameter
-# before any activation (halve the gradients' share for bf16 gradients; sharding divides it)
-TRAINING_BYTES_PER_PARAMETER = 16
-
-
-# the settings naming files or folders a run reads (outputs are made by it)
-INPUTS = ("data", "init_from", "image_dir")
-
-
-def absent_inputs(*settings: Settings) -> tuple[str, ...]:
-    """`--flag PATH` for each input setting whose path this machine lacks."""
-    found = [(name, getattr(s, name, None)) for s in settings for name in INPUTS]
-    return tuple(f"{flag(n)} {p}" for n, p in found if p and not Path(p).exists())
+# fp32 weights and their gradients: what training holds per parameter before the optimizer's
+# state and any activation (halve the gradients' share for bf16 gradients; sharding divides it)
+WEIGHT_AND_GRADIENT_BYTES = 8
+# Adam's two moments: what a recipe that declares no optimizer is assumed to keep per parameter
+ASSUMED_STATE_BYTES = 8
 
 
 def world_size(processes: int | None) -> int:
@@ -52,11 +42,35 @@ def mixed_precision(flag: str | None) -> str:
     return flag or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
-def memory_line(recipe: str, parameters: int, per_device_batch_size: int) -> str:
-    """Memory per device: the parameters' training state, plus the activations where `plan
-    --measure` has measured them (runs/memory/RECIPE.json)."""
-    state = parameters * TRAINING_BYTES_PER_PARAMETER
-    line = f"{size(state)} for weights, gradients and Adam state (fp32, unsharded)"
+def optimizer_state(
+    model: nn.Module, build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None
+) -> tuple[int, str]:
+    """(bytes, words) of the state the recipe's optimizer keeps for `model` (on the `meta`
+    device): built by the recipe's own `build_optimizer` and stepped once on empty gradients,
+    so SGD with momentum counts one tensor per parameter, plain SGD none, Adam and AdamW two.
+    Without `build_optimizer`, Adam's is assumed and the line says so."""
+    parameters = sum(p.numel() for p in model.parameters())
+    if build_optimizer is None:
+        return parameters * ASSUMED_STATE_BYTES, "Adam state (assumed: no build_optimizer)"
+    optimizer = build_optimizer(model)
+    for parameter in model.parameters():
+        parameter.grad = torch.empty_like(parameter)
+    optimizer.step()  # creates the state (on `meta`: no memory, no arithmetic)
+    tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    state = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
+    times = round(state / 4 / max(1, parameters), 2)  # the fp32 weights' bytes
+    return state, f"{type(optimizer).__name__} state ({times:g} x the weights)"
+
+
+def memory_line(
+    recipe: str, parameters: int, per_device_batch_size: int, state: tuple[int, str]
+) -> str:
+    """Memory per device: the parameters' training state (weights, gradients and the
+    optimizer's `state`, from `optimizer_state`), plus the activations where `plan --measure`
+    has measured them (runs/memory/RECIPE.json)."""
+    state_bytes, optimizer = state
+    total = parameters * WEIGHT_AND_GRADIENT_BYTES + state_bytes
+    line = f"{size(total)} for weights, gradients and {optimizer} (fp32, unsharded)"
     path = MEMORY_DIR / f"{recipe}.json"
     try:
         fit = json.loads(path.read_text())
@@ -86,6 +100,7 @@ def print_dry_run(
     precision: str | None,
     build_model: Callable[[], nn.Module] | None,
     processes: int | None,
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     compile: bool = False,
     absent: tuple[str, ...] = (),
     cpu: bool = False,
@@ -112,7 +127,11 @@ def print_dry_run(
         "learning rate": lr.describe(
             plan.global_batch_size, lr.run_warmup(max_steps) if max_steps else None
         ),
-        "epochs": f"{epochs}" + (f", at most {max_steps} steps" if max_steps else ""),
+        "epochs": (
+            f"as many as {max_steps} steps take (--epochs 0)"
+            if not epochs
+            else f"{epochs}" + (f", at most {max_steps} steps" if max_steps else "")
+        ),
         "mixed precision": mixed_precision(precision),
         "compile": compile_line(compile),
         **(
@@ -123,14 +142,18 @@ def print_dry_run(
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:
-        lines += parameter_lines(recipe, build_model, plan.per_device_batch_size)
+        lines += parameter_lines(recipe, build_model, plan.per_device_batch_size, build_optimizer)
     print("\n".join(["dry run: nothing is trained or written to --output-dir", *lines]), flush=True)
 
 
 def parameter_lines(
-    recipe: str, build_model: Callable[[], nn.Module], per_device_batch_size: int
+    recipe: str,
+    build_model: Callable[[], nn.Module],
+    per_device_batch_size: int,
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
 ) -> list[str]:
-    """The network's counts (on the `meta` device) and memory; where its sizes come from files
+    """The network's counts (on the `meta` device) and memory, with the state of the optimizer
+    `build_optimizer` makes for it (the recipe's); where its sizes come from files
     this machine lacks (data, an export to start from: the hook raises `DataError`, as the run
     would stop), that instead of a guess."""
     try:
@@ -143,5 +166,7 @@ def parameter_lines(
     lines = [f"  {label}: {count}" for label, count in counts.items()]
     for label in getattr(model, "COUNTED_APART", {}):
         lines[list(counts).index(label)] += " (not counted above)"
-    lines.append(f"  memory per device: {memory_line(recipe, total, per_device_batch_size)}")
+    state = optimizer_state(model, build_optimizer)
+    memory = memory_line(recipe, total, per_device_batch_size, state)
+    lines.append(f"  memory per device: {memory}")
     return lines

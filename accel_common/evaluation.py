@@ -1,5 +1,6 @@
 """What an evaluation needs from the run: random draws that depend only on the step it scores,
-and metrics that a metrics log and an export (JSON) can record."""
+and metrics that a metrics log and an export (JSON) can record, under names the loop does not
+own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accel_common.errors import NonFiniteError
+from accel_common.errors import ConfigError, NonFiniteError
+
+# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
+LOOP_METRICS = frozenset(
+    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
+    | {"best_epoch"}
+)
 
 
 def evaluation_generator(seed: int, step: int, process_index: int = 0) -> torch.Generator:
@@ -17,6 +24,21 @@ def evaluation_generator(seed: int, step: int, process_index: int = 0) -> torch.
     SeedSequence): neighbouring steps or processes get unrelated streams."""
     state = np.random.SeedSequence([seed, step, process_index]).generate_state(1, np.uint64)[0]
     return torch.Generator().manual_seed(int(state))
+
+
+def check_eval_metrics(
+    metrics: dict[str, float], epoch: int, step: int, last_saved: Path | None
+) -> None:
+    """Refuse a metric named like one the loop owns (merged, it would replace the loop's own
+    value in the log and the export), then a non-finite one."""
+    owned = sorted(LOOP_METRICS & set(metrics))
+    if owned:
+        raise ConfigError(
+            f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name the "
+            f"training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the recipe's "
+            "evaluate (e.g. 'eval_' + name)"
+        )
+    require_finite_metrics(metrics, epoch, step, last_saved)
 
 
 def require_finite_metrics(

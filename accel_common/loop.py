@@ -13,6 +13,8 @@ A recipe's loop keeps in view what is about its workload and hands the rest to a
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
+            if loop.eval_due():  # every --eval-every optimizer steps
+                loop.log_eval(evaluate(model, test_loader))
         loop.end_epoch(evaluate(model, test_loader))
     return loop.finish(model)
 
@@ -73,15 +75,16 @@ from accel_common.balance import find_balanced_sampler, imbalance
 from accel_common.batching import BatchPlan
 from accel_common.console import say
 from accel_common.data.loaders import FetchRngLog, fetched_ahead
-from accel_common.errors import NonFiniteError, Preempted
-from accel_common.evaluation import evaluation_generator, require_finite_metrics
+from accel_common.errors import Preempted
+from accel_common.evaluation import check_eval_metrics, evaluation_generator
 from accel_common.export import read_export_metadata
 from accel_common.lr import LRSchedule
+from accel_common.nonfinite import all_finite, diverged, nonfinite_losses, reduce_flags
 from accel_common.policy import LoopPolicy, OnNonFinite
 from accel_common.run import BEST_DIR, Run
 from accel_common.stop_signals import StopSignals
 from accel_common.sync_wait import SyncWaitTimer, timing_requested
-from accel_common.tracking import StepLogger, refuse_loop_metrics
+from accel_common.tracking import StepLogger
 
 
 class TrainLoop:
@@ -113,6 +116,7 @@ class TrainLoop:
         self._finished_before_epoch = False
         self._grad_norm: torch.Tensor | None = None
         self._recorded = False
+        self._booked: bool | None = None  # eval_due took the micro-batch's bookkeeping: done?
         self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
         self._flags: tuple[int, int] | None = None  # reduced early by clip_gradients (skip mode)
         self._skip_step = False
@@ -208,7 +212,9 @@ class TrainLoop:
         try:
             for batch in batches:
                 yield batch
-                if self._after_micro_batch():
+                done = self._after_micro_batch() if self._booked is None else self._booked
+                self._booked = None
+                if done:
                     break  # the epoch stays unfinished: the final checkpoint records where
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
@@ -237,7 +243,7 @@ class TrainLoop:
         elif skip_mode or self.log.logs_at(self.progress.step + 1):
             self._grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
         if skip_mode:
-            self._flags = self._reduce_flags(grad_norm=self._grad_norm)
+            self._flags = self._reduce_flags(self._grad_norm)
             self._skip_step = self._flags[0] > 0
             if self._skip_step:
                 for parameter in model.parameters():
@@ -287,7 +293,7 @@ class TrainLoop:
         if skipped:
             self._skipped_nonfinite()
         elif nonfinite:
-            self._nonfinite_loss(losses)
+            self._diverged(nonfinite_losses(self.accelerator, losses))
         else:
             for loss in losses:
                 self.log.add_loss(loss)
@@ -326,20 +332,6 @@ class TrainLoop:
         if record:
             self.accelerator.log(record, step=self.step)
 
-    def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
-        """(processes with a non-finite loss or gradient norm in this optimizer step, processes
-        that received a stop signal): one all-reduce, the same answer on every process."""
-        device = self.accelerator.device
-        local = torch.zeros(2, device=device)
-        values = [loss.float().reshape(-1) for loss in self._window_losses]
-        if grad_norm is not None:
-            values.append(grad_norm.float().reshape(-1).to(device))
-        if values:
-            local[0] = (~torch.isfinite(torch.cat(values))).any()
-        local[1] = self.stop_signals.received is not None
-        nonfinite, stop_signals = self.accelerator.reduce(local, reduction="sum").tolist()
-        return int(nonfinite), int(stop_signals)
-
     def _skipped_nonfinite(self) -> None:
         """Count and report a step that every process skipped (its losses are not logged)."""
         self.progress.nonfinite_skipped += 1
@@ -351,15 +343,6 @@ class TrainLoop:
             f"optimizer step {self.step}: non-finite loss or gradients on some process; every "
             f"process skipped this step ({self.progress.nonfinite_skipped} skipped so far)",
         )
-
-    def _nonfinite_loss(self, losses: list[torch.Tensor]) -> None:
-        """Stop every process at this step, naming the processes whose loss was non-finite."""
-        local = torch.cat([loss.float().reshape(-1) for loss in losses])
-        bad = ~torch.isfinite(local)
-        value = local[bad][0].item() if bad.any() else float("nan")
-        flags = self.accelerator.gather(bad.any().reshape(1).float()).tolist()
-        where = ", ".join(str(rank) for rank, flag in enumerate(flags) if flag) or "?"
-        self._diverged(f"the training loss went non-finite ({value}) on process {where}")
 
     def _preempted(self) -> None:
         """Save the step every process just finished, then leave with Preempted."""
@@ -377,15 +360,36 @@ class TrainLoop:
 
     # ----------------------------------------------------------------------- around the loop
 
+    def eval_due(self) -> bool:
+        """Call after `loop.record(loss)`: whether the optimizer step this micro-batch ended is
+        one to evaluate at (`eval_every`: every N steps, counted from the run's start, so a
+        resumed run evaluates at the uninterrupted run's steps). Not at an epoch's last step or
+        the run's: the recipe's `end_epoch` evaluates those. On such a micro-batch it does the
+        step's bookkeeping now (else done when the next batch is asked for), so the evaluation
+        sees the step counted, logged, checked and saved."""
+        every = self.policy.saves.eval_every
+        if not every or not self.accelerator.sync_gradients or self._booked is not None:
+            return False
+        self._booked = self._after_micro_batch()
+        micro_step_samples = self.plan.per_device_batch_size * self.plan.num_processes
+        epoch_ends = self.progress.samples_in_epoch // micro_step_samples >= len(self.loader)
+        return self.step % every == 0 and not self.done and not epoch_ends
+
+    def log_eval(self, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log an evaluation at this optimizer step (`eval_due`), as `eval/NAME` at the step and
+        printed once, checked as `end_epoch` checks its metrics (reduced across processes by
+        the recipe; no name the loop owns; finite). The epoch's training-loss mean goes on."""
+        check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        return self.log.log_eval(self.step, eval_metrics)
+
     def end_epoch(
         self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
     ) -> dict[str, float]:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
         processes by the recipe); print them once. They become the export's metrics. With a
         `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        refuse_loop_metrics(eval_metrics)
         # before they are logged
-        require_finite_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
         again = self._finished_before_epoch
         self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics, again=again)
         if "train_loss" in self.metrics:  # none when nothing was trained (after a resume)
@@ -471,30 +475,14 @@ class TrainLoop:
         """Every setting of this run as it reads back from JSON (recorded with checkpoints)."""
         return self.run.config.as_json()
 
+    def _reduce_flags(self, grad_norm: torch.Tensor | None = None) -> tuple[int, int]:
+        received = self.stop_signals.received is not None
+        return reduce_flags(self.accelerator, self._window_losses, received, grad_norm)
+
     def _require_finite(self, loss: float) -> None:
         """Stop on a non-finite (reduced, so identical on every process) training loss."""
         if not math.isfinite(loss):
             self._diverged(f"the training loss is {loss}")
 
     def _diverged(self, what: str) -> None:
-        where = (
-            f"The last good checkpoint is {self.run.last_saved}: resume from it with a lower --lr "
-            "or a --clip-grad"
-            if self.run.last_saved
-            else "No checkpoint was saved before it: lower --lr or set --clip-grad"
-        )
-        raise NonFiniteError(
-            f"{what} at optimizer step {self.progress.step}; stopped without saving or "
-            f"exporting. {where}, pass --on-nonfinite skip to skip such steps, or check the data "
-            "for NaN and infinite values"
-        )
-
-
-@torch.no_grad()
-def all_finite(accelerator: Accelerator, model: torch.nn.Module) -> bool:
-    """Whether every weight of `model` is finite on every process (collective)."""
-    bad = torch.zeros((), device=accelerator.device)
-    for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP2
-        bad += (~torch.isfinite(local)).sum()
-    return accelerator.reduce(bad, reduction="sum").item() == 0
+        raise diverged(what, self.progress.step, self.run.last_saved)

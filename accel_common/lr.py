@@ -5,7 +5,20 @@ batch by a rule: `none` keeps it, `linear` multiplies by the batch ratio (Goyal 
 its square root (gentler, often better for Adam).
 
 Schedules: warmup, an optional hold at the peak, then decay; the multiplier is a pure function of
-the optimizer step (one step = one update after gradient accumulation). Accelerate's prepared
+the optimizer step (one step = one update after gradient accumulation). With peak P, warmup W
+steps rising from the fraction s (--warmup-start), hold H steps, decay start D = W + H, horizon T
+(--decay-steps, else the run's last step) and floor m (--min-lr-ratio, a fraction of P), the LR
+of optimizer step k (from 0) is
+
+    k < W:        P x (s + (1 - s) x (k + 1) / W)
+    D <= k:       constant     P
+                  cosine       P x (m + (1 - m) x (1 + cos(pi x min(1, (k - D) / (T - D)))) / 2)
+                  exponential  P x gamma ^ min(k - D, T - D)
+                  step         P x gamma ^ ((k - D) // step_size)           (torch's StepLR)
+                  multistep    P x gamma ^ (milestones <= k - D, counted)   (torch's MultiStepLR)
+
+and P between. With --decay-per-epoch, k - D counts whole epochs' steps (the LR changes at epoch
+boundaries), and step_size and the milestones count epochs. Accelerate's prepared
 scheduler, by default, calls `step()` once per process on every optimizer step, so that a
 schedule written in single-process steps runs `num_processes` times faster. Recipes instead build
 their `Accelerator` with `step_scheduler_with_optimizer=False` and call `scheduler.step()` once per
@@ -15,6 +28,8 @@ process or 64, and checkpoint resume restores it exactly.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +52,8 @@ class Decay(str, Enum):
     cosine = "cosine"
     exponential = "exponential"
     onecycle = "onecycle"
+    step = "step"
+    multistep = "multistep"
 
 
 def scale_lr(ref_lr: float, ref_batch_size: int, global_batch_size: int, rule: LRScaling) -> float:
@@ -54,6 +71,20 @@ def scale_lr(ref_lr: float, ref_batch_size: int, global_batch_size: int, rule: L
     return ref_lr
 
 
+def parse_milestones(text: str) -> tuple[int, ...]:
+    """--milestones '30,60,80' -> (30, 60, 80): whole numbers above 0, increasing."""
+    try:
+        values = tuple(int(part) for part in text.split(",")) if text.strip() else ()
+    except ValueError:
+        values = (0,)
+    if any(v < 1 for v in values) or any(a >= b for a, b in itertools.pairwise(values)):
+        raise ConfigError(
+            f"--milestones {text}: give increasing whole numbers above 0, comma-separated "
+            "(e.g. 30,60,80)"
+        )
+    return values
+
+
 @dataclass(frozen=True)
 class LRSettings:
     """The LR as asked for (--lr at --ref-bs, --lr-scaling, --schedule and its shape): the peak
@@ -68,6 +99,41 @@ class LRSettings:
     gamma: float = 1.0
     hold_epochs: int = 0
     decay_per_epoch: bool = False
+    warmup_start: float = 0.0
+    decay_steps: int = 0
+    step_size: int = 0
+    milestones: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        decay = Decay(self.decay)
+        if decay is Decay.step and self.step_size < 1:
+            raise ConfigError(
+                "--schedule step needs --step-size N: multiply the LR by --gamma every N "
+                "optimizer steps (epochs with --decay-per-epoch)"
+            )
+        if decay is Decay.multistep and not self.milestones:
+            raise ConfigError(
+                "--schedule multistep needs --milestones a,b,c: multiply the LR by --gamma at "
+                "each (optimizer steps after the warmup; epochs with --decay-per-epoch)"
+            )
+        unused = [
+            name
+            for name, value, used_by in (
+                ("--step-size", self.step_size, Decay.step),
+                ("--milestones", self.milestones, Decay.multistep),
+            )
+            if value and decay is not used_by
+        ]
+        if unused:
+            raise ConfigError(
+                f"{unused[0]} shapes another schedule than --schedule {decay.value}: drop it, "
+                "or choose --schedule step (--step-size) or multistep (--milestones)"
+            )
+        if self.decay_steps and decay in (Decay.step, Decay.multistep, Decay.constant):
+            raise ConfigError(
+                f"--decay-steps {self.decay_steps} ends a cosine, onecycle or exponential "
+                f"decay; --schedule {decay.value} has none to end: drop --decay-steps"
+            )
 
     def peak(self, global_batch_size: int) -> float:
         return scale_lr(self.lr, self.ref_bs, global_batch_size, self.scaling)
@@ -79,35 +145,59 @@ class LRSettings:
 
     def describe(self, global_batch_size: int, warmup_steps: int | None = None) -> str:
         """The banner's LR line: the peak, where it came from, and the schedule's shape
-        (`warmup_steps`: as the run's length cut them, else as asked)."""
+        (`warmup_steps`: as the run's length cut them, else as asked) down to its floor."""
         steps = self.warmup_steps if warmup_steps is None else warmup_steps
         warmup = f"{steps} warmup steps"
+        if self.warmup_start and steps:
+            warmup += f" from {self.warmup_start:g} x peak"
         if Decay(self.decay) is Decay.onecycle and steps == 0:
             warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
         if self.hold_epochs:
             warmup += f", {self.hold_epochs} epochs at the peak"
-        per_epoch = " per epoch" if self.decay_per_epoch else ""
+        peak = self.peak(global_batch_size)
         return (
-            f"peak {self.peak(global_batch_size):.4g} (--lr {self.lr:g} at --ref-bs "
-            f"{self.ref_bs}, {LRScaling(self.scaling).value} scaling to global batch "
-            f"{global_batch_size}); {warmup}, then {Decay(self.decay).value}{per_epoch}"
+            f"peak {peak:.4g} (--lr {self.lr:g} at --ref-bs {self.ref_bs}, "
+            f"{LRScaling(self.scaling).value} scaling to global batch {global_batch_size}); "
+            f"{warmup}, then {self.describe_decay(peak)}"
         )
+
+    def describe_decay(self, peak: float) -> str:
+        """The decay after the warmup and hold, with its floor: 'cosine to 1e-05 (0.01 x peak)
+        at the last step'."""
+        decay = Decay(self.decay)
+        unit = "epoch" if self.decay_per_epoch else "step"
+        name = decay.value + (" per epoch" if self.decay_per_epoch else "")
+        end = f"at step {self.decay_steps}, then held" if self.decay_steps else "at the last step"
+        if decay in (Decay.cosine, Decay.onecycle):
+            floor = peak * self.min_lr_ratio
+            return f"{name} to {floor:.4g} ({self.min_lr_ratio:g} x peak) {end}"
+        if decay is Decay.exponential:
+            return f"{name}, x {self.gamma:g} per step until {end.removeprefix('at ')}"
+        if decay is Decay.step:
+            return f"{name}, x {self.gamma:g} every {self.step_size} {unit}s"
+        if decay is Decay.multistep:
+            at = ", ".join(map(str, self.milestones))
+            return f"{name}, x {self.gamma:g} at {unit}s {at} after the warmup"
+        return name
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Warmup, hold, then decay, as a multiplier of the peak LR at each optimizer step.
+    """Warmup, hold, then decay, as a multiplier of the peak LR at each optimizer step (the
+    formula is in the module docstring).
 
-    `hold_steps` keep the peak LR after the warmup before the decay starts (the decay then spans
-    the remaining steps). `decay_every` > 1 changes the LR, warmup included, only every that many
-    steps (one epoch's: a torch scheduler stepped after each epoch, as cricketmodel's
-    CosineAnnealingLR and pcdiff's LinearLR warmup: in epoch e the warmup is e epochs along).
+    `hold_steps` keep the peak LR after the warmup before the decay starts. `decay_steps` > 0 is
+    the optimizer step where cosine or exponential decay ends (then holds; nanoGPT's
+    lr_decay_iters), else the run's last step. `decay_every` > 1 changes the LR, warmup
+    included, only every that many steps (one epoch's: a torch scheduler stepped after each
+    epoch, as cricketmodel's CosineAnnealingLR and pcdiff's LinearLR warmup: in epoch e the
+    warmup is e epochs along); `step_size` and `milestones` then count such periods.
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
-    per-step factor of exponential decay (1.0 keeps the LR constant after warmup).
-    `warmup_start` is the fraction of the peak that warmup rises from (torch's LinearLR
-    start_factor; 0 by default, onecycle's 1/25 when it is 0). `onecycle`
-    follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the run when
-    `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
+    factor of exponential decay per step, and of step and multistep decay at each change (1.0
+    keeps the LR constant after warmup). `warmup_start` is the fraction of the peak that warmup
+    rises from (torch's LinearLR start_factor; 0 by default, onecycle's 1/25 when it is 0).
+    `onecycle` follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the
+    run when `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
     """
 
     total_steps: int
@@ -118,6 +208,9 @@ class Schedule:
     hold_steps: int = 0
     decay_every: int = 1
     warmup_start: float = 0.0
+    decay_steps: int = 0
+    step_size: int = 1
+    milestones: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -136,8 +229,17 @@ class Schedule:
                 f"{self.warmup_steps} warmup steps exceed the run's {self.total_steps} optimizer "
                 "steps; hold fewer epochs or train more"
             )
-        if self.decay_every < 1:
-            raise ConfigError(f"the decay's period must be 1 step or more, got {self.decay_every}")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps + self.hold_steps:
+            raise ConfigError(
+                f"--decay-steps {self.decay_steps}: the decay ends at that optimizer step, so it "
+                f"must come after the {self.warmup_steps} warmup and {self.hold_steps} hold "
+                "steps; give a later step"
+            )
+        if self.decay_every < 1 or self.step_size < 1:
+            raise ConfigError(
+                f"the decay's period must be 1 step or more, got {self.decay_every} and "
+                f"--step-size {self.step_size}"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.gamma <= 1.0:
@@ -166,10 +268,16 @@ class Schedule:
         start = warmup + self.hold_steps
         if decay is Decay.constant or step < start:
             return 1.0
-        since = (step - start) // self.decay_every * self.decay_every
+        periods = (step - start) // self.decay_every  # whole periods (steps or epochs) of decay
+        if decay is Decay.step:
+            return self.gamma ** (periods // self.step_size)
+        if decay is Decay.multistep:
+            return self.gamma ** bisect.bisect_right(self.milestones, periods)
+        since = periods * self.decay_every
+        span = max(1, (self.decay_steps or self.total_steps) - start)
         if decay is Decay.exponential:
-            return self.gamma**since
-        progress = min(1.0, since / max(1, self.total_steps - start))
+            return self.gamma ** min(since, span)
+        progress = min(1.0, since / span)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
@@ -205,26 +313,29 @@ def make_lr_schedule(
     steps_per_epoch: int,
     epochs: int,
     max_steps: int = 0,
-    warmup_start: float = 0.0,
 ) -> LRSchedule:
     """Count the run's optimizer steps, scale the LR to the global batch, build the schedule.
 
     `steps_per_epoch` is the prepared loader's length (micro-batches per process per epoch);
-    `max_steps` > 0 caps the run. `settings.hold_epochs` keep the peak LR after the warmup;
+    `max_steps` > 0 caps the run, and with `epochs` 0 is its length, over as many epochs as it
+    takes. `settings.hold_epochs` keep the peak LR after the warmup;
     `settings.decay_per_epoch` changes the LR (warmup and decay) only at epoch boundaries. A
     parameter group with an `lr_scale` entry gets that multiple of the peak LR. The scheduler is
     registered for checkpointing, not prepared (see the module docstring for why).
     """
-    total_steps = total_optimizer_steps(steps_per_epoch, epochs, plan.grad_accum_steps)
-    if total_steps < 1:
+    passes = max(epochs, 1)  # --epochs 0: as many as --max-steps takes
+    total_steps = total_optimizer_steps(steps_per_epoch, passes, plan.grad_accum_steps)
+    if steps_per_epoch < 1 or (epochs and total_steps < 1):
         usable = steps_per_epoch * plan.per_device_batch_size * plan.num_processes
         raise ConfigError(
-            f"the training split is smaller than one global batch: its {epochs} epoch(s) fill "
-            f"{usable * epochs} of the {plan.global_batch_size} samples of one optimizer step "
+            f"the training split is smaller than one global batch: its {passes} epoch(s) fill "
+            f"{usable * passes} of the {plan.global_batch_size} samples of one optimizer step "
             f"({plan.describe()}); pass a smaller --bs (at most the training split's size), or "
             "use more data"
         )
-    if max_steps:
+    if not epochs:
+        total_steps = max_steps
+    elif max_steps:
         total_steps = min(total_steps, max_steps)
     warmup_steps = settings.run_warmup(total_steps)
     epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch
@@ -242,7 +353,10 @@ def make_lr_schedule(
         gamma=settings.gamma,
         hold_steps=hold_steps,
         decay_every=epoch_steps if settings.decay_per_epoch else 1,
-        warmup_start=warmup_start,
+        warmup_start=settings.warmup_start,
+        decay_steps=settings.decay_steps,
+        step_size=max(1, settings.step_size),
+        milestones=settings.milestones,
     )
     description = settings.describe(plan.global_batch_size, schedule.warmup_steps)
     scheduler = build_scheduler(optimizer, schedule)

@@ -1,53 +1,39 @@
-"""The settings every recipe shares (`SharedSettings`), and the command that adds them, a
-recipe's own settings and `--config` / `--dry-run` / `--processes` to its training function:
-
-    @dataclass
-    class MySettings(Settings):
-        hidden: int = setting(64, "Width of the hidden layers.", min=1)
-
-    @train_command(MySettings, build_model=build_model, default_bs=64, lr=3e-3, ref_bs=64)
-    def train(args: SharedSettings, settings: MySettings) -> dict[str, float]: ...
-
-`--help` lists both. Flag names follow the original codebases (`--bs`, `--lr`, `--epochs`,
-`--workers`, `--wandb-project`, ...).
+"""The settings every recipe shares (`SharedSettings`), each declared once with `setting(...)`,
+and the groups they travel in (batch request, LR settings, save policy) with the methods that
+build a run's objects from them. accel_common.command.train_command makes them flags.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
-import typer
 from accelerate import Accelerator
 from accelerate.utils import KwargsHandler
 from torch.utils.data import DataLoader, Dataset
 
 import accel_common.accelerator
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
-from accel_common.command_line import (
-    CLI_ONLY,
-    CLI_PARAMETERS,
-    from_config_file,
-    settings_parameters,
-)
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
-from accel_common.dry_run import absent_inputs, print_dry_run
 from accel_common.errors import ConfigError
 from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRScaling, LRSchedule, LRSettings, make_lr_schedule
-from accel_common.memory import memory_flags, parse_max_per_device_bs
+from accel_common.lr import (
+    Decay,
+    LRScaling,
+    LRSchedule,
+    LRSettings,
+    make_lr_schedule,
+    parse_milestones,
+)
 from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
     Settings,
-    flag,
     setting,
 )
 from accel_common.tracking import TRACKERS, parse_report_to
@@ -72,7 +58,13 @@ class SharedSettings(Settings):
     output_dir: Path = setting(
         Path("runs/recipe"), "Where checkpoints, logs and the exported model go.", adjustable=True
     )
-    epochs: int = setting(10, "Passes over the training set.", min=1, adjustable=True)
+    epochs: int = setting(
+        10,
+        "Passes over the training set; 0 = as many as --max-steps takes (training by "
+        "iterations: the run's length is --max-steps).",
+        min=0,
+        adjustable=True,
+    )
     max_steps: int = setting(
         0, "Stop after this many optimizer steps (0 = run all epochs).", min=0, adjustable=True
     )
@@ -116,14 +108,53 @@ class SharedSettings(Settings):
     )
     schedule: Decay = setting(
         Decay.cosine,
-        "Decay after warmup: constant, cosine (to --min-lr-ratio), exponential (--gamma per "
-        "step) or onecycle.",
+        "Decay after warmup: constant, cosine (to --min-lr-ratio x the peak at --decay-steps or "
+        "the last step), exponential (x --gamma per step), step (x --gamma every --step-size), "
+        "multistep (x --gamma at each of --milestones) or onecycle. LR of optimizer step k "
+        "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
+        "peak x (s + (1 - s)(k + 1)/W) while k < W, s = --warmup-start; then cosine: peak x (m "
+        "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
     )
     warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0)
-    min_lr_ratio: float = setting(
-        0.0, "Floor of cosine decay, as a fraction of the peak LR.", min=0, max=1
+    warmup_start: float = setting(
+        0.0,
+        "Fraction of the peak LR that the warmup rises from, linearly (torch's LinearLR "
+        "start_factor; 0 = from zero).",
+        min=0.0,
+        max=1.0,
     )
-    gamma: float = setting(1.0, "Per-step factor of exponential decay.", above=0, max=1)
+    min_lr_ratio: float = setting(
+        0.0,
+        "Floor of cosine and onecycle decay, as a fraction of the peak LR (the scaled --lr): "
+        "0.1 ends at 0.1 x peak.",
+        min=0,
+        max=1,
+    )
+    decay_steps: int = setting(
+        0,
+        "Optimizer step where cosine or exponential decay ends and the LR then holds its floor "
+        "(nanoGPT's lr_decay_iters), apart from the run's length; 0 = the run's last step.",
+        min=0,
+    )
+    gamma: float = setting(
+        1.0,
+        "Factor of exponential decay per step, and of step and multistep decay at each change "
+        "(torch's StepLR / MultiStepLR gamma, e.g. 0.1).",
+        above=0,
+        max=1,
+    )
+    step_size: int = setting(
+        0,
+        "With --schedule step: multiply the LR by --gamma every N optimizer steps after the "
+        "warmup (epochs with --decay-per-epoch), as torch's StepLR.",
+        min=0,
+    )
+    milestones: str = setting(
+        "",
+        "With --schedule multistep: comma-separated optimizer steps after the warmup (epochs "
+        "with --decay-per-epoch) where the LR is multiplied by --gamma, as torch's MultiStepLR "
+        "(e.g. 30,60,80).",
+    )
     hold_epochs: int = setting(
         0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0
     )
@@ -174,6 +205,13 @@ class SharedSettings(Settings):
     save_every: int = setting(
         0,
         "Save resumable state every N optimizer steps (0 = only at the end).",
+        min=0,
+        adjustable=True,
+    )
+    eval_every: int = setting(
+        0,
+        "Evaluate every N optimizer steps, counted from the run's start (a resumed run "
+        "evaluates at the same steps), besides each epoch's end; 0 = only at epoch ends.",
         min=0,
         adjustable=True,
     )
@@ -231,7 +269,13 @@ class SharedSettings(Settings):
 
     def validate(self) -> None:
         super().validate()
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ConfigError(
+                "--epochs 0 trains by iterations, until --max-steps: give --max-steps N "
+                "(optimizer steps), or a number of epochs"
+            )
         parse_report_to(self.report_to)
+        self.lr_settings  # noqa: B018 (refuses a schedule that lacks its --step-size, ...)
 
     # The flags in groups, each built here once and passed whole to the library function that
     # takes it (a script with its own flags builds the groups itself).
@@ -247,12 +291,14 @@ class SharedSettings(Settings):
         return LRSettings(
             self.lr, self.ref_bs, self.lr_scaling, self.schedule, self.warmup_steps,
             self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
+            warmup_start=self.warmup_start, decay_steps=self.decay_steps,
+            step_size=self.step_size, milestones=parse_milestones(self.milestones),
         )  # fmt: skip
 
     @property
     def save_policy(self) -> SavePolicy:
-        """--log-every, --save-every, --keep-last."""
-        return SavePolicy(self.log_every, self.save_every, self.keep_last)
+        """--log-every, --save-every, --keep-last, --eval-every."""
+        return SavePolicy(self.log_every, self.save_every, self.keep_last, self.eval_every)
 
     @property
     def start_request(self) -> StartRequest:
@@ -289,9 +335,11 @@ class SharedSettings(Settings):
         plan: BatchPlan,
         collate_fn: Callable | None = None,
         costs: Sequence[float] | None = None,
+        replacement: bool = False,
     ) -> DataLoader:
         """The shuffled, drop-last training loader (data.loaders.make_train_loader); with `costs`
-        (one per item), each step's items balanced over processes by cost."""
+        (one per item), each step's items balanced over processes by cost; with `replacement`,
+        each epoch's items drawn with replacement (iteration-sampled training)."""
         return loaders.make_train_loader(
             dataset,
             plan.per_device_batch_size,
@@ -300,6 +348,7 @@ class SharedSettings(Settings):
             collate_fn=collate_fn,
             costs=costs,
             plan=plan,
+            replacement=replacement,
         )
 
     def make_lr_schedule(
@@ -308,10 +357,8 @@ class SharedSettings(Settings):
         optimizer: torch.optim.Optimizer,
         plan: BatchPlan,
         steps_per_epoch: int,
-        warmup_start: float = 0.0,
     ) -> LRSchedule:
-        """--lr scaled to the global batch, warmup (rising from `warmup_start` x the peak) and
-        decay (lr.make_lr_schedule)."""
+        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
         return make_lr_schedule(
             accelerator,
             optimizer,
@@ -320,7 +367,6 @@ class SharedSettings(Settings):
             steps_per_epoch=steps_per_epoch,
             epochs=self.epochs,
             max_steps=self.max_steps,
-            warmup_start=warmup_start,
         )
 
     def make_loop(
@@ -378,116 +424,3 @@ class SharedSettings(Settings):
 def merged(settings: list[Settings], method: str) -> dict[str, Any]:
     """One dict of every Settings object's `method()` (as_config, default_config)."""
     return {k: v for s in settings for k, v in getattr(s, method)().items()}
-
-
-def model_option(recipe: str) -> Any:
-    """`--model DIR` of a recipe's single-device commands (predict, score, ...): an exported
-    model folder, by default the one training writes."""
-    return typer.Option(
-        Path(f"runs/{recipe}/model"), "--model", help="Exported model folder (train's output)."
-    )
-
-
-def train_command(
-    settings: type[Settings],
-    *,
-    default_bs: int | None = None,
-    default_per_device_bs: int | None = None,
-    aliases: dict[str, list[str]] | None = None,
-    build_model: Callable[[SharedSettings, Any], torch.nn.Module] | None = None,
-    **defaults: Any,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make `train(args: SharedSettings, settings: S)` a Typer command with every shared flag (with
-    this recipe's `defaults`) and every field of the recipe's `settings` class as flags, plus
-    `--config`, `--dry-run` and `--processes`.
-
-    The batch default is given apart (`default_bs` = global, or `default_per_device_bs`) because
-    it applies only when the user passes neither --bs nor --per-device-bs. `aliases` adds the flag
-    names an original codebase used, e.g. {"data": ["--path"], "epochs": ["--niter"]}.
-    `build_model(args, settings)` builds the network (on the `meta` device) for `--dry-run`'s
-    parameter count. The command's `resolve(**values)` gives the (SharedSettings, S) that the same
-    values would give on the command line, for a recipe's Python API.
-    """
-    aliases = aliases or {}
-    shared_names = [f.name for f in fields(SharedSettings)]
-    own_names = [f.name for f in fields(settings)]
-    unknown = (set(defaults) | set(aliases)) - set(shared_names) - set(own_names) | (
-        {"bs", "per_device_bs"} & set(defaults)
-    )
-    if unknown:
-        raise TypeError(f"train_command got unknown defaults: {sorted(unknown)}")
-    if (default_bs is None) == (default_per_device_bs is None):
-        raise TypeError("give train_command exactly one of default_bs, default_per_device_bs")
-    default_note = (
-        f" Default when neither is given: --bs {default_bs}."
-        if default_bs is not None
-        else f" Default when neither is given: --per-device-bs {default_per_device_bs}."
-    )
-    meta = {f.name: f.metadata for f in fields(SharedSettings)}
-    helps = {name: meta[name]["help"] + default_note for name in ("bs", "per_device_bs")}
-
-    def resolve(values: dict[str, Any], recipe: str) -> tuple[SharedSettings, Any]:
-        values = dict(values)
-        # None: this recipe's default (a Python API passes every argument, unset ones as None)
-        shared = {name: values.pop(name, None) for name in shared_names}
-        shared = {k: defaults.get(k) if v is None else v for k, v in shared.items()}
-        shared = {k: v for k, v in shared.items() if v is not None}
-        own_defaults = {k: v for k, v in defaults.items() if k not in shared_names}
-        own = settings.from_config({**own_defaults, **values})
-        own.validate()
-        cap = shared.get("max_per_device_bs")
-        if cap is not None:
-            shared["max_per_device_bs"] = parse_max_per_device_bs(
-                str(cap), recipe, memory_flags(own.as_config(), shared.get("mixed_precision"))
-            )
-        args = SharedSettings.from_config(shared)
-        if args.bs is None and args.per_device_bs is None:
-            args.bs, args.per_device_bs = default_bs, default_per_device_bs
-        args.validate()
-        return args, own
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
-        own_params = settings_parameters(settings, defaults, aliases, {})
-        shared_params = settings_parameters(SharedSettings, defaults, aliases, helps)
-        params = own_params + shared_params + CLI_PARAMETERS
-        annotations = {p.name: p.annotation for p in params}
-
-        @functools.wraps(fn)
-        def command(**kwargs: Any) -> Any:
-            config_file, dry_run, processes, ctx = (kwargs.pop(name) for name in CLI_ONLY)
-            from_file = from_config_file(config_file, ctx, annotations) if config_file else {}
-            kwargs |= from_file
-            if processes is not None and not dry_run:
-                raise ConfigError(
-                    f"--processes {processes} only goes with --dry-run; to train on "
-                    f"{processes} processes, launch them: accelerate launch --num_processes "
-                    f"{processes} ..."
-                )
-            try:
-                args, own = resolve(kwargs, recipe)
-            except ConfigError as error:  # a value the file gave: name the file too
-                if any(str(error).startswith(flag(name) + " ") for name in from_file):
-                    raise ConfigError(f"--config {config_file}: {error}") from None
-                raise
-            if dry_run:
-                build = functools.partial(build_model, args, own) if build_model else None
-                precision = args.mixed_precision.value if args.mixed_precision else None
-                length = (args.epochs, args.max_steps)
-                print_dry_run(
-                    recipe, args.batch_request, args.lr_settings, length=length,
-                    precision=precision, build_model=build, processes=processes,
-                    compile=args.compile, absent=absent_inputs(args, own), cpu=args.cpu,
-                )  # fmt: skip
-                return None
-            return fn(args, own)
-
-        command.default_batch = (default_bs, default_per_device_bs)  # type: ignore[attr-defined]
-        command.settings_class = settings  # type: ignore[attr-defined]
-        command.resolve = lambda **values: resolve(values, recipe)  # type: ignore[attr-defined]
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        command.__annotations__ = annotations
-        del command.__wrapped__  # type: ignore[attr-defined]
-        return command
-
-    return decorate

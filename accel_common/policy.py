@@ -1,6 +1,6 @@
 """What the training loop does between steps besides counting them (accel_common.loop): when
-it logs and saves, gradient clipping, non-finite steps, early stopping. Flags become these
-groups once (accel_common.options); a script with its own flags builds them itself."""
+it logs, saves and evaluates, gradient clipping, non-finite steps, early stopping. Flags become
+these groups once (accel_common.options); a script with its own flags builds them itself."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ class OnNonFinite(str, Enum):
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """When the loop logs and saves (--log-every, --save-every, --keep-last)."""
+    """When the loop logs, saves and evaluates (--log-every, --save-every, --keep-last,
+    --eval-every)."""
 
     log_every: int = 50
     save_every: int = 0  # 0: only the final save
     keep_last: int = 2
+    eval_every: int = 0  # optimizer steps; 0: only where the recipe calls end_epoch
 
 
 @dataclass(frozen=True)

@@ -198,25 +198,6 @@ class Throughput:
         return rate
 
 
-# what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
-LOOP_METRICS = frozenset(
-    {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
-    | {"best_epoch"}
-)
-
-
-def refuse_loop_metrics(eval_metrics: dict[str, float]) -> None:
-    """A recipe metric named like one the loop owns would replace the loop's own value in the
-    log, the printout and the export: refused in one line."""
-    owned = sorted(LOOP_METRICS & set(eval_metrics))
-    if owned:
-        raise ConfigError(
-            f"the recipe's evaluation returns {', '.join(map(repr, owned))}, a metric name the "
-            f"training loop owns ({', '.join(sorted(LOOP_METRICS))}): rename it in the recipe's "
-            "evaluate (e.g. 'eval_' + name)"
-        )
-
-
 class StepLogger:
     """The loop's bookkeeping: loss means, samples/s, the progress bar and tracker records.
 
@@ -302,6 +283,13 @@ class StepLogger:
         if self.accelerator.is_main_process:
             self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")
         return metrics
+
+    def log_eval(self, step: int, eval_metrics: dict[str, float]) -> dict[str, float]:
+        """Log an evaluation between epoch ends at `step`; print it once."""
+        self.accelerator.log({f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
+        if self.accelerator.is_main_process:
+            self.bar.write(f"step {step}: {format_metrics(eval_metrics)}")
+        return eval_metrics
 
     def state(self) -> dict[str, Any]:
         """The running sums, for a checkpoint (collective)."""

@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
+from accel_common.command import model_option, train_command
 from accel_common.data.fingerprint import named_files
 from accel_common.data.images import image_batches, list_images
 from accel_common.data.loaders import existing_data, resolve_data
@@ -57,7 +58,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.losses import GlobalItemMean
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.outputs import new_file
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from accel_common.sharding import forward_is_collective

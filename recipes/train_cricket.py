@@ -45,6 +45,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
+from accel_common.command import model_option, train_command
 from accel_common.console import say
 from accel_common.data.cache import list_column
 from accel_common.data.fingerprint import named_files
@@ -61,7 +62,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.outputs import new_file
 from recipes.cricket.convert import ORIGINAL, read_vocabulary
 from recipes.cricket.data import (

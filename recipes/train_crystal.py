@@ -58,6 +58,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
+from accel_common.command import model_option, train_command
 from accel_common.data.cache import list_lengths
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import resolve_data
@@ -71,7 +72,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.outputs import new_file
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
@@ -210,7 +211,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
     )
-    if total_optimizer_steps(len(train_loader), args.epochs, plan.grad_accum_steps) < 1:
+    if total_optimizer_steps(len(train_loader), max(args.epochs, 1), plan.grad_accum_steps) < 1:
         n_train = len(train_set)
         raise ConfigError(
             f"the training split ({n_train} structures) is smaller than the global batch "

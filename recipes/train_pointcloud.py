@@ -43,6 +43,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
+from accel_common.command import model_option, train_command
 from accel_common.console import format_metrics
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import make_eval_loader, resolve_data
@@ -57,7 +58,7 @@ from accel_common.export import (
 )
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.outputs import new_file
 from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.convert import ORIGINAL
@@ -123,8 +124,10 @@ def csv_folder(data: Path, flag: str, split: str) -> Path:
     epochs=45,
     schedule=Decay.cosine,  # the original's is constant after warmup; cosine to 0 suits a short run
     warmup_steps=10,
+    warmup_start=0.01,  # the original's --lr-warmup-start-factor 0.01: torch's LinearLR
     output_dir=Path("runs/pointcloud"),
     aliases={"data": ["--path"], "epochs": ["--niter"]},
+    replaces=("eval_every",),  # its own: epochs, as the original's --vizIter (not steps)
 )
 def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float]:
     """Train the conditional point-cloud diffusion model on SkullBreak-layout data."""
@@ -168,9 +171,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         model, optimizer, train_loader, test_loader
     )
     diffusion = Diffusion(settings.timesteps, accelerator.device)
-    schedule = args.make_lr_schedule(
-        accelerator, optimizer, plan, len(train_loader), warmup_start=settings.warmup_start
-    )
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     if ema is not None:
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)

@@ -48,6 +48,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
+from accel_common.command import model_option, train_command
 from accel_common.console import print_names, say
 from accel_common.data.fingerprint import named_files
 from accel_common.data.images import list_images
@@ -57,7 +58,7 @@ from accel_common.errors import ConfigError, DataError
 from accel_common.export import load_for_inference, read_recipe_export, require_start_export
 from accel_common.launch_guard import require_new_file
 from accel_common.lr import Decay
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.outputs import new_file
 from accel_common.settings import Settings, setting
 from recipes.quality.convert import ORIGINAL

@@ -20,8 +20,9 @@ Check a command's plan (batch, LR, parameters, memory) without running it, for a
 What a new workload replaces is marked WORKLOAD: `write_dataset` (a small example in your data's
 format: `accel-recipes make-data NAME DIR` finds it here), `load_split` (read your data),
 `MLPSettings` (your model's settings: flags, `--help`, `--config` keys, the export's config and the
-resume check all come from it), `MLPRegressor` and `build_model`, `evaluate` (your quality measure
-next to a trivial baseline), `evaluate_export`, and in `train` the lines that load data, the
+resume check all come from it), `MLPRegressor`, `build_model` and `build_optimizer` (the
+`--dry-run` builds them too), `evaluate` (your quality measure next to a trivial baseline),
+`evaluate_export`, and in `train` the lines that load data, the
 files they read (`data_files`: their contents are part of the run's identity, so a resume on
 changed data is refused; tests/test_data_files.py checks the list against the files opened), the
 values the export needs besides the settings (`derived`), the forward pass and loss, and the
@@ -51,13 +52,14 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from accel_common.command import model_option, train_command
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.fingerprint import named_files
 from accel_common.data.loaders import existing_data, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export, require_start_export
-from accel_common.options import SharedSettings, model_option, train_command
+from accel_common.options import SharedSettings
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 
 RECIPE = "template"
@@ -152,6 +154,13 @@ def build_model(args: SharedSettings, settings: MLPSettings) -> MLPRegressor:
     return MLPRegressor(features, settings.hidden, settings.depth)
 
 
+def build_optimizer(
+    args: SharedSettings, settings: MLPSettings, model: nn.Module
+) -> torch.optim.Optimizer:
+    """The optimizer `train` uses, also built by `--dry-run` to size its state per device."""
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
 # --------------------------------------------------------------------------- WORKLOAD: quality
 
 
@@ -183,6 +192,7 @@ def evaluate(
 @train_command(
     MLPSettings,
     build_model=build_model,
+    build_optimizer=build_optimizer,
     default_bs=64,
     lr=3e-3,
     ref_bs=64,
@@ -202,7 +212,7 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     model = MLPRegressor(train_set.tensors[0].shape[1], settings.hidden, settings.depth)
     if settings.init_from is not None:  # fine-tuning: strictly, or one line naming the misfit
         load_exported(settings.init_from, model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = build_optimizer(args, settings, model)  # WORKLOAD: your optimizer
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
     args.compile_model(model)  # --compile: in place, before prepare
@@ -227,6 +237,8 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
+            if loop.eval_due():  # --eval-every N optimizer steps, besides the epoch end
+                loop.log_eval(evaluate(accelerator, model, test_loader, train_mean))
         loop.end_epoch(evaluate(accelerator, model, test_loader, train_mean))  # WORKLOAD
     return loop.finish(model)
 

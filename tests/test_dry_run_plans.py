@@ -19,6 +19,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 from accel_common.batching import BatchPlan
+from accel_common.dry_run import parameter_lines, size
 from accel_common.entry import train_in_python
 from tests.processes import (
     CAPTIONING_TINY,
@@ -173,3 +174,35 @@ def test_a_dry_run_names_an_input_this_machine_lacks(recipe, tmp_path):
         f"not on this machine: --init-from {tmp_path / 'nope'} (the run stops unless there)"
     )
     assert "inputs" not in dry_run_plan(module.train, [])
+
+
+@pytest.mark.parametrize(
+    ("make", "bytes_per_parameter", "state"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 8, "SGD state (0 x the weights)"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 12, "SGD state (1 x the weights)"),
+        (lambda p: torch.optim.AdamW(p), 16, "AdamW state (2 x the weights)"),
+        (None, 16, "Adam state (assumed: no build_optimizer)"),
+    ],
+)
+def test_the_memory_line_sizes_the_recipes_own_optimizer(
+    make, bytes_per_parameter, state, tmp_path, monkeypatch
+):
+    """Weights and gradients, plus the state of the optimizer the recipe builds (train_command's
+    build_optimizer, built on the meta device): SGD with momentum keeps one tensor per
+    parameter, plain SGD none, Adam two; a recipe that declares none is assumed Adam's, saying
+    so."""
+    monkeypatch.chdir(tmp_path)  # no runs/memory measurement here
+    build_optimizer = None if make is None else (lambda model: make(model.parameters()))
+    lines = parameter_lines("toy", lambda: torch.nn.Linear(1000, 999), 4, build_optimizer)
+    memory = lines[-1].removeprefix("  memory per device: ")
+    assert memory.startswith(f"{size(999_999 * bytes_per_parameter)} for weights, gradients")
+    assert f"and {state} (fp32, unsharded)" in memory
+
+
+def test_the_templates_dry_run_counts_its_adamw(tmp_path, monkeypatch):
+    import recipes.train_template as template
+
+    monkeypatch.chdir(tmp_path)
+    plan = dry_run_plan(template.train, [])
+    assert "weights, gradients and AdamW state (2 x the weights)" in plan["memory per device"]

@@ -62,6 +62,9 @@ def run(tmp_path):
         overwrite: bool = False,
         overwrite_later: bool = False,
         log_every: int = 1,
+        eval_every: int = 0,
+        epochs: int = 3,
+        replacement: bool = False,
         **loop_options,
     ):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -73,17 +76,17 @@ def run(tmp_path):
         data = EpochAwareData()
         model = nn.Linear(3, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        loader = make_train_loader(data, plan.per_device_batch_size)
+        loader = make_train_loader(data, plan.per_device_batch_size, replacement=replacement)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         schedule = make_lr_schedule(
             accelerator, optimizer, plan, LRSettings(1e-3, ref_bs=4, decay=Decay.constant),
-            steps_per_epoch=len(loader), epochs=3, max_steps=max_steps,
+            steps_per_epoch=len(loader), epochs=epochs, max_steps=max_steps,
         )  # fmt: skip
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
                 "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
             ), out, StartRequest(resume, overwrite, overwrite_later),
-            SavePolicy(log_every, save_every, 10),
+            SavePolicy(log_every, save_every, 10, eval_every),
             **loop_options,
         )  # fmt: skip
         return accelerator, model, optimizer, loop, data
@@ -581,3 +584,81 @@ def test_the_logged_lr_is_the_lr_the_step_used(tmp_path):
     logged = [record["train/lr"] for record in records if "train/lr" in record]
     assert len(set(used)) > 2  # warmup and decay: the LR changes from step to step
     assert logged == used
+
+
+def train_evaluating(accelerator, model, optimizer, loop) -> list[tuple[int, int, float]]:
+    """The template's loop with --eval-every: (step, scheduler steps, weights' sum) at each
+    evaluation between epoch ends."""
+    evaluated = []
+    for _epoch in loop.epochs():
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                loss = (model(x / 1000) - y).pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(loss)
+            if loop.eval_due():
+                weights = sum(p.sum().item() for p in model.parameters())
+                metrics = loop.log_eval({"weights": weights})
+                evaluated.append((loop.step, loop.scheduler.last_epoch, metrics["weights"]))
+        loop.end_epoch({"weights": sum(p.sum().item() for p in model.parameters())})
+    return evaluated
+
+
+def eval_records(out: Path) -> list[tuple[int, float]]:
+    logged = [json.loads(line) for line in metrics_lines(out)]
+    return [(r["step"], r["eval/weights"]) for r in logged if "eval/weights" in r]
+
+
+def test_eval_every_evaluates_after_the_step_and_a_resume_at_the_same_steps(run, tmp_path):
+    """--eval-every 3 on 12 steps of 5-step epochs: evaluations after steps 3, 6 and 9 (the
+    step counted, the LR stepped), logged at their step; not at an epoch's end (5, 10) or the
+    run's (12), which end_epoch evaluates. Resumed from step 4, the run evaluates at 6 and 9
+    again, with the uninterrupted run's values."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    accelerator, model, optimizer, loop, _ = run(out=full, eval_every=3)
+    evaluated = train_evaluating(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    assert [(step, lr_steps) for step, lr_steps, _ in evaluated] == [(3, 3), (6, 6), (9, 9)]
+    logged = eval_records(full)
+    assert [step for step, _ in logged] == [3, 5, 6, 9, 10, 12]  # between epochs and at their ends
+    assert [(s, w) for s, _, w in evaluated] == [r for r in logged if r[0] in (3, 6, 9)]
+
+    accelerator, model, optimizer, loop, _ = run(out=cut, eval_every=3)
+    train_evaluating(accelerator, model, optimizer, loop)  # saves step_4 and step_8
+    (cut / "logs" / "metrics.jsonl").unlink()
+    accelerator, model, optimizer, loop, _ = run(
+        out=cut, eval_every=3, resume=str(cut / "checkpoints" / "step_4"), overwrite_later=True
+    )
+    resumed = train_evaluating(accelerator, model, optimizer, loop)
+    assert [(s, w) for s, _, w in resumed] == [(s, w) for s, _, w in evaluated[1:]]
+    assert eval_records(cut) == [r for r in logged if r[0] > 4]
+
+
+def test_without_eval_every_no_step_is_due(run):
+    accelerator, model, optimizer, loop, _ = run(eval_every=0)
+    assert train_evaluating(accelerator, model, optimizer, loop) == []
+    accelerator, model, optimizer, loop, _ = run(eval_every=5, out=loop.run.output_dir / "b")
+    assert train_evaluating(accelerator, model, optimizer, loop) == []  # 5, 10: epoch ends
+
+
+def test_epochs_0_trains_by_iterations_on_draws_with_replacement_and_resumes_exactly(run, tmp_path):
+    """--epochs 0 --max-steps 23: the run is 23 optimizer steps over as many 5-step epochs as
+    that takes; with `replacement` each epoch draws its 20 items with replacement, by (seed,
+    epoch), and a run resumed mid-epoch sees the uninterrupted run's remaining draws."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    accelerator, model, optimizer, loop, _ = run(out=full, epochs=0, max_steps=23, replacement=True)
+    assert loop.total_steps == 23
+    epochs, uninterrupted, _ = train(accelerator, model, optimizer, loop)
+    assert epochs == [1, 2, 3, 4, 5] and loop.step == 23 and len(uninterrupted) == 46
+    first_epoch = [int(x) for x in uninterrupted[:10]]  # 10 micro-batches' first items
+    assert len(set(first_epoch)) < 10  # drawn with replacement: items repeat
+    accelerator, model, optimizer, loop, _ = run(out=cut, epochs=0, max_steps=23, replacement=True)
+    train(accelerator, model, optimizer, loop)  # saves step_4 ... step_20
+    accelerator, model, optimizer, loop, _ = run(
+        out=cut, epochs=0, max_steps=23, replacement=True, overwrite_later=True,
+        resume=str(cut / "checkpoints" / "step_12"),
+    )  # fmt: skip
+    _, resumed, _ = train(accelerator, model, optimizer, loop)
+    assert resumed == uninterrupted[24:]

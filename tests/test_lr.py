@@ -1,11 +1,14 @@
 import itertools
 import math
+import re
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 
 from accel_common.errors import ConfigError
-from accel_common.lr import Decay, LRScaling, Schedule, build_scheduler, scale_lr
+from accel_common.lr import Decay, LRScaling, LRSettings, Schedule, build_scheduler, scale_lr
+from accel_common.options import SharedSettings
 
 
 def test_scaling_rules_match_the_guides_table():
@@ -156,3 +159,117 @@ def test_hold_after_warmup_and_per_step_decay():
 def test_a_hold_longer_than_the_run_is_refused():
     with pytest.raises(ConfigError, match="--hold-epochs"):
         Schedule(total_steps=10, warmup_steps=4, hold_steps=7)
+
+
+def recipe_lrs(tmp_path, flags: dict, steps_per_epoch: int, epochs: int) -> list[float]:
+    """The LR a recipe's optimizer uses at each optimizer step, from its flags as SharedSettings
+    reads them (--schedule, --gamma, --step-size, --milestones, --decay-per-epoch), stepped by
+    the loop's rule: once per optimizer step."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = SharedSettings.from_config({"lr": 1.0, "ref_bs": 2, "bs": 2, "epochs": epochs, **flags})
+    args.validate()
+    accelerator, plan = args.make_accelerator()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, steps_per_epoch)
+    used = []
+    for _ in range(schedule.total_steps):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.scheduler.step()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return used
+
+
+def torch_lrs(make, steps: int, every: int = 1) -> list[float]:
+    """torch's scheduler `make(optimizer)`'s LR, stepped after every `every` optimizer steps."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = make(optimizer)
+    used = []
+    for step in range(steps):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if (step + 1) % every == 0:
+            scheduler.step()
+    return used
+
+
+@pytest.mark.parametrize("per_epoch", [False, True])
+def test_step_and_multistep_are_torchs_steplr_and_multisteplr(tmp_path, monkeypatch, per_epoch):
+    """The classic ImageNet example's StepLR(step_size, gamma=0.1) and a MultiStepLR, stepped
+    after every optimizer step, or after every epoch with --decay-per-epoch (the step size and
+    milestones then count epochs): the recipe's LR equals torch's at every step."""
+    monkeypatch.chdir(tmp_path)
+    per, epochs = 4, 12
+    every = per if per_epoch else 1
+    lower = torch.optim.lr_scheduler
+    flags = {"schedule": "step", "gamma": 0.1, "step_size": 3, "decay_per_epoch": per_epoch}
+    expected = torch_lrs(lambda o: lower.StepLR(o, step_size=3, gamma=0.1), per * epochs, every)
+    assert recipe_lrs(tmp_path, flags, per, epochs) == pytest.approx(expected, rel=1e-12)
+    assert len(set(expected)) > 3  # it decays more than once
+    flags = {"schedule": "multistep", "gamma": 0.5, "milestones": "2,5,9"} | {
+        "decay_per_epoch": per_epoch
+    }
+    expected = torch_lrs(lambda o: lower.MultiStepLR(o, [2, 5, 9], gamma=0.5), per * epochs, every)
+    assert recipe_lrs(tmp_path, flags, per, epochs) == pytest.approx(expected, rel=1e-12)
+    assert len(set(expected)) == 4
+
+
+def test_decay_steps_end_the_cosine_there_as_nanogpts_lr_decay_iters():
+    """nanoGPT's get_lr: cosine from the warmup's end to lr_decay_iters, then min_lr held; the
+    run may be longer or shorter than the horizon."""
+    warmup, horizon, floor = 10, 60, 0.1
+    schedule = Schedule(
+        total_steps=100, warmup_steps=warmup, decay=Decay.cosine, min_lr_ratio=floor,
+        decay_steps=horizon,
+    )  # fmt: skip
+    for step in range(warmup, 100):
+        ratio = min(1.0, (step - warmup) / (horizon - warmup))
+        expected = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1 - floor)
+        assert schedule.multiplier(step) == pytest.approx(expected)
+    assert schedule.multiplier(99) == schedule.multiplier(60) == pytest.approx(floor)
+    shorter = Schedule(total_steps=30, warmup_steps=warmup, decay=Decay.cosine, decay_steps=horizon)
+    assert shorter.multiplier(29) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 50)))
+    exp = Schedule(total_steps=50, decay=Decay.exponential, gamma=0.9, decay_steps=20)
+    assert exp.multiplier(30) == exp.multiplier(20) == pytest.approx(0.9**20)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"schedule": "step"}, "--schedule step needs --step-size N"),
+        ({"schedule": "multistep"}, "--schedule multistep needs --milestones"),
+        ({"schedule": "multistep", "milestones": "5,3"}, "--milestones 5,3: give increasing"),
+        ({"schedule": "multistep", "milestones": "a"}, "--milestones a: give increasing"),
+        ({"schedule": "step", "step_size": 2, "decay_steps": 9}, "--decay-steps 9 ends a"),
+        ({"step_size": 30}, "--step-size shapes another schedule than --schedule cosine"),
+        ({"schedule": "step", "step_size": 3, "milestones": "5"}, "--milestones shapes another"),
+    ],
+)
+def test_a_schedule_missing_its_shape_is_refused_naming_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        SharedSettings.from_config(flags).validate()
+
+
+def test_decay_steps_before_the_decay_starts_is_refused():
+    with pytest.raises(ConfigError, match=r"^--decay-steps 5: the decay ends at that"):
+        Schedule(total_steps=20, warmup_steps=5, decay=Decay.cosine, decay_steps=5)
+
+
+@pytest.mark.parametrize(
+    ("settings", "ends"),
+    [
+        (LRSettings(1e-3, 32, decay=Decay.cosine, min_lr_ratio=0.1), "then cosine to 0.0001 "
+         "(0.1 x peak) at the last step"),
+        (LRSettings(1e-3, 32, decay=Decay.cosine, decay_steps=500, warmup_steps=5,
+                    warmup_start=0.01), "5 warmup steps from 0.01 x peak, then cosine to 0 "
+         "(0 x peak) at step 500, then held"),
+        (LRSettings(1e-3, 32, decay=Decay.step, gamma=0.1, step_size=30, decay_per_epoch=True),
+         "then step per epoch, x 0.1 every 30 epochs"),
+        (LRSettings(1e-3, 32, decay=Decay.multistep, gamma=0.5, milestones=(100, 200)),
+         "then multistep, x 0.5 at steps 100, 200 after the warmup"),
+        (LRSettings(1e-3, 32, decay=Decay.exponential, gamma=0.99),
+         "then exponential, x 0.99 per step until the last step"),
+    ],
+)  # fmt: skip
+def test_the_lr_line_names_the_decay_and_its_floor(settings, ends):
+    assert settings.describe(32).endswith(ends), settings.describe(32)

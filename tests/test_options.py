@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import re
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -13,15 +16,17 @@ from typer.testing import CliRunner
 
 from accel_common.accelerator import make_accelerator
 from accel_common.batching import BatchRequest
+from accel_common.command import train_command
 from accel_common.errors import ConfigError
 from accel_common.launch_guard import require_writable_output_dir
 from accel_common.options import SharedSettings
-from tests.processes import POINTCLOUD, QUALITY, TEMPLATE
+from accel_common.settings import Settings, setting
+from tests.processes import POINTCLOUD, QUALITY, REPO, TEMPLATE
 
 OUT_OF_RANGE = [
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("weight_decay", -0.1),
     ("seed", -1), ("workers", -1), ("save_every", -1), ("keep_last", 0), ("clip_grad", math.nan),
-    ("clip_grad", -1.0), ("epochs", 0), ("max_steps", -5), ("log_every", 0), ("grad_accum", 0),
+    ("clip_grad", -1.0), ("epochs", -1), ("max_steps", -5), ("log_every", 0), ("grad_accum", 0),
     ("warmup_steps", -1), ("ref_bs", 0), ("dist_timeout", -1),
 ]  # fmt: skip
 
@@ -91,3 +96,43 @@ def test_fp16_on_the_cpu_is_refused_instead_of_silently_training_fp32(fresh_stat
 
 
 # A GPU launch config on a machine without GPUs: tests/test_runtime_guards.py launches one.
+
+
+def test_the_readme_documents_every_keyword_train_command_takes():
+    """ "Starting a new recipe" shows train_command's keywords: each one it names is one
+    train_command takes (its own or a setting's default), and none of its own is left out."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Starting a new recipe")[1].split("\n## ")[0]
+    block = section.split("@train_command(")[1].split("\ndef train")[0]
+    documented = set(re.findall(r"(\w+)=", block))
+    own = {
+        name
+        for name, p in inspect.signature(train_command).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    settings = {f.name for f in fields(SharedSettings)}
+    assert own <= documented, f"undocumented: {own - documented}"
+    assert documented <= own | settings, f"not train_command's: {documented - own - settings}"
+
+
+def test_a_recipe_setting_named_like_a_shared_one_must_say_it_replaces_it():
+    """pointcloud's --eval-every counts epochs, the shared one optimizer steps: a recipe takes a
+    shared flag's name only by saying so (replaces), and the shared setting keeps its default."""
+
+    @dataclass
+    class Own(Settings):
+        eval_every: int = setting(15, "Every N epochs.", min=1, adjustable=True)
+
+    with pytest.raises(TypeError, match=r"declares shared settings \['eval_every'\]"):
+        train_command(Own, default_bs=8)
+    command = train_command(Own, default_bs=8, replaces=("eval_every",))(lambda args, own: None)
+    args, own = command.resolve(eval_every=4)
+    assert (args.eval_every, own.eval_every) == (0, 4)
+    pointcloud = importlib.import_module("recipes.train_pointcloud")
+    assert [p for p in inspect.signature(pointcloud.train).parameters].count("eval_every") == 1
+
+
+def test_epochs_0_needs_max_steps():
+    with pytest.raises(ConfigError, match=r"^--epochs 0 trains by iterations, until --max-steps"):
+        SharedSettings(epochs=0).validate()
+    SharedSettings(epochs=0, max_steps=100).validate()

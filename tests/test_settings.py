@@ -125,7 +125,7 @@ def test_dry_run_plans_any_process_count_and_writes_nothing(tmp_path, monkeypatc
     # the template's --lr 3e-3 at --ref-bs 64, linearly to 512
     assert plan["learning rate"].startswith("peak 0.024 (--lr 0.003 at --ref-bs 64, linear")
     assert plan["mixed precision"] == "no"
-    assert "weights, gradients and Adam state" in plan["memory per device"]
+    assert "weights, gradients and AdamW state" in plan["memory per device"]
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
@@ -222,3 +222,10 @@ def test_parameter_counts_see_zero3_partitioned_parameters():
         parameter.ds_numel = parameter.numel()
         parameter.data = torch.empty(0)
     assert parameter_counts(model) == {"parameters": 10}
+
+
+def test_a_dry_run_by_iterations_plans_max_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = dry_run(["--epochs", "0", "--max-steps", "200", "--warmup-steps", "500"])
+    assert plan["epochs"] == "as many as 200 steps take (--epochs 0)"
+    assert "; 200 warmup steps, then" in plan["learning rate"]  # cut to the run, as it is

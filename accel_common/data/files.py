@@ -196,3 +196,16 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class EpochDrawSampler(EpochShuffleSampler):
+    """`num_samples` items drawn with replacement, depending only on (seed, epoch): training by
+    iterations on data sampled at random (nanoGPT's random windows), where an epoch is a
+    stretch of draws rather than a pass. Like `EpochShuffleSampler`, every process draws the
+    same indices (Accelerate gives each its slice), so 1 or N processes and a resumed run see
+    the same batches."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        draws = torch.randint(self.num_samples, (self.num_samples,), generator=generator)
+        return iter(draws.tolist())

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_common.balance import BalancedBatchSampler
 from accel_common.batching import BatchPlan
 from accel_common.console import say
-from accel_common.data.files import EpochShuffleSampler
+from accel_common.data.files import EpochDrawSampler, EpochShuffleSampler
 from accel_common.data.paths import require_folder
 from accel_common.errors import DataError
 
@@ -40,6 +40,7 @@ def make_train_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     costs: Sequence[float] | None = None,
     plan: BatchPlan | None = None,
+    replacement: bool = False,
 ) -> DataLoader:
     """The training DataLoader every recipe needs, before `prepare`; `batch_size` is the plan's
     per-device batch.
@@ -51,9 +52,12 @@ def make_train_loader(
       RNG would shift dropout masks after a resume (which restores that RNG);
     - with `costs` (one per item: atoms, edges, tokens) and the `plan`, the items of each
       optimizer step are spread over processes and accumulation steps so that the costs are
-      balanced (balance.BalancedBatchSampler): the same global batches, less waiting.
+      balanced (balance.BalancedBatchSampler): the same global batches, less waiting;
+    - with `replacement`, each epoch draws len(dataset) items with replacement (EpochDrawSampler)
+      instead of a permutation: iteration-sampled training, with --epochs 0 --max-steps N.
     """
-    sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+    kind = EpochDrawSampler if replacement else EpochShuffleSampler
+    sampler = kind(len(dataset), seed)  # type: ignore[arg-type]
     dataset = FetchRngLog(dataset)  # a resume draws a transform's global-RNG values exactly
     generator = torch.Generator().manual_seed(seed)
     common = {"num_workers": workers, "collate_fn": collate_fn, "generator": generator}

@@ -96,7 +96,7 @@ def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, i
     if not hasattr(train, "default_batch"):
         raise RecipeError(
             f"{what} defines no recipe command `train` (a function decorated by "
-            "accel_common.options.train_command, as in recipes/train_template.py)"
+            "accel_common.command.train_command, as in recipes/train_template.py)"
         )
     app = typer.Typer(add_completion=False)
     app.command()(train)

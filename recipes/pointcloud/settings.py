@@ -90,14 +90,11 @@ class PointCloudSettings(Settings):
         aliases=("--num_ens",),
     )
     eval_every: int = setting(
-        15, "Evaluate (sample and score) every N epochs.", min=1, adjustable=True
-    )
-    warmup_start: float = setting(
-        0.01,
-        "Fraction of the peak LR that --warmup-steps rise from, linearly (the original's "
-        "--lr-warmup-start-factor 0.01: torch's LinearLR).",
-        min=0.0,
-        max=1.0,
+        15,
+        "Evaluate (sample and score) every N epochs, and at the run's end (the original's "
+        "--vizIter). Epochs, not the other recipes' optimizer steps.",
+        min=1,
+        adjustable=True,
     )
     ema_decay: float = setting(
         0.0, "EMA of the weights (e.g. 0.999; 0 = off).", min=0.0, max=0.9999

@@ -53,7 +53,8 @@ def test_the_original_preset_plans_its_run_and_writes_nothing(cricket_data, tmp_
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
     # trainer.py: no warm-up ramp, 5 epochs at the peak, then cosine stepped after each epoch
     assert plan["learning rate"].endswith(
-        "0 warmup steps, 5 epochs at the peak, then cosine per epoch"
+        "0 warmup steps, 5 epochs at the peak, then cosine per epoch to 0 (0 x peak) at the last "
+        "step"
     )
     assert plan["epochs"] == "100"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data

@@ -30,7 +30,9 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
     assert plan["batch"] == "global batch 8 = 8 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 8, linear")
     # its LinearLR warmup and ExponentialLR(gamma 1) step once per epoch (test_lr: the staircase)
-    assert plan["learning rate"].endswith("28000 warmup steps, then constant per epoch")
+    assert plan["learning rate"].endswith(
+        "28000 warmup steps from 0.01 x peak, then constant per epoch"
+    )
     assert plan["epochs"] == "15000"
     assert plan["compile"] == "inductor (--compile)"  # as the original's torch.compile
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data

@@ -9,8 +9,9 @@ import json
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 
-from tests.processes import run_recipe
+from tests.processes import invoke_train, run_recipe
 from tests.recipes.template.helpers import digest
 
 
@@ -88,3 +89,20 @@ def test_a_diverging_run_stops_and_saves_nothing(template_data, tmp_path):
     assert "No checkpoint was saved before it: lower --lr or set --clip-grad" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (out / "checkpoints").exists() and not (out / "model").exists()
+
+
+def test_eval_every_scores_the_test_set_between_epoch_ends(template_data, tmp_path):
+    """--eval-every 2 on a run by iterations (--epochs 0 --max-steps 5): the template evaluates
+    after steps 2 and 4 (logged at their step as eval/test_mse, printed once) and at the run's
+    end, which is step 5."""
+    out = tmp_path / "run"
+    args = ["--data", str(template_data), "--output-dir", str(out), "--epochs", "0"]
+    args += ["--max-steps", "5", "--eval-every", "2"]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    result = invoke_train(load_recipe_module().train, args)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert result.exit_code == 0, result.output
+    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    assert [r["step"] for r in logged if "eval/test_mse" in r] == [2, 4, 5]
+    assert "step 2: test_mse " in result.output and "step 4: test_mse " in result.output
