@@ -59,6 +59,15 @@ from accel_common.settings import MAX_BLOCKS, Settings, setting
 RECIPE = "template"
 FEATURES = 8  # columns x0..x7 in the generated example
 NOISE = 0.1
+# WORKLOAD: how `accel-recipes check template` (and the tests, which find every recipe by its
+# file) run this recipe: small, with the global batch given (--bs: the same on 1 and 2
+# processes) and any randomness drawn per process switched off (e.g. --dropout 0), so that 2
+# processes train exactly as 1 does; on an example of CHECK_DATA's size (write_dataset's
+# options); CHECK_COMMAND is the single-device command that loads the export ({model}, {data},
+# {out} are filled in).
+CHECK_ARGS = ["--hidden", "32", "--bs", "32"]
+CHECK_DATA = {"train_size": 128, "test_size": 32}
+CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}"]
 
 
 # --------------------------------------------------------------------------- WORKLOAD: data
