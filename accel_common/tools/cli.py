@@ -308,7 +308,7 @@ def check(
     a converted checkpoint (f) load in its own command, FSDP = plain (g), --compile keeps plain
     keys and bf16 trains (h). Runs its example at the size it declares (CHECK_ARGS, CHECK_DATA,
     CHECK_COMMAND); prints a table; exit 1 if a promise does not hold."""
-    from accel_common.tools.check import run_check  # imported here: it loads torch
+    from accel_common.tools.check.runner import run_check  # imported here: it loads torch
 
     raise typer.Exit(run_check(name, only, console))
 

@@ -29,6 +29,18 @@ FSDP_SHIM = Path(__file__).with_name("fsdp_on_cpu.py")
 AUDIT = Path(__file__).with_name("opened.py")
 
 
+def fsdp_cpu_config(folder: Path, min_num_params: int = 1000) -> Path:
+    """fsdp_8gpu.yaml on 2 CPU processes, written into `folder`: only the hardware keys changed,
+    and a wrap threshold that gives a small model nested units (1000: the template's 32x32
+    layers on their own)."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_8gpu.yaml").read_text())
+    config.update(num_processes=2, use_cpu=True, mixed_precision="no")
+    config["fsdp_config"]["fsdp_min_num_params"] = min_num_params
+    path = folder / "fsdp_cpu_2proc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @dataclass
 class Session:
     recipe: Recipe
@@ -89,14 +101,9 @@ class Session:
         return out, latest
 
     def fsdp(self, name: str) -> tuple[Path, str]:
-        """The recipe as FSDP2 on 2 CPU processes (fsdp_on_cpu.py, fsdp_8gpu.yaml with only the
-        hardware keys changed and a wrap threshold that gives small models nested units): its
-        output folder and stdout."""
-        config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_8gpu.yaml").read_text())
-        config.update(num_processes=2, use_cpu=True, mixed_precision="no")
-        config["fsdp_config"]["fsdp_min_num_params"] = 1000
-        path = self.tmp / "fsdp_cpu_2proc.yaml"
-        path.write_text(yaml.safe_dump(config))
+        """The recipe as FSDP2 on 2 CPU processes (fsdp_on_cpu.py, `fsdp_cpu_config`): its output
+        folder and stdout."""
+        path = fsdp_cpu_config(self.tmp)
         out = self.tmp / "runs" / name
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
