@@ -29,6 +29,10 @@ evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optim
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
 (epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
 checkpoints and export: accel_common/run.py).
+A recipe is found by existing: `accel-recipes make-data`, `accel-recipes check NAME` (what the
+library promises every recipe, proved on the CPU) and the tests discover every
+`recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA` and
+`CHECK_COMMAND` below declare (WORKLOAD: yours).
 A workload that outgrows one file keeps this script and moves its model, readers and example
 generator into `recipes/NAME/` (see recipes/pointcloud/).
 """
