@@ -68,6 +68,12 @@ from recipes.captioning.model import Captioner, greedy_captions
 from recipes.captioning.tokenizer import BOS, EOS, PAD_ID, shared_tokenizer, train_tokenizer
 
 RECIPE = "captioning"
+# `accel-recipes check captioning` and the tests that find every recipe run it so (see
+# recipes/train_template.py): tiny, on 16-pixel images
+CHECK_ARGS = ["--dim", "32", "--depth", "1", "--decoder-depth", "1", "--image-size", "16"]
+CHECK_ARGS += ["--bs", "8"]
+CHECK_DATA = {"train_images": 32, "test_images": 4, "size": 16}
+CHECK_COMMAND = ["caption", "--model", "{model}", "--images", "{data}/test", "--out", "{out}.txt"]
 TOKENIZER_FILE = "tokenizer.json"  # beside the export
 EXAMPLE_VOCAB = 20  # the example's 16 words and [PAD] [UNK] [BOS] [EOS]
 NETWORK = ("image_size", "patch", "dim", "depth", "decoder_depth", "heads", "max_tokens")

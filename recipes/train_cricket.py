@@ -84,6 +84,13 @@ from recipes.cricket.example import write_dataset
 from recipes.cricket.settings import CricketSettings, network
 
 RECIPE = "cricket"
+# `accel-recipes check cricket` and the tests that find every recipe run it so (see
+# recipes/train_template.py): tiny, every 8th delivery, dropout off
+CHECK_ARGS = ["--hidden", "16", "--heads", "2", "--layers", "2", "--history", "6", "--bs", "8"]
+CHECK_ARGS += ["--dropout", "0", "--sample-every", "8", "--val-ratio", "0.2", "--test-ratio", "0.2"]
+CHECK_DATA = {"matches": 12}
+CHECK_COMMAND = ["predict", "--model", "{model}", "--match", "{data}/1000001.json"]
+CHECK_COMMAND += ["--out", "{out}.csv"]
 
 
 def start_files(export: Path) -> tuple[Path, Path]:

@@ -98,6 +98,13 @@ from recipes.crystal.model import (
 from recipes.crystal.settings import CrystalSettings
 
 RECIPE = "crystal"
+# `accel-recipes check crystal` and the tests that find every recipe run it so (see
+# recipes/train_template.py): tiny, on 48 structures
+CHECK_ARGS = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf-bins", "16"]
+CHECK_ARGS += ["--angle-bins", "16", "--fc-features", "16", "--bs", "8"]
+CHECK_DATA = {"structures": 48}
+CHECK_COMMAND = ["predict", "--model", "{model}", "--data", "{data}/structures.extxyz"]
+CHECK_COMMAND += ["--out", "{out}.csv"]
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality

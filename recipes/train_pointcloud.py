@@ -77,6 +77,14 @@ from recipes.pointcloud.settings import PointCloudSettings, network
 from recipes.pointcloud.viz import render_point_clouds
 
 RECIPE = "pointcloud"
+# `accel-recipes check pointcloud` and the tests that find every recipe run it so (see
+# recipes/train_template.py): PVCNN2 at its narrowest, dropout off, 2 sampling steps
+CHECK_ARGS = ["--num-points", "256", "--num-nn", "32", "--vox-res-mult", "0.125"]
+CHECK_ARGS += ["--num-neighbors", "8", "--embed-dim", "16", "--dropout", "0", "--head-dropout", "0"]
+CHECK_ARGS += ["--sampler", "ddim", "--sample-steps", "2", "--num-ens", "1", "--bs", "4"]
+CHECK_ARGS += ["--no-compile"]  # the original's preset compiles (minutes on a CPU)
+CHECK_DATA = {"train_skulls": 4, "test_skulls": 1, "points_per_skull": 600}
+CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}", "--sample-steps", "2"]
 
 
 # --------------------------------------------------------------------------- training

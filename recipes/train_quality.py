@@ -87,6 +87,11 @@ from recipes.quality.model import (
 from recipes.quality.onnx_export import ONNX_OPSETS, require_onnx, write_onnx
 
 RECIPE = "quality"
+# `accel-recipes check quality` and the tests that find every recipe run it so (see
+# recipes/train_template.py): 16-pixel images, dropout off
+CHECK_ARGS = ["--bs", "8", "--dropout", "0", "--image-size", "16"]
+CHECK_DATA = {"images": 12, "comparisons_per_annotator": 16, "size": 16}
+CHECK_COMMAND = ["score", "--model", "{model}", "--images", "{data}/images", "--out", "{out}.csv"]
 RELIABILITY = ("full", "global", "fixed", "gold")
 DRAW_MARGIN = 0.1  # the original's draw margin in its accuracy (loss.py 48, infer.py 115)
 HEAD_INITS = ("kaiming", "torch")

@@ -30,6 +30,10 @@ evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optim
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
 (epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
 checkpoints and export: accel_common/run.py).
+A recipe is found by existing: `accel-recipes make-data`, `accel-recipes check NAME` (what the
+library promises every recipe, proved on the CPU) and the tests discover every
+`recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA` and
+`CHECK_COMMAND` below declare (WORKLOAD: yours).
 A workload that outgrows one file keeps this script and moves its model, readers and example
 generator into `recipes/NAME/` (see recipes/pointcloud/). That folder holds the script's parts: the
 script imports them, and none of them imports the script (tests/test_layout.py checks it), so what
@@ -65,6 +69,15 @@ from accel_common.settings import MAX_BLOCKS, Settings, setting
 RECIPE = "template"
 FEATURES = 8  # columns x0..x7 in the generated example
 NOISE = 0.1
+# WORKLOAD: how `accel-recipes check template` (and the tests, which find every recipe by its
+# file) run this recipe: small, with the global batch given (--bs: the same on 1 and 2
+# processes) and any randomness drawn per process switched off (e.g. --dropout 0), so that 2
+# processes train exactly as 1 does; on an example of CHECK_DATA's size (write_dataset's
+# options); CHECK_COMMAND is the single-device command that loads the export ({model}, {data},
+# {out} are filled in).
+CHECK_ARGS = ["--hidden", "32", "--bs", "32"]
+CHECK_DATA = {"train_size": 128, "test_size": 32}
+CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}"]
 
 
 # --------------------------------------------------------------------------- WORKLOAD: data

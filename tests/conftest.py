@@ -45,6 +45,20 @@ def shared_dataset(
 
 
 @pytest.fixture(scope="session")
+def check_example(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Recipe name -> its example at the size it declares for `accel-recipes check`
+    (CHECK_DATA), written once per test run: any recipe there is, with no list to edit."""
+    from accel_common.tools.check.recipe import find_recipe
+
+    def example(recipe: str) -> Path:
+        return shared_dataset(
+            tmp_path_factory, f"check-{recipe}", find_recipe(recipe).write_example
+        )
+
+    return example
+
+
+@pytest.fixture(scope="session")
 def template_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Template data whose test split (301 rows) is not divisible by 2 processes."""
     from recipes.train_template import write_dataset

@@ -19,14 +19,14 @@ RECIPE_RUNS=fresh or RECIPE_RUNS=forked in the environment chooses either way an
 from __future__ import annotations
 
 import atexit
-import contextlib
 import multiprocessing
 import os
 import runpy
-import subprocess
 import sys
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
+
+from accel_common.tools.check.processes import start_fresh
 
 # torch_geometric too: it imports torch._dynamo, ~3.5 CPU-s more for each graph recipe's run
 PRELOAD = ["torch", "numpy", "torch_geometric"]
@@ -87,33 +87,6 @@ def _run_script(
         sys.stderr.flush()
 
 
-class FreshRun:
-    """`python script args` as a new interpreter, with the forked child's interface."""
-
-    def __init__(
-        self, script: Path, args: list[str], cwd: Path, env: dict[str, str], logs: Path,
-        new_session: bool,
-    ) -> None:  # fmt: skip
-        with open(Path(logs) / "out", "w") as out, open(Path(logs) / "err", "w") as err:
-            self._process = subprocess.Popen(
-                [sys.executable, str(script), *args], cwd=cwd, env=env, stdout=out, stderr=err,
-                stdin=subprocess.DEVNULL, start_new_session=new_session,
-            )  # fmt: skip
-        self.pid = self._process.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        """None while it runs; -N when signal N ended it (as multiprocessing reports)."""
-        return self._process.poll()
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):  # as Process.join: see exitcode
-            self._process.wait(timeout)
-
-    def kill(self) -> None:
-        self._process.kill()
-
-
 def start(
     script: Path,
     args: list[str],
@@ -128,7 +101,7 @@ def start(
     `subprocess.Popen(..., start_new_session=True)` would. A fresh interpreter where
     `fresh_interpreters()`, else forked from the server."""
     if fresh_interpreters():
-        return FreshRun(script, list(args), cwd, dict(env), logs, new_session)
+        return start_fresh(script, args, cwd=cwd, env=env, logs=logs, new_session=new_session)
     child = context().Process(
         target=_run_script,
         args=(str(script), list(args), str(cwd), dict(env), str(logs), new_session),

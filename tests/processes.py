@@ -4,9 +4,7 @@ process through Typer's test runner; the recipes' paths and the tests' small mod
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from accel_common.tools.check import processes as checked_runs
+from accel_common.tools.check.processes import recipe_env  # re-exported for the tests
 from accel_common.tools.ports import free_port  # re-exported for the tests
 from tests import forked
 
@@ -35,26 +35,6 @@ CRICKET = REPO / "recipes" / "train_cricket.py"
 CRICKET_TINY = ["--hidden", "16", "--heads", "2", "--layers", "2", "--history", "6"]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 BIN = Path(sys.executable).parent
-
-
-def recipe_env(tmp: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        # one thread: the two pytest-xdist workers keep both cores busy, and a second thread
-        # costs more CPU than it saves time (the quality learning run: 44.6 CPU-s on 2, 39.2 on 1)
-        "OMP_NUM_THREADS": "1",
-        # idle OpenMP threads sleep instead of spinning: beside another busy process (a test
-        # running on the other pytest-xdist worker), spinning threads made a 2-thread run 2x
-        # slower; passive, it ran as fast as alone
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "PYTHONUNBUFFERED": "1",
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "HF_HOME": str(tmp / "hf"),
-        "HF_HUB_OFFLINE": "1",  # nothing may wait on the network
-        # the tree under test, ahead of any installed copy of accel_common
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
 
 
 # `accelerate launch` as a module: the `accelerate` command imports every subcommand, and its
@@ -78,60 +58,26 @@ def launch_command(script: Path, args: list[str], nproc: int) -> list[str]:
 def kill_once_written(script: Path, args: list[str], *, cwd: Path, marker: Path) -> None:
     """Run `python script args` and SIGKILL it, its whole session, as soon as `marker` exists
     (a checkpoint's last file): a crash at whatever point the run had reached by then."""
-    logs = Path(tempfile.mkdtemp(prefix="killed-"))
-    child = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs, new_session=True)
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert child.exitcode is None, "the run ended before the test could kill it"
-        assert time.monotonic() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.002)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.join()
-    shutil.rmtree(logs)
-    assert child.exitcode == -signal.SIGKILL
+    why = checked_runs.kill_once_written(script, args, cwd=cwd, marker=marker, start=forked.start)
+    assert why is None, why
 
 
 def run_processes(
     script: Path, args: list[str], nproc: int, *, cwd: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
     """`python script args` as one process, or as `nproc` ranks over gloo given the environment
-    torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); each process is
-    forked from a server that has imported torch already, or, where CUDA is present, a fresh
+    torchrun gives its workers (accel_common.tools.check.processes.run_processes); each process
+    is forked from a server that has imported torch already, or, where CUDA is present, a fresh
     interpreter (tests/forked.py).
 
     No launcher process: `accelerate launch` is one more Python process importing torch and
     Accelerate per run, and the tests that compare N processes with one do not need it; the
     launchers are tested where they matter (test_launch, test_processes, test_multinode,
-    test_recovery, test_nonfinite, test_sharded), with real `accelerate launch` processes. A rank
-    that fails has the others stopped 15 s later (they would wait in a collective), and its exit
-    code is the run's; stdout and stderr are the ranks' outputs one after the other.
+    test_recovery, test_nonfinite, test_sharded), with real `accelerate launch` processes.
     """
-    port, logs = str(free_port()), Path(tempfile.mkdtemp(prefix="run-"))
-    children = []
-    for rank in range(nproc):
-        where = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
-        where |= {"LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        (logs / str(rank)).mkdir()
-        rank_env = {**env, **where} if nproc > 1 else env
-        children.append(forked.start(script, args, cwd=cwd, env=rank_env, logs=logs / str(rank)))
-    first_failure, stop_at = None, time.monotonic() + timeout
-    while any(child.exitcode is None for child in children):
-        if first_failure is None and any(child.exitcode for child in children):
-            first_failure = next(child.exitcode for child in children if child.exitcode)
-            stop_at = min(stop_at, time.monotonic() + 15)
-        if time.monotonic() > stop_at:
-            for child in children:
-                child.kill()
-                child.join()
-            if first_failure is None:
-                raise subprocess.TimeoutExpired([str(script), *args], timeout)
-        time.sleep(0.05)
-    if first_failure is None:  # they all ended between two looks
-        first_failure = next((child.exitcode for child in children if child.exitcode), 0)
-    stdout = "".join((logs / str(rank) / "out").read_text() for rank in range(nproc))
-    stderr = "".join((logs / str(rank) / "err").read_text() for rank in range(nproc))
-    shutil.rmtree(logs)
-    return subprocess.CompletedProcess([str(script), *args], first_failure, stdout, stderr)
+    return checked_runs.run_processes(
+        script, args, nproc, cwd=cwd, env=env, timeout=timeout, start=forked.start
+    )
 
 
 def run_recipe(

@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import datasets
 import numpy as np
@@ -23,29 +20,16 @@ from accelerate.state import AcceleratorState
 
 from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError
-from accel_common.run import Run
+from accel_common.tools.check.opened import data_files_read, files_declared, files_opened
+from accel_common.tools.check.recipe import discovered, find_recipe
 from tests.processes import (
-    CAPTIONING,
-    CAPTIONING_TINY,
     CRICKET,
     CRICKET_TINY,
-    CRYSTAL,
-    CRYSTAL_TINY,
     POINTCLOUD,
     POINTCLOUD_TINY,
     QUALITY,
     TEMPLATE,
 )
-
-OPENED: list[str] | None = None  # the files opened while a run is recorded
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event == "open" and OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        OPENED.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)  # a hook cannot be removed: it records only while OPENED is a list
 
 
 def train(
@@ -53,32 +37,22 @@ def train(
 ) -> tuple[set[Path], set[Path]]:
     """Train `recipe` in this process on data under `tmp_path`; returns the data files it opened
     (anything under `tmp_path` but its output and caches) and those it declared."""
-    global OPENED
     module = __import__(f"recipes.train_{recipe}", fromlist=["train"])
     out, cache = tmp_path / "run", tmp_path / "hf"
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))  # the fingerprint's digests
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))  # prepared tables
-    declared: dict[str, Path] = {}
-    real_open = Run.open.__func__
-
-    def spy(cls: type[Run], *args: Any, **kwargs: Any) -> Run:
-        declared.update(kwargs["data_files"])
-        return real_open(cls, *args, **kwargs)
-
-    monkeypatch.setattr(Run, "open", classmethod(spy))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    OPENED = []
     try:
-        train_in_python(module.train, [*argv, "--output-dir", str(out)], out, script=script)
-        opened = {Path(p) for p in OPENED}
+        with files_opened() as opened, files_declared() as declared:
+            train_in_python(module.train, [*argv, "--output-dir", str(out)], out, script=script)
     finally:
-        OPENED = None
         torch.set_num_threads(threads)
         AcceleratorState._reset_state(reset_partial_state=True)
-    data = {p for p in opened if p.is_relative_to(tmp_path) and not p.is_relative_to(out)}
-    data = {p for p in data if not p.is_relative_to(cache)}
-    return data, {Path(os.path.abspath(p)) for p in declared.values()}
+    return (
+        data_files_read(opened, tmp_path, [out, cache]),
+        {Path(os.path.abspath(p)) for p in declared.values()},
+    )
 
 
 def resume_refused(recipe: str, script: Path, argv: list[str], tmp_path: Path, monkeypatch) -> str:
@@ -138,22 +112,6 @@ def quality_data(tmp_path: Path) -> list[str]:
     return [*args, "--bs", "8"]
 
 
-def captioning_data(tmp_path: Path) -> list[str]:
-    from recipes.captioning.example import write_dataset
-
-    data = write_dataset(tmp_path / "data", train_images=16, test_images=4, size=16)
-    (data / "README.md").write_text("not read\n")
-    return ["--data", str(data), *CAPTIONING_TINY, "--image-size", "16", "--bs", "8"]
-
-
-def crystal_data(tmp_path: Path) -> list[str]:
-    from recipes.crystal.example import write_dataset
-
-    data = write_dataset(tmp_path / "data", structures=24)
-    (data / "README.md").write_text("not read\n")
-    return ["--data", str(data), *CRYSTAL_TINY, "--bs", "8", "--no-cache-graphs"]
-
-
 def cricket_data(tmp_path: Path) -> list[str]:
     from recipes.cricket.example import write_dataset
 
@@ -161,15 +119,6 @@ def cricket_data(tmp_path: Path) -> list[str]:
     (data / "README.txt").write_text("not read\n")
     args = ["--data", str(data), *CRICKET_TINY, "--bs", "8", "--val-ratio", "0.2"]
     return [*args, "--test-ratio", "0.2", "--graph-cache-dir", str(tmp_path / "hf" / "graphs")]
-
-
-RECIPES: dict[str, tuple[Path, Callable[[Path], list[str]]]] = {
-    "template": (TEMPLATE, template_data),
-    "pointcloud": (POINTCLOUD, pointcloud_data),
-    "quality": (QUALITY, quality_data),
-    "captioning": (CAPTIONING, captioning_data),
-    "crystal": (CRYSTAL, crystal_data),
-}  # cricket: in test_cricket_declares_the_files_it_opens_also_when_fine_tuning
 
 
 def exactly_declared(opened: set[Path], declared: set[Path]) -> None:
@@ -180,11 +129,14 @@ def exactly_declared(opened: set[Path], declared: set[Path]) -> None:
     assert sorted(declared - opened) == [], "in the fingerprint, not opened"
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", discovered())
 def test_each_recipe_declares_exactly_the_files_its_run_opens(recipe, tmp_path, monkeypatch):
-    script, write = RECIPES[recipe]
-    argv = [*write(tmp_path), "--max-steps", "1"]
-    exactly_declared(*train(recipe, script, argv, tmp_path, monkeypatch))
+    """Every recipe there is (recipes/train_*.py), on its example at the size it declares for
+    `accel-recipes check` (CHECK_DATA, CHECK_ARGS)."""
+    found = find_recipe(recipe)
+    data = found.write_example(tmp_path / "data")
+    argv = ["--data", str(data), *found.args, "--max-steps", "1"]
+    exactly_declared(*train(recipe, found.script, argv, tmp_path, monkeypatch))
 
 
 def test_pointcloud_refuses_a_resume_on_a_changed_file_its_csv_lists_elsewhere(

@@ -34,8 +34,20 @@ from tests.test_layout import originals_without_license, script_importers
 # project, by test_the_porting_guide_runs_step_by_step
 PORTING = REPO / "docs" / "porting.md"
 DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p != PORTING)]
-SUBCOMMANDS = {"evaluate", "complete", "predict", "score", "caption", "prepare", "compare"}
-SUBCOMMANDS |= {"export-onnx"}
+
+
+def subcommands() -> set[str]:
+    """The single-device commands of every recipe there is, as its `run_recipe(...)` names them
+    (`evaluate=...`, `**{"export-onnx": ...}`): not training launches."""
+    found = set()
+    for script in (REPO / "recipes").glob("train_*.py"):
+        call = re.search(r"run_recipe\(train(.*)\)", script.read_text())
+        if call:
+            found |= {a or b for a, b in re.findall(r"(\w+)=|\"([\w-]+)\":", call.group(1))}
+    return found
+
+
+SUBCOMMANDS = subcommands()
 GPUS_PER_NODE = 8  # the Makefile's and the cluster scripts' default
 MAKE_PROCESSES = {"train": 1, "train-cpu": 2, "train-1gpu": 1, "train-2gpu": 2, "train-4gpu": 4}
 MAKE_PROCESSES["train-8gpu"] = 8

@@ -45,6 +45,7 @@ from accel_common.convert import convert_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.export import load_exported
 from accel_common.launch_guard import sharding_refusal
+from accel_common.tools.check.session import FSDP_SHIM, fsdp_cpu_config
 from accel_common.tools.cli import app
 from tests.processes import (
     ACCELERATE_LAUNCH,
@@ -74,44 +75,9 @@ TOLERANCE = 1e-5
 # DCP warns that it saves/loads in one process when no process group exists: here on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-# Accelerate builds its state as MULTI_CPU on the CPU and drops the FSDP plugin; set it back to
-# what the same launch gets on GPUs, then run the recipe unchanged.
-FSDP_ON_CPU = """
-import os, runpy, sys
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-build = AcceleratorState.__init__
-def build_with_fsdp(self, *args, **kwargs):
-    build(self, *args, **kwargs)
-    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and self.distributed_type == "MULTI_CPU":
-        self.distributed_type = DistributedType.FSDP
-        self.fsdp_plugin = FullyShardedDataParallelPlugin()
-AcceleratorState.__init__ = build_with_fsdp
-import torch.distributed.fsdp as fsdp
-shard = fsdp.fully_shard
-def shard_and_say(module, **kwargs):
-    if os.environ.get("RANK") == "0":
-        print(f"fsdp unit: {type(module).__name__}", flush=True)
-    return shard(module, **kwargs)
-fsdp.fully_shard = shard_and_say  # Accelerate imports it when it prepares the model
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def template_module():
     return importlib.import_module("recipes.train_template")
-
-
-def cpu_fsdp_config(tmp: Path, min_num_params: int = 1000) -> Path:
-    """fsdp_8gpu.yaml on 2 CPU processes, with a wrap threshold that gives the model nested units
-    (1000: the template's 64x64 layers on their own)."""
-    config = yaml.safe_load((CONFIGS / "fsdp_8gpu.yaml").read_text())
-    config.update(num_processes=2, use_cpu=True, mixed_precision="no")
-    config["fsdp_config"]["fsdp_min_num_params"] = min_num_params
-    path = tmp / "fsdp_cpu_2proc.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def launch_fsdp(
@@ -122,15 +88,12 @@ def launch_fsdp(
     recipe: Path = TEMPLATE,
     min_num_params: int = 1000,
 ) -> subprocess.CompletedProcess:
-    """`recipe` under the CPU FSDP config; `wrapped` runs it through FSDP_ON_CPU."""
-    script = [str(recipe)]
-    if wrapped:
-        shim = tmp / "fsdp_on_cpu.py"
-        shim.write_text(FSDP_ON_CPU)
-        script = [str(shim), str(recipe)]
+    """`recipe` under the CPU FSDP config; `wrapped` runs it through the library's shim that
+    enables FSDP on the CPU (accel_common/tools/check/fsdp_on_cpu.py)."""
+    script = [str(FSDP_SHIM), str(recipe)] if wrapped else [str(recipe)]
     command = [
         *ACCELERATE_LAUNCH,
-        "--config_file", str(cpu_fsdp_config(tmp, min_num_params)),
+        "--config_file", str(fsdp_cpu_config(tmp, min_num_params)),
         "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(free_port()),
         *script, *args,
@@ -334,7 +297,7 @@ def test_fsdp_on_the_cpu_is_refused_by_the_dry_run_and_the_doctor_in_the_runs_wo
     assert result.returncode == 2, result.stdout
     assert result.stderr.splitlines() == [f"error: {message}; {advice}"]
     assert "dry run" not in result.stdout
-    config = cpu_fsdp_config(tmp_path)
+    config = fsdp_cpu_config(tmp_path)
     doctor = CliRunner().invoke(app, ["doctor", "--json", "--config-file", str(config)])
     assert doctor.exit_code == 1, doctor.output
     problems = json.loads(doctor.stdout)["problems"]

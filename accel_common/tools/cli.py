@@ -296,6 +296,24 @@ def new(
     console.print(f"created {target}: replace the parts marked WORKLOAD, keep the loop's shape")
 
 
+@app.command()
+@exit_on_error
+def check(
+    name: str = typer.Argument(
+        ..., help="Recipe: a name (recipes/train_NAME.py) or a script's path."
+    ),
+    only: str | None = typer.Option(None, help="Promises to check, e.g. a,d (default: all)."),
+) -> None:
+    """Prove on the CPU what the library promises the recipe: 2 processes = 1 (a), kill and
+    resume exact (b), --dry-run = the run (c), files opened = data_files (d), the export (e) and
+    a converted checkpoint (f) load in its own command, FSDP = plain (g), --compile keeps plain
+    keys and bf16 trains (h). Runs its example at the size it declares (CHECK_ARGS, CHECK_DATA,
+    CHECK_COMMAND); prints a table; exit 1 if a promise does not hold."""
+    from accel_common.tools.check.runner import run_check  # imported here: it loads torch
+
+    raise typer.Exit(run_check(name, only, console))
+
+
 @app.command("make-data")
 @exit_on_error
 def make_data_command(

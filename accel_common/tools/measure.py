@@ -11,10 +11,7 @@ out-of-memory error; this answers the question before a launch.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +35,7 @@ from accel_common.memory import (
     present_device,
 )
 from accel_common.options import SharedSettings
+from accel_common.tools.check.recipe import load_script
 
 GPU_SIZES_GB = (24, 40, 80, 141)
 # flags each measurement sets itself: the batch, a short run, a throw-away output folder
@@ -65,34 +63,9 @@ def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, i
     """The recipe's script (a name like `template`, or a path), its click command and its
     default batch (global, per-device: one of them is set). A path that is not a recipe script
     (missing, a folder, not Python, not importable, no recipe `train`) is one line naming it."""
-    recipes = Path(__file__).resolve().parents[2] / "recipes"
-    names = ", ".join(sorted(p.stem.removeprefix("train_") for p in recipes.glob("train_*.py")))
-    script = Path(recipe)
-    if not script.exists() and re.fullmatch(r"[a-z][a-z0-9_]*", recipe):
-        script = recipes / f"train_{recipe}.py"
     what = f"--measure {recipe}"
-    if not script.exists():
-        raise RecipeError(f"{what}: no such recipe or file; give a recipe ({names}) or its script")
-    if not script.is_file():
-        raise RecipeError(f"{what} is a folder; give a recipe script such as recipes/train_X.py")
-    if script.suffix != ".py":
-        raise RecipeError(f"{what} is not a Python file; give a recipe ({names}) or its script")
-    if script.resolve().parent == recipes:  # one of the project's recipes: import it as one
-        train = importlib.import_module(f"recipes.{script.stem}").train
-    else:  # a script elsewhere, run as a module of its own (its dataclasses look it up by name)
-        name = f"accel_recipes_measured_{script.stem}"
-        spec = importlib.util.spec_from_file_location(name, script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as err:  # a syntax error, a missing package: the user's file, not ours
-            del sys.modules[name]
-            text = str(err).splitlines()[0] if str(err) else ""
-            if isinstance(err, SyntaxError):
-                text = f"{err.msg} at line {err.lineno}"
-            raise RecipeError(f"{what}: cannot import it ({type(err).__name__}: {text})") from None
-        train = getattr(module, "train", None)
+    script, module = load_script(recipe, what)
+    train = getattr(module, "train", None)
     if not hasattr(train, "default_batch"):
         raise RecipeError(
             f"{what} defines no recipe command `train` (a function decorated by "

@@ -1,0 +1,211 @@
+"""The promises `accel-recipes check` holds a recipe to, one function each: each returns an
+Outcome (held, not held or skipped, with the numbers measured).
+
+Bounds. 2 processes compute the same per-sample gradients as 1 at the same global batch; only
+the order of floating-point sums differs, ~1e-7 relative per step, which AdamW magnifies in
+tensors whose gradients are tiny (biases near zero, those a normalisation cancels). So the
+2-process run may be no further from the 1-process run than one process accumulating the same
+two halves is (its distance is the sum-order floor): at most 2 x floor + 1e-6, and never held
+to less than 1e-5 (the template's bound in tests/test_distributed.py). A real difference (a
+wrong batch split, a gradient not averaged, a scheduler stepped twice) shows at 1e-2 or more.
+FSDP reduce-scatters where DDP all-reduces: held to the same bound against the 2-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from accel_common.convert import convert_checkpoint
+from accel_common.tools.check.compare import (
+    exported_params,
+    max_relative_difference,
+    max_relative_step_difference,
+    parse_plan,
+    per_step,
+    plan_differences,
+)
+from accel_common.tools.check.opened import data_files_read
+from accel_common.tools.check.session import AUDIT, SHORT, STEPS, Session
+
+HELD, NOT_HELD, SKIPPED = "held", "not held", "skipped"
+FLOOR = 1e-5  # the least any comparison is held to (test_distributed's bound)
+
+
+@dataclass
+class Outcome:
+    status: str
+    measured: str = ""
+    why: str = ""
+
+
+def bound(floor: float) -> float:
+    return max(FLOOR, 2 * floor + 1e-6)
+
+
+def sum_order_floor(session: Session) -> tuple[float, float]:
+    """How far the sum order alone moves the 1-process run's weights and per-step losses: one
+    process at the global batch against one accumulating its two halves."""
+    single, halves = session.run("single"), session.run("halves", "--grad-accum", "2")
+    weights = max_relative_difference(exported_params(single), exported_params(halves))
+    return weights, max_relative_step_difference(per_step(single), per_step(halves))
+
+
+def two_processes_equal_one(session: Session) -> Outcome:
+    """a. 2 processes (gloo) at the same global batch: the same per-step loss and weights."""
+    floor_w, floor_l = sum_order_floor(session)
+    single, double = session.run("single"), session.run("double", nproc=2)
+    weights = max_relative_difference(exported_params(single), exported_params(double))
+    losses = max_relative_step_difference(per_step(single), per_step(double))
+    measured = (
+        f"weights {weights:.1e} (bound {bound(floor_w):.1e}), "
+        f"losses {losses:.1e} (bound {bound(floor_l):.1e})"
+    )
+    if weights <= bound(floor_w) and losses <= bound(floor_l):
+        return Outcome(HELD, measured)
+    return Outcome(NOT_HELD, measured, "2 processes trained otherwise than 1")
+
+
+def resume_is_exact(session: Session) -> Outcome:
+    """b. kill -9 after a checkpoint, then --resume latest: the export bit for bit."""
+    full = exported_params(session.run("single"))
+    killed, latest = session.killed_and_resumed()
+    resumed = exported_params(killed)
+    if full.keys() != resumed.keys():
+        return Outcome(NOT_HELD, "", "the resumed export has other tensors")
+    differ = [k for k in full if not full[k].equal(resumed[k])]
+    measured = f"killed after step {latest}; {len(differ)} of {len(full)} tensors differ"
+    if differ:
+        return Outcome(NOT_HELD, measured, f"not bit-equal, e.g. {differ[0]}")
+    return Outcome(HELD, measured)
+
+
+def dry_run_is_the_run(session: Session) -> Outcome:
+    """c. --dry-run prints what the run uses: parameters, batch plan, LR line, steps."""
+    single = session.run("single")
+    result = session.process([*session.flags("--output-dir", str(single)), "--dry-run"])
+    plan = parse_plan(result.stdout)
+    if result.returncode != 0 or plan is None:
+        return Outcome(NOT_HELD, "", f"the dry run failed (exit {result.returncode})")
+    export = json.loads((single / "model" / "model.json").read_text())
+    found = plan_differences(plan, export, STEPS)
+    measured = f"parameters {plan.get('parameters')}, {plan.get('batch')}"
+    if found:
+        return Outcome(NOT_HELD, measured, "; ".join(found))
+    return Outcome(HELD, measured)
+
+
+def data_files_are_declared(session: Session) -> Outcome:
+    """d. The files the run opens are its `data_files`, no more, no fewer."""
+    out, record = session.tmp / "runs" / "audit", session.tmp / "opened.json"
+    args = [str(record), str(session.recipe.script), *session.flags("--output-dir", str(out))]
+    result = session.process(args, script=AUDIT)
+    if result.returncode != 0 or not record.is_file():
+        return Outcome(NOT_HELD, "", f"the run failed (exit {result.returncode})")
+    files = json.loads(record.read_text())
+    opened = data_files_read(files["opened"], session.example(), [out, session.tmp / "hf"])
+    declared = {Path(p) for p in files["declared"]}
+    data = session.example()
+
+    def name(paths: set[Path]) -> str:
+        return ", ".join(
+            sorted(str(p.relative_to(data) if p.is_relative_to(data) else p) for p in paths)[:3]
+        )
+
+    measured = f"{len(opened)} opened, {len(declared)} declared"
+    if not opened:
+        return Outcome(NOT_HELD, measured, "the run opened no file under its data")
+    if opened - declared:
+        return Outcome(NOT_HELD, measured, f"read, not declared: {name(opened - declared)}")
+    if declared - opened:
+        return Outcome(NOT_HELD, measured, f"declared, not read: {name(declared - opened)}")
+    return Outcome(HELD, measured)
+
+
+def command_loads(session: Session, model: Path) -> tuple[bool, str]:
+    """Whether CHECK_COMMAND runs on the export `model`, and its last line (or error)."""
+    result = session.process(session.fill(session.recipe.command, model))
+    stream = result.stdout if result.returncode == 0 else result.stderr
+    lines = [line.strip() for line in stream.splitlines() if line.strip()]
+    return result.returncode == 0, (lines[-1] if lines else "")[:80]
+
+
+def export_loads(session: Session) -> Outcome:
+    """e. The export loads into the recipe's own single-device command."""
+    if session.recipe.command is None:
+        return Outcome(SKIPPED, "", "the recipe declares no CHECK_COMMAND")
+    ok, line = command_loads(session, session.run("single") / "model")
+    return Outcome(HELD if ok else NOT_HELD, line, "" if ok else "its command failed")
+
+
+def converted_checkpoint_loads(session: Session) -> Outcome:
+    """f. `accel-recipes convert` of its last checkpoint gives the export's tensors, and the
+    recipe's command loads it (strictly, by load_exported) in place of the export."""
+    single = session.run("single")
+    checkpoint = single / "checkpoints" / f"step_{STEPS}"
+    converted = convert_checkpoint(
+        checkpoint, session.tmp / "converted", recipe=session.recipe.name
+    )
+    state, export = load_file(str(converted)), exported_params(single)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    if shapes != {k: tuple(v.shape) for k, v in export.items()}:
+        other = sorted(set(shapes).symmetric_difference(export))[:3]
+        return Outcome(NOT_HELD, f"{len(state)} tensors", f"not the export's tensors: {other}")
+    changed = sum(not state[k].equal(export[k]) for k in state)
+    measured = f"{len(state)} tensors as exported ({changed} with other values)"
+    if session.recipe.command is None:
+        return Outcome(HELD, measured, "no CHECK_COMMAND: keys and shapes compared only")
+    folder = session.tmp / "converted_export"
+    shutil.copytree(single / "model", folder)
+    shutil.copy(converted, folder / "model.safetensors")
+    ok, line = command_loads(session, folder)
+    return Outcome(HELD if ok else NOT_HELD, measured, "" if ok else f"its command: {line}")
+
+
+def fsdp_equals_plain(session: Session) -> Outcome:
+    """g. FSDP2 on 2 CPU processes ends where the plain 2-process run does."""
+    floor_w, _ = sum_order_floor(session)
+    double = session.run("double", nproc=2)
+    out, stdout = session.fsdp("fsdp")
+    units = sum(line.startswith("fsdp unit: ") for line in stdout.splitlines())
+    weights = max_relative_difference(exported_params(double), exported_params(out))
+    measured = f"{units} FSDP units; weights {weights:.1e} (bound {bound(floor_w):.1e})"
+    if units == 0:
+        return Outcome(NOT_HELD, measured, "nothing was sharded")
+    if weights > bound(floor_w):
+        return Outcome(NOT_HELD, measured, "FSDP trained otherwise than DDP")
+    return Outcome(HELD, measured)
+
+
+def compile_and_bf16(session: Session) -> Outcome:
+    """h. --compile keeps the export's plain keys; --mixed-precision bf16 trains (finite loss)."""
+    plain = exported_params(session.run("single"))
+    compiled = exported_params(session.run("compiled", "--compile", steps=SHORT))
+    prefixed = [k for k in compiled if "_orig_mod." in k or k.startswith("module.")]
+    bf16 = per_step(session.run("bf16", "--mixed-precision", "bf16", steps=SHORT))
+    finite = bool(bf16) and all(math.isfinite(v) for v in bf16.values())
+    measured = f"compiled keys {'plain' if not prefixed else 'prefixed'}; bf16 losses " + (
+        ", ".join(f"{v:.3g}" for v in bf16.values())
+    )
+    if prefixed or compiled.keys() != plain.keys():
+        return Outcome(NOT_HELD, measured, f"compiled export's keys differ, e.g. {prefixed[:1]}")
+    if not finite:
+        return Outcome(NOT_HELD, measured, "bf16 loss not finite")
+    return Outcome(HELD, measured)
+
+
+PROMISES = {
+    "a": ("2 processes = 1", two_processes_equal_one),
+    "b": ("kill -9 and resume = uninterrupted", resume_is_exact),
+    "c": ("--dry-run = the run", dry_run_is_the_run),
+    "d": ("files opened = data_files", data_files_are_declared),
+    "e": ("export loads in its command", export_loads),
+    "f": ("converted checkpoint loads", converted_checkpoint_loads),
+    "g": ("FSDP = plain", fsdp_equals_plain),
+    "h": ("--compile plain keys, bf16 trains", compile_and_bf16),
+}

@@ -1,0 +1,99 @@
+"""The recipe a check runs: found by name (recipes/train_NAME.py) or path, its declarations, its
+example data.
+
+A recipe declares, at module level, what makes its run small and deterministic for the checks
+(`CHECK_ARGS`: tiny sizes, dropout off, the global batch), how small its example is
+(`CHECK_DATA`: its generator's options) and the single-device command that loads its export
+(`CHECK_COMMAND`: {model}, {data} and {out} are filled in). The tests read the same
+declarations, so a new recipe joins them by existing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from accel_common.errors import RecipeError
+from accel_common.tools.example_data import RECIPES, generator, make_data, workloads
+
+
+def load_script(recipe: str, what: str) -> tuple[Path, ModuleType]:
+    """The recipe's script (a name like `template`, or a path) and its module. A path that is not
+    a recipe script (missing, a folder, not Python, not importable) is one line naming it, with
+    `what` (the flag or argument that gave it)."""
+    names = ", ".join(workloads())
+    script = Path(recipe)
+    if not script.exists() and re.fullmatch(r"[a-z][a-z0-9_]*", recipe):
+        script = RECIPES / f"train_{recipe}.py"
+    if not script.exists():
+        raise RecipeError(f"{what}: no such recipe or file; give a recipe ({names}) or its script")
+    if not script.is_file():
+        raise RecipeError(f"{what} is a folder; give a recipe script such as recipes/train_X.py")
+    if script.suffix != ".py":
+        raise RecipeError(f"{what} is not a Python file; give a recipe ({names}) or its script")
+    if script.resolve().parent == RECIPES:  # one of the project's recipes: import it as one
+        return script, importlib.import_module(f"recipes.{script.stem}")
+    # a script elsewhere, run as a module of its own (its dataclasses look it up by name)
+    name = f"accel_recipes_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # a syntax error, a missing package: the user's file, not ours
+        del sys.modules[name]
+        text = str(err).splitlines()[0] if str(err) else ""
+        if isinstance(err, SyntaxError):
+            text = f"{err.msg} at line {err.lineno}"
+        raise RecipeError(f"{what}: cannot import it ({type(err).__name__}: {text})") from None
+    return script, module
+
+
+@dataclass
+class Recipe:
+    name: str
+    script: Path
+    module: ModuleType
+
+    @property
+    def args(self) -> list[str]:
+        return list(getattr(self.module, "CHECK_ARGS", []))
+
+    @property
+    def data_options(self) -> dict:
+        return dict(getattr(self.module, "CHECK_DATA", {}))
+
+    @property
+    def command(self) -> list[str] | None:
+        command = getattr(self.module, "CHECK_COMMAND", None)
+        return None if command is None else list(command)
+
+    def write_example(self, out_dir: Path) -> Path:
+        """Its example data, at the size CHECK_DATA asks for, into the new folder `out_dir`."""
+        if self.script.resolve().parent == RECIPES:
+            return make_data(self.name, out_dir, **self.data_options)
+        write_dataset = getattr(self.module, "write_dataset", None)
+        if write_dataset is None:  # a copied recipe with a folder of its own
+            write_dataset = generator(self.name)
+        return write_dataset(out_dir, **self.data_options)
+
+
+def find_recipe(recipe: str, what: str = "NAME") -> Recipe:
+    script, module = load_script(recipe, f"{what} {recipe}")
+    name = getattr(module, "RECIPE", script.stem.removeprefix("train_"))
+    if not hasattr(getattr(module, "train", None), "default_batch"):
+        raise RecipeError(
+            f"{what} {recipe} defines no recipe command `train` (a function decorated by "
+            "accel_common.options.train_command, as in recipes/train_template.py)"
+        )
+    return Recipe(name, script, module)
+
+
+def discovered() -> list[str]:
+    """Every recipe there is: recipes/train_*.py, by name."""
+    return workloads()

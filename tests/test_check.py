@@ -1,0 +1,97 @@
+"""`accel-recipes check NAME` proves a recipe's promises: the template holds them all, a fresh
+`accel-recipes new` copy holds them outside the repository, and a broken copy fails the row of
+the promise it breaks, with exit code 1. Its refusals are one line (exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.processes import TEMPLATE, recipe_env
+
+
+def check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`accel-recipes check ARGS` as a process, its table wide enough for a row per line."""
+    env = {**recipe_env(tmp_path), "COLUMNS": "250"}
+    command = [sys.executable, "-m", "accel_common.tools.cli", "check", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def rows(output: str) -> dict[str, list[str]]:
+    """The table's rows by promise letter: [promise, result, measured, why]."""
+    found = {}
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if len(cells) == 5 and len(cells[0]) == 1:
+            found[cells[0]] = cells[1:]
+    return found
+
+
+def new_recipe(tmp_path: Path, name: str) -> Path:
+    from accel_common.tools.cli import app
+
+    result = CliRunner().invoke(app, ["new", name, "--dest", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    return tmp_path / f"train_{name}.py"
+
+
+@pytest.mark.slow
+def test_the_template_holds_every_promise(tmp_path):
+    result = check(tmp_path, "template")
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = rows(result.stdout)
+    assert sorted(found) == list("abcdefgh")
+    assert all(row[1] == "held" for row in found.values()), found
+    assert "check template: 2 processes = 1 ..." in result.stdout
+
+
+@pytest.mark.slow
+def test_a_new_recipe_outside_the_repository_holds_its_promises(tmp_path):
+    """`accel-recipes new` then `check PATH`: found by its file, its example written by its own
+    generator, its command the template's; the promises that depend on the copied code."""
+    script = new_recipe(tmp_path, "mymodel")
+    result = check(tmp_path, str(script), "--only", "c,d,e")
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = rows(result.stdout)
+    assert sorted(found) == ["c", "d", "e"]
+    assert all(row[1] == "held" for row in found.values()), found
+    assert "accel-recipes check mymodel" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_recipe_that_reads_an_undeclared_file_fails_that_row(tmp_path):
+    script = new_recipe(tmp_path, "broken")
+    text = script.read_text()
+    declared = 'named_files([data_dir / "train.csv", data_dir / "test.csv"], data_dir)'
+    assert declared in text
+    script.write_text(text.replace(declared, 'named_files([data_dir / "train.csv"], data_dir)'))
+    result = check(tmp_path, str(script), "--only", "d")
+    assert result.returncode == 1, result.stdout + result.stderr
+    row = rows(result.stdout)["d"]
+    assert row[1:] == ["not held", "2 opened, 1 declared", "read, not declared: test.csv"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["template", "--only", "a,z"], "error: --only a,z: give letters among a,b,c,d,e,f,g,h"),
+        (["nosuch"], "error: NAME nosuch: no such recipe or file; give a recipe ("),
+    ],
+)
+def test_a_bad_name_or_promise_is_one_line(args, message):
+    from accel_common.tools.cli import app
+
+    result = CliRunner().invoke(app, ["check", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
+
+
+def test_the_template_shows_a_new_recipe_what_to_declare():
+    """What `accel-recipes new` copies declares what the check and the tests run it with."""
+    text = TEMPLATE.read_text()
+    for name in ("CHECK_ARGS", "CHECK_DATA", "CHECK_COMMAND"):
+        assert f"\n{name} = " in text, name
