@@ -103,6 +103,10 @@ RECIPE = "crystal"
 CHECK_ARGS = ["--width", "16", "--layers", "2", "--max-neighbors", "8", "--rbf-bins", "16"]
 CHECK_ARGS += ["--angle-bins", "16", "--fc-features", "16", "--bs", "8"]
 CHECK_DATA = {"structures": 48}
+# the biases right before a BatchNorm (which cancels them) get a gradient of rounding noise that
+# AdamW turns into steps of about the LR, and the running means track them: N vs 1 process
+# differs there by design (tests/recipes/crystal/test_training.py measured up to 10%)
+CHECK_NOISE = ("lin_concate.bias", ".bn.running_mean")
 CHECK_COMMAND = ["predict", "--model", "{model}", "--data", "{data}/structures.extxyz"]
 CHECK_COMMAND += ["--out", "{out}.csv"]
 

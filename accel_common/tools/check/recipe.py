@@ -65,6 +65,12 @@ class Recipe:
         return list(getattr(self.module, "CHECK_ARGS", []))
 
     @property
+    def noise(self) -> tuple[str, ...]:
+        """Name endings of the tensors whose N-vs-1 difference is rounding noise amplified on
+        purpose-free gradients (CHECK_NOISE, each with its reason in the recipe)."""
+        return tuple(getattr(self.module, "CHECK_NOISE", ()))
+
+    @property
     def data_options(self) -> dict:
         return dict(getattr(self.module, "CHECK_DATA", {}))
 
