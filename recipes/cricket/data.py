@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -445,14 +446,16 @@ def parse_files(batch: dict[str, list], match_types: list[str]) -> dict[str, lis
     """Rows of parsed innings for a batch of files; a file that gives no innings leaves one row
     saying why (its status), so the summary can count it."""
     out: dict[str, list] = {k: [] for k in PARSED}
-    for path in batch["path"]:
-        note = ""
+    for raw in batch["path"]:
+        path, note = Path(os.fsdecode(raw)), ""
         try:
-            status, records = parse_match(Path(path), tuple(match_types))
+            status, records = parse_match(path, tuple(match_types))
         except NotAMatch as err:
             status, records, note = "not_match", [], str(err)
+        # a name that is no UTF-8 (b"m\xff.json") as Arrow can hold it: m\xff.json, escaped
+        name = os.fsencode(path.name).decode("utf-8", "backslashreplace")
         for record in records or [{"status": status}]:
-            row = EMPTY | record | {"file": Path(path).name, "note": note}
+            row = EMPTY | record | {"file": name, "note": note}
             for key in PARSED:
                 out[key].append(row[key])
     return out
@@ -589,7 +592,7 @@ def load_innings(
     num_proc = workers if workers > 1 else None
     parsed = cached(
         cache_dir / f"cricket-parse-{parse_key}",
-        lambda: datasets.Dataset.from_dict({"path": [str(f) for f in files]}).map(
+        lambda: datasets.Dataset.from_dict({"path": [os.fsencode(f) for f in files]}).map(
             parse_files,
             batched=True,
             batch_size=8,

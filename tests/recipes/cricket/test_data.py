@@ -361,3 +361,14 @@ def test_a_match_file_nested_too_deeply_is_a_non_match_named_in_one_line(folder)
     assert str(error.value) == (
         f"{deep}: {cricket.NESTED_TOO_DEEPLY}; remove it, or leave out --strict to skip it"
     )
+
+
+def test_a_match_file_whose_name_is_not_utf8_is_read_and_named_escaped(folder):
+    """A file named b'm\\xff.json' stopped the table build with Arrow's UnicodeEncodeError: the
+    paths travel as bytes, the name as m\\xff.json."""
+    source = sorted(folder.glob("*.json"))[0]
+    os.rename(source, os.fsencode(folder) + b"/m\xff.json")
+    rows, info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+    assert info["summary"]["files"] == 16
+    assert os.fsencode(folder) + b"/m\xff.json" in map(os.fsencode, info["files"])
+    assert "m\\xff.json" in set(rows["file"])
