@@ -89,13 +89,14 @@ def test_a_malformed_accelerate_config_is_one_line_from_launch_and_doctor(tmp_pa
         ("num_processes: -3", "num_processes: -3: give a positive whole number"),
         ("num_processes: two", "num_processes: 'two': give a positive whole number"),
         ("num_machines: 0", "num_machines: 0: give a positive whole number"),
+        ("distributed_type: WARP_DRIVE", "distributed_type: 'WARP_DRIVE': give one of NO,"),
         ("dynamo_backend: bogus", "dynamo_backend: 'bogus': give one of no, eager,"),
         (
             "dynamo_config: {dynamo_backend: INDUCTOR, dynamo_use_regional_compilation: maybe}",
             "dynamo_use_regional_compilation: 'maybe': give true or false",
         ),
     ],
-    ids=["negative-processes", "text-processes", "zero-machines", "backend", "regional"],
+    ids=["negative-processes", "text-processes", "zero-machines", "kind", "backend", "regional"],
 )
 def test_a_bad_value_in_an_accelerate_config_is_one_line_from_launch_and_doctor(
     tmp_path, line, expected

@@ -82,8 +82,15 @@ def bad_value(config: dict[str, Any]) -> str | None:
     Accelerate checks neither the process counts, the port nor the dynamo settings of a config
     file: a negative count starts a nonsense launch, a bad port, backend or flag kills it after
     it started."""
-    from accelerate.utils import DynamoBackend  # imported here: accelerate is slow to import
+    from accelerate.utils import (  # imported here: accelerate is slow to import
+        DistributedType,
+        DynamoBackend,
+    )
 
+    kinds = [kind.value for kind in DistributedType]
+    kind = config.get("distributed_type", "NO")
+    if str(kind) not in kinds:
+        return f"distributed_type: {kind!r}: give one of {', '.join(kinds)}"
     for key in ("num_processes", "num_machines"):
         value = config.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
