@@ -422,9 +422,9 @@ def loss_sums_problem(saved: Any, processes: int) -> str | None:
             for value in sums:
                 if type(value) not in (int, float) or not math.isfinite(value):
                     return f"loss_sums.{part}.sums holds {value!r}, not a finite number"
-            for value in counts:
-                if type(value) not in (int, float) or value < 0 or value != int(value):
-                    return f"loss_sums.{part}.counts holds {value!r}, not a whole number >= 0"
+            for value in counts:  # a share after a resume on another process count: a float
+                if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                    return f"loss_sums.{part}.counts holds {value!r}, not a finite number >= 0"
         last = saved["last_epoch"]
     except (KeyError, TypeError) as err:
         return f"loss_sums is malformed ({type(err).__name__}: {err})"

@@ -118,6 +118,7 @@ class TrainLoop:
         self._recorded = False
         self._booked: bool | None = None  # eval_due took the micro-batch's bookkeeping: done?
         self._window_losses: list[torch.Tensor] = []  # this optimizer step's, logged once it ends
+        self._window_items: list[torch.Tensor | int | None] = []  # what each loss is a mean over
         self._flags: tuple[int, int] | None = None  # reduced early by clip_gradients (skip mode)
         self._skip_step = False
         # a loader balanced by cost knows every process's cost per micro-step: logged as the
@@ -249,10 +250,13 @@ class TrainLoop:
                 for parameter in model.parameters():
                     parameter.grad = None  # optimizers pass over parameters without a gradient
 
-    def record(self, loss: torch.Tensor) -> None:
+    def record(self, loss: torch.Tensor, items: torch.Tensor | int | None = None) -> None:
         """The micro-batch's loss, for the logged means and the step's non-finite check (no host
-        sync: kept on the device until the optimizer step ends)."""
+        sync: kept on the device until the optimizer step ends). With `items` (the tokens,
+        nodes, ... the loss is a mean over), the logged means weigh each micro-batch by them:
+        the loss over every item of the window, whatever the launch splits them into."""
         self._window_losses.append(loss.detach())
+        self._window_items.append(items)
         self._recorded = True
 
     def _after_micro_batch(self) -> bool:
@@ -290,13 +294,14 @@ class TrainLoop:
             self.progress.skipped_steps += 1  # inf/NaN gradients: the scaler halved its scale
             skipped = self.on_nonfinite is OnNonFinite.skip
         losses, self._window_losses = self._window_losses, []
+        items, self._window_items = self._window_items, []
         if skipped:
             self._skipped_nonfinite()
         elif nonfinite:
             self._diverged(nonfinite_losses(self.accelerator, losses))
         else:
-            for loss in losses:
-                self.log.add_loss(loss)
+            for loss, count in zip(losses, items, strict=True):
+                self.log.add_loss(loss, count)
         logged = self.log.step(self.progress.step, lr, self._grad_norm)
         self._grad_norm = None
         if logged is not None and fp16:

@@ -140,29 +140,39 @@ class RunningMean:
     """
 
     def __init__(self) -> None:
+        # the weighted sum and the weights' sum, on the device (each value weighs 1 unless
+        # `add` is given its items); None while empty
         self.total: torch.Tensor | None = None
-        self.count = 0.0  # a float: restored on another process count, each holds a share
+        self.weight: torch.Tensor | None = None
         self.partial = False  # resumed from a checkpoint without sums: covers the steps since
 
-    def add(self, value: torch.Tensor) -> None:
+    @property
+    def has_values(self) -> bool:
+        """Whether anything was added since the last compute (no host sync)."""
+        return self.total is not None
+
+    def add(self, value: torch.Tensor, weight: torch.Tensor | int | None = None) -> None:
         if self.total is None:
             self.total = torch.zeros((), dtype=torch.float32, device=value.device)
-        self.total.add_(value.detach())
-        self.count += 1
+            self.weight = torch.zeros((), dtype=torch.float32, device=value.device)
+        w = 1 if weight is None else weight
+        self.total.add_(value.detach().float() * w)
+        self.weight.add_(w)  # type: ignore[union-attr]
 
     def compute(self, accelerator: Accelerator) -> float:
         """Mean over all processes' values since the last compute; resets the sum."""
         if self.total is None:
             return float("nan")
-        pair = torch.stack([self.total, torch.ones_like(self.total) * self.count])
+        pair = torch.stack([self.total, self.weight])  # type: ignore[list-item]
         total, count = accelerator.reduce(pair, reduction="sum")
-        self.total, self.count, self.partial = None, 0.0, False
+        self.total, self.weight, self.partial = None, None, False
         return (total / count).item()
 
     def state(self, accelerator: Accelerator) -> dict[str, list[float]]:
         """Every process's sum and count, for a checkpoint (collective: a gather)."""
         total = 0.0 if self.total is None else self.total.item()
-        mine = torch.tensor([total, self.count], dtype=torch.float32, device=accelerator.device)
+        count = 0.0 if self.weight is None else self.weight.item()
+        mine = torch.tensor([total, count], dtype=torch.float32, device=accelerator.device)
         pairs = accelerator.gather(mine).reshape(-1, 2).tolist()
         return {"sums": [p[0] for p in pairs], "counts": [p[1] for p in pairs]}
 
@@ -175,10 +185,11 @@ class RunningMean:
         else:
             share = accelerator.num_processes
             total, count = sum(sums) / share, sum(counts) / share
-        self.total = None
+        self.total = self.weight = None
         if count:
-            self.total = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
-        self.count = count
+            device = accelerator.device
+            self.total = torch.tensor(total, dtype=torch.float32, device=device)
+            self.weight = torch.tensor(count, dtype=torch.float32, device=device)
 
 
 class Throughput:
@@ -235,9 +246,9 @@ class StepLogger:
         """Whether optimizer step `step` will be logged (so its grad norm is worth computing)."""
         return step % self.log_every == 0
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.window_loss.add(loss)
-        self.epoch_loss.add(loss)
+    def add_loss(self, loss: torch.Tensor, items: torch.Tensor | int | None = None) -> None:
+        self.window_loss.add(loss, items)
+        self.epoch_loss.add(loss, items)
 
     def step(self, step: int, lr: float, grad_norm: torch.Tensor | None) -> float | None:
         """Count an optimizer step; on logging steps, reduce and log loss, the LR the step used,
@@ -269,7 +280,7 @@ class StepLogger:
         once. An epoch in which nothing was trained has no training loss (a mean over no steps
         is NaN), except a finished run's last epoch evaluated `again`: it reports the run's."""
         mean, train = self.epoch_loss, {}
-        if mean.count:
+        if mean.has_values:
             partial = mean.partial
             self.last_epoch_loss = train["train_loss"] = mean.compute(self.accelerator)
             if partial:

@@ -267,7 +267,7 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
                 loop.clip_gradients(model)
                 optimizer.step()
                 optimizer.zero_grad()
-            loop.record(summed.detach() / n_tokens)
+            loop.record(summed.detach() / n_tokens, items=n_tokens)  # logged: per token
         loop.end_epoch(evaluate(accelerator, model, test_loader, majority, derived))
     metrics = loop.finish(model)
     if accelerator.is_main_process:

@@ -662,3 +662,20 @@ def test_epochs_0_trains_by_iterations_on_draws_with_replacement_and_resumes_exa
     )  # fmt: skip
     _, resumed, _ = train(accelerator, model, optimizer, loop)
     assert resumed == uninterrupted[24:]
+
+
+def test_a_mean_weighted_by_items_is_the_mean_over_every_item(tmp_path):
+    """loop.record(loss, items=n): micro-batches of 1 and 3 items with per-item means 2.0 and
+    6.0 log (2 + 18) / 4 = 5.0, as one batch of all 4 items would, not (2 + 6) / 2 = 4.0; and
+    the sums resume as they were saved."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = make_accelerator(output_dir=tmp_path, batch=BatchRequest(4), cpu=True)[0]
+    mean = RunningMean()
+    mean.add(torch.tensor(2.0), torch.tensor(1))
+    mean.add(torch.tensor(6.0), 3)
+    saved = mean.state(accelerator)
+    assert saved == {"sums": [20.0], "counts": [4.0]}
+    resumed = RunningMean()
+    resumed.restore(saved, accelerator)
+    assert mean.compute(accelerator) == resumed.compute(accelerator) == 5.0
+    AcceleratorState._reset_state(reset_partial_state=True)
