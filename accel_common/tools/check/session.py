@@ -63,10 +63,13 @@ class Session:
         base += ["--log-every", "1", "--save-every", str(SAVE_EVERY), "--keep-last", "100"]
         return [*base, *extra]
 
-    def process(self, args: list[str], nproc: int = 1, script: Path | None = None):
-        """`python SCRIPT args` (default: the recipe) in the check's folder, on `nproc` ranks."""
+    def process(
+        self, args: list[str], nproc: int = 1, script: Path | None = None, hf: Path | None = None
+    ):
+        """`python SCRIPT args` (default: the recipe) in the check's folder, on `nproc` ranks;
+        with `hf`, its own Hugging Face cache (a run reads no data its cache holds already)."""
         script = script or self.recipe.script
-        env = recipe_env(self.tmp)
+        env = recipe_env(self.tmp) | ({"HF_HOME": str(hf)} if hf else {})
         return run_processes(script, args, nproc, cwd=self.tmp, env=env, timeout=TIMEOUT)
 
     def run(self, name: str, *extra: str, nproc: int = 1, steps: int = STEPS) -> Path:
