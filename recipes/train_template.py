@@ -54,13 +54,13 @@ import torch.nn.functional as F
 import typer
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from accel_common.command import model_option, train_command
 from accel_common.console import format_metrics
 from accel_common.data.files import read_numeric_csv
 from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import existing_data, resolve_data
+from accel_common.data.loaders import existing_data, per_sample_rng, resolve_data
 from accel_common.entry import run_recipe
 from accel_common.export import load_exported, read_recipe_export, require_start_export
 from accel_common.options import SharedSettings
@@ -126,6 +126,27 @@ def load_split(data_dir: Path, split: str, columns: list[str] | None = None) -> 
     return dataset
 
 
+class Jittered(Dataset):
+    """The training rows with Gaussian noise on their features (--jitter), drawn for each row
+    and epoch inside `per_sample_rng`: the same draws whichever process reads a row and after a
+    resume, so N processes train as 1. WORKLOAD: your augmentation (torchvision's random
+    transforms draw from the same global RNG, and are made exact the same way)."""
+
+    def __init__(self, rows: TensorDataset, std: float, seed: int) -> None:
+        self.rows, self.std, self.seed, self.epoch = rows, std, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:  # the loop calls it before each epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.rows[index]
+        with per_sample_rng(self.seed, self.epoch, index):
+            return x + self.std * torch.randn_like(x), y
+
+
 # --------------------------------------------------------------------------- WORKLOAD: model
 
 
@@ -140,6 +161,9 @@ class MLPSettings(Settings):
         "Start from the weights of an export (fine-tuning): this recipe's, or a foreign "
         f"checkpoint converted with `accel-recipes convert CKPT OUT --recipe {RECIPE}`; loaded "
         "strictly, so --hidden and --depth must be its sizes.",
+    )
+    jitter: float = setting(
+        0.0, "Std of Gaussian noise on each training row's features, per row and epoch.", min=0
     )
 
 
@@ -226,7 +250,8 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     if settings.init_from is not None:  # fine-tuning: strictly, or one line naming the misfit
         load_exported(settings.init_from, model)
     optimizer = build_optimizer(args, settings, model)  # WORKLOAD: your optimizer
-    train_loader = args.make_train_loader(train_set, plan)
+    rows = Jittered(train_set, settings.jitter, args.seed) if settings.jitter else train_set
+    train_loader = args.make_train_loader(rows, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
     args.compile_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(

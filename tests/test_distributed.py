@@ -138,3 +138,15 @@ def test_dropout_draws_a_stream_per_process_and_a_resume_continues_each(tmp_path
         assert resumed[rank]["masks"] == full[rank]["masks"][2:]
         assert resumed[rank]["draws"] == full[rank]["draws"][2 * per_batch :]
         assert resumed[rank]["weights"] == full[rank]["weights"]
+
+
+def test_augmentation_drawn_per_sample_keeps_two_processes_equal_to_one(tmp_path, template_data):
+    """The template's --jitter draws each row's noise inside per_sample_rng (seeded by the run's
+    seed, the epoch and the row): 2 processes at the same global batch end where 1 does, as
+    without augmentation, and the noise really changed the run."""
+    jitter = ["--bs", "128", "--jitter", "0.3"]
+    one = train(tmp_path, template_data, "one", jitter)
+    two = train(tmp_path, template_data, "two", jitter, nproc=2)
+    plain = train(tmp_path, template_data, "plain", ["--bs", "128"])
+    assert max_relative_difference(exported_params(one), exported_params(two)) <= TOLERANCE
+    assert max_relative_difference(exported_params(one), exported_params(plain)) > 1e-3
