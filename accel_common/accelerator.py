@@ -90,7 +90,7 @@ def make_accelerator(
         kwargs_handlers=kwargs_handlers,
         # never Accelerate's own compile (a wrapper whose `_orig_mod.` keys would reach the
         # checkpoints): --compile and a config's dynamo_backend compile in place, once
-        # (accel_common.compilation, SharedSettings.compile_model)
+        # (accel_common.compilation, SharedSettings.adapt_model)
         dynamo_backend="no",
     )
     require_requested_sharding(accelerator.distributed_type.value)

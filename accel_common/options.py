@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import KwargsHandler
 from torch.utils.data import DataLoader, Dataset
 
 import accel_common.accelerator
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
+from accel_common.batchnorm import sync_batchnorm
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
 from accel_common.errors import ConfigError
@@ -179,6 +180,12 @@ class SharedSettings(Settings):
         None, "no, fp16 or bf16; default: the accelerate config / launcher's choice."
     )
     seed: int = setting(0, "Seed for weights (alike on every process), shuffling and noise.", min=0)
+    sync_batchnorm: bool = setting(
+        False,
+        "Normalise every BatchNorm with the statistics of the global batch (all processes): N "
+        "processes then train as one on N x the batch (torch's SyncBatchNorm on GPUs, "
+        "accel_common.batchnorm elsewhere); without, each process's own.",
+    )
     one_rng_stream: bool = setting(
         False,
         "One global RNG stream (dropout) on every process, as originals that seeded them alike; "
@@ -321,10 +328,14 @@ class SharedSettings(Settings):
             kwargs_handlers=kwargs_handlers,
         )
 
-    def compile_model(self, model: torch.nn.Module) -> None:
-        """--compile (or the launch config's dynamo backend): compile `model`'s forward in place
-        (accel_common.compilation). Call it after any copy of the model is made (an EMA copies
-        the compiled function too, which would run the original), before accelerator.prepare."""
+    def adapt_model(self, model: torch.nn.Module) -> None:
+        """What the launch asks of `model`, in place: --sync-batchnorm's BatchNorms over the
+        global batch (accel_common.batchnorm), then --compile (or the launch config's dynamo
+        backend: accel_common.compilation). Call it after any copy of the model is made (an EMA
+        copies the compiled function too, which would run the original), before
+        accelerator.prepare."""
+        if self.sync_batchnorm:
+            sync_batchnorm(model, PartialState().device)
         compilation = requested_compilation(self.compile)
         if compilation is not None:
             compilation.apply(model)

@@ -239,7 +239,7 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
     tokens = [len(t) for t in captions]
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate, costs=tokens)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size, collate_fn=collate)
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )

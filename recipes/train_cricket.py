@@ -285,7 +285,7 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     loaders += [
         DataLoader(s, plan.per_device_batch_size, collate_fn=s.collate) for s in (val_set, test_set)
     ]
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, *loaders
     )

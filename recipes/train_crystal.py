@@ -163,6 +163,7 @@ def build_model(args: SharedSettings | None, settings: CrystalSettings) -> Comfo
     weight_decay=1e-5,
     output_dir=Path("runs/crystal"),
     aliases={"data": ["--extxyz"]},
+    replaces=("sync_batchnorm",),  # its own (on by default): its BatchNorms sync themselves
 )
 def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     """Train the crystal graph transformer on an extended XYZ file (or a generated example)."""
@@ -218,7 +219,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)
     )
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
     )

@@ -174,7 +174,7 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
     )
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = make_eval_loader(test_set, plan.per_device_batch_size, workers=args.workers)
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )

@@ -470,7 +470,7 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     train_loader = args.make_train_loader(pairs, plan)
     every_image = Images(names, ImageReader(image_dir, size, mean, std))  # scored each epoch
     image_loader = DataLoader(every_image, batch_size=64, num_workers=args.workers)
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, image_loader = accelerator.prepare(
         model, optimizer, train_loader, image_loader
     )

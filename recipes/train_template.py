@@ -253,7 +253,7 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     rows = Jittered(train_set, settings.jitter, args.seed) if settings.jitter else train_set
     train_loader = args.make_train_loader(rows, plan)
     test_loader = DataLoader(test_set, batch_size=plan.per_device_batch_size * 4)
-    args.compile_model(model)  # --compile: in place, before prepare
+    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )

@@ -150,3 +150,19 @@ def test_augmentation_drawn_per_sample_keeps_two_processes_equal_to_one(tmp_path
     plain = train(tmp_path, template_data, "plain", ["--bs", "128"])
     assert max_relative_difference(exported_params(one), exported_params(two)) <= TOLERANCE
     assert max_relative_difference(exported_params(one), exported_params(plain)) > 1e-3
+
+
+def test_sync_batchnorm_makes_two_processes_one_on_the_whole_batch(tmp_path):
+    """tests/scripts/batchnorm_streams.py (a CNN with BatchNorm2d, global batch 8): without the
+    conversion, 2 processes normalise 4 samples each and end elsewhere than 1 process on 8;
+    with --sync-batchnorm's conversion (GlobalBatchNorm on the CPU) they end where it does."""
+    script = REPO / "tests" / "scripts" / "batchnorm_streams.py"
+
+    def run(name: str, sync: str, nproc: int) -> dict:
+        run_recipe([str(tmp_path / name), sync], cwd=tmp_path, nproc=nproc, script=script)
+        return exported_params(tmp_path / name)
+
+    one, two = run("one", "1", 1), run("two", "1", 2)
+    assert max_relative_difference(one, two) <= TOLERANCE
+    plain_two = run("plain-two", "0", 2)
+    assert max_relative_difference(one, plain_two) > 1e-3
