@@ -26,6 +26,7 @@ from torch import nn
 from accel_common.options import SharedSettings
 from accel_common.settings import read_config_file
 from recipes import load_recipe
+from recipes.cricket.data import DEFAULT_MATCH_TYPES
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ def cricket_graphs(recipe: ModuleType, history: int) -> tuple[Any, dict[str, int
     with tempfile.TemporaryDirectory() as tmp:
         rows, info = recipe.load_innings(
             recipe.write_dataset(Path(tmp) / "matches", matches=CRICKET_MATCHES),
-            match_types=list(recipe.DEFAULT_MATCH_TYPES),
+            match_types=list(DEFAULT_MATCH_TYPES),
             strict=True,
             ratios=(0.6, 0.2),
             split_seed=0,
