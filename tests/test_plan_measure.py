@@ -20,6 +20,7 @@ from accel_common.batching import BatchPlan
 from accel_common.errors import ConfigError
 from accel_common.memory import MemoryFit, memory_flags, parse_max_per_device_bs, present_device
 from accel_common.tools.measure import measure, measure_peak, plan_rows
+from recipes.train_template import MLPSettings
 from tests.processes import BIN, recipe_env
 
 FIT_BATCHES, LARGER = [256, 512], 2048  # the largest: the whole training split
@@ -60,11 +61,12 @@ def test_fitted_memory_per_sample_predicts_a_larger_batch(tmp_path, template_dat
 
     # --max-per-device-bs auto reads that measurement, for the same flags only
     monkeypatch.chdir(tmp_path)
-    flags = memory_flags({"hidden": 256, "depth": 2}, None)
+    defaults = MLPSettings().as_config()  # every template setting, as the measurement records
+    flags = memory_flags({**defaults, "hidden": 256}, None)
     cap = parse_max_per_device_bs("auto", "template", flags)
     assert cap == wide_fit.largest_batch(present_device()[2], 1, 1) > LARGER
     with pytest.raises(ConfigError, match="--hidden 256 in the measurement, 64 now"):
-        parse_max_per_device_bs("auto", "template", memory_flags({"hidden": 64, "depth": 2}, None))
+        parse_max_per_device_bs("auto", "template", memory_flags(defaults, None))
     with pytest.raises(ConfigError, match=r"no memory measurement at runs/memory/quality\.json"):
         parse_max_per_device_bs("auto", "quality", {})
 
