@@ -95,3 +95,19 @@ def test_the_template_shows_a_new_recipe_what_to_declare():
     text = TEMPLATE.read_text()
     for name in ("CHECK_ARGS", "CHECK_DATA", "CHECK_COMMAND"):
         assert f"\n{name} = " in text, name
+
+
+def test_a_run_that_times_out_is_a_row_not_a_traceback(monkeypatch, capsys):
+    """cricket's --compile run took over the check's limit on a loaded machine: the check
+    stopped with TimeoutExpired's traceback; it is that promise's row, not held, and exit 1."""
+    from rich.console import Console
+
+    from accel_common.tools.check import runner
+
+    def slow(session) -> None:
+        raise subprocess.TimeoutExpired(["train.py"], 600)
+
+    monkeypatch.setattr(runner, "PROMISES", {"h": ("--compile plain keys", slow)})
+    assert runner.run_check("template", None, Console(width=200)) == 1
+    line = next(line for line in capsys.readouterr().out.splitlines() if "│ h " in line)
+    assert "not held" in line and "a run took over 600 s" in line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ def run_check(recipe: str, only: str | None, console: Console) -> int:
             start = time.monotonic()
             try:
                 outcome = promise(session)
+            except subprocess.TimeoutExpired as err:  # a row of the table, not a traceback
+                outcome = Outcome(NOT_HELD, "", f"a run took over {err.timeout:.0f} s")
             except (RuntimeError, ValueError, OSError) as err:  # a run failed, tensors differ
                 outcome = Outcome(NOT_HELD, "", str(err).splitlines()[0] if str(err) else "")
             seconds = time.monotonic() - start
