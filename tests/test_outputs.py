@@ -79,9 +79,9 @@ from accel_common.outputs import lock_folder
 assert lock_folder(Path(sys.argv[1])) is None
 child = os.fork()
 if child == 0:  # a DataLoader worker, say: it outlives its killed parent for a while
-    time.sleep(60)
+    print(os.getpid(), flush=True)  # after the fork's hooks ran in it (the parent's pid print
+    time.sleep(60)                  # could come first on a busy machine)
     os._exit(0)
-print(child, flush=True)
 time.sleep(60)
 """
 
