@@ -87,14 +87,14 @@ from recipes.quality.model import (
 from recipes.quality.onnx_export import ONNX_OPSETS, require_onnx, write_onnx
 
 RECIPE = "quality"
-# `accel-recipes check quality` and the tests that find every recipe run it so (see
-# recipes/train_template.py): 16-pixel images, dropout off
+# how `accel-recipes check` and the tests run it (recipes/train_template.py): 16 px, no dropout
 CHECK_ARGS = ["--bs", "8", "--dropout", "0", "--image-size", "16"]
 CHECK_DATA = {"images": 12, "comparisons_per_annotator": 16, "size": 16}
 CHECK_COMMAND = ["score", "--model", "{model}", "--images", "{data}/images", "--out", "{out}.csv"]
 RELIABILITY = ("full", "global", "fixed", "gold")
 DRAW_MARGIN = 0.1  # the original's draw margin in its accuracy (loss.py 48, infer.py 115)
-HEAD_INITS = ("kaiming", "torch")
+CHOICES = {"reliability": RELIABILITY, "head_init": ("kaiming", "torch")}
+CHOICES["pair_forward"] = ("joint", "separate")
 
 
 @dataclass
@@ -172,14 +172,10 @@ class QualitySettings(Settings):
 
     def validate(self) -> None:
         super().validate()
-        if self.reliability not in RELIABILITY:
-            raise ConfigError(
-                f"--reliability {self.reliability}: choose full, global, fixed or gold"
-            )
-        if self.head_init not in HEAD_INITS:
-            raise ConfigError(f"--head-init {self.head_init}: choose kaiming or torch")
-        if self.pair_forward not in ("joint", "separate"):
-            raise ConfigError(f"--pair-forward {self.pair_forward}: choose joint or separate")
+        for flag, choices in CHOICES.items():
+            if getattr(self, flag) not in choices:
+                raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag)}: choose "
+                                  f"{', '.join(choices[:-1])} or {choices[-1]}")  # fmt: skip
         require_known_backbone(self.backbone)  # here: the dry run refuses it as the run does
 
 
@@ -541,19 +537,17 @@ def compare(
     model, read, device = load_scorer(model_dir)
     with torch.no_grad():
         scores = model(torch.stack([read(str(path)) for path in images]).to(device)).tolist()
-    if len(images) == 1:
-        print_names(f"{images[0]}: score {scores[0]:.6f}")
-        return
-    diff = scores[0] - scores[1]
-    p_first = torch.sigmoid(torch.tensor(diff)).item()
-    if abs(diff) <= margin:
-        verdict = f"draw (|difference| {abs(diff):.4f} <= {margin})"
-    else:
+    lines = [f"{image}: score {score:.6f}" for image, score in zip(images, scores, strict=True)]
+    if len(images) == 2:
+        diff = scores[0] - scores[1]
+        p_first = torch.sigmoid(torch.tensor(diff)).item()
         better = images[0] if diff > 0 else images[1]
-        verdict = f"{better} is better, probability {max(p_first, 1 - p_first):.4f}"
-    print_names(
-        f"{images[0]}: score {scores[0]:.6f}\n{images[1]}: score {scores[1]:.6f}\n{verdict}"
-    )
+        lines.append(
+            f"draw (|difference| {abs(diff):.4f} <= {margin})"
+            if abs(diff) <= margin
+            else f"{better} is better, probability {max(p_first, 1 - p_first):.4f}"
+        )
+    print_names("\n".join(lines))
 
 
 def export_onnx(
