@@ -21,6 +21,7 @@ from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import LoopPolicy
 from accel_common.run import Run, RunConfig
+from tests.toy_loop import train_toy
 
 out, sync = Path(sys.argv[1]), bool(int(sys.argv[2]))
 accelerator, plan = make_accelerator(output_dir=out, batch=BatchRequest(global_batch_size=8))
@@ -41,13 +42,4 @@ schedule = make_lr_schedule(
 )  # fmt: skip
 run = Run.open(accelerator, plan, schedule, RunConfig("toy", {"sync": sync}), output_dir=out)
 loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy())
-for _epoch in loop.epochs():
-    for x, y in loop.batches():
-        with accelerator.accumulate(model):
-            loss = (model(x) - y).pow(2).mean()
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        loop.record(loss)
-    loop.end_epoch({})
-loop.finish(model)
+train_toy(accelerator, model, optimizer, loop, lambda m, b: (m(b[0]) - b[1]).pow(2).mean())

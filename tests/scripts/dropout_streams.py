@@ -24,6 +24,7 @@ from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
+from tests.toy_loop import train_toy
 
 out, one_stream, stop_after, resume = Path(sys.argv[1]), *map(int, sys.argv[2:5])
 accelerator, plan = make_accelerator(
@@ -64,21 +65,9 @@ config = RunConfig("toy", {"seed": 3, "one_rng_stream": bool(one_stream)})
 start = StartRequest(resume="latest" if resume else None)
 run = Run.open(accelerator, plan, schedule, config, output_dir=out, start=start)
 loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(1, 2, 10)))
-for _epoch in loop.epochs():
-    for xb, yb in loop.batches():
-        with accelerator.accumulate(model):
-            loss = (model(xb) - yb).pow(2).mean()
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        loop.record(loss)
-        if stop_after and loop.step == stop_after:
-            break  # as a kill after the save of this step: nothing more is written
-    if stop_after and loop.step == stop_after:
-        break
-    loop.end_epoch({})
-else:
-    loop.finish(model)
+train_toy(
+    accelerator, model, optimizer, loop, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), stop_after
+)
 weights = [p.detach().flatten().tolist() for p in accelerator.unwrap_model(model).parameters()]
 record = {"masks": masks, "draws": draws, "weights": weights, "step": loop.step}
 (out / f"rank_{accelerator.process_index}.json").write_text(json.dumps(record))

@@ -21,6 +21,7 @@ from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest
 from tests.tied_model import CONTEXT, VOCAB, TiedGPT
+from tests.toy_loop import train_toy
 
 out, stop_after, resume = Path(sys.argv[1]), *map(int, sys.argv[2:4])
 accelerator, plan = make_accelerator(
@@ -40,18 +41,10 @@ config = RunConfig("tied", {"seed": 3})
 start = StartRequest(resume="latest" if resume else None)
 run = Run.open(accelerator, plan, schedule, config, output_dir=out, start=start)
 loop = TrainLoop(accelerator, plan, loader, schedule, run, LoopPolicy(SavePolicy(1, 1, 10)))
-for _epoch in loop.epochs():
-    for xb, yb in loop.batches():
-        with accelerator.accumulate(model):
-            loss = torch.nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        loop.record(loss)
-        if stop_after and loop.step == stop_after:
-            break  # as a kill after the save of this step: nothing more is written
-    if stop_after and loop.step == stop_after:
-        break
-    loop.end_epoch({})
-else:
-    loop.finish(model)  # the export: OUT/model
+
+
+def loss_of(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+
+
+train_toy(accelerator, model, optimizer, loop, loss_of, stop_after)  # the export: OUT/model
