@@ -64,22 +64,35 @@ class Session:
         return [*base, *extra]
 
     def process(
-        self, args: list[str], nproc: int = 1, script: Path | None = None, hf: Path | None = None
+        self,
+        args: list[str],
+        nproc: int = 1,
+        script: Path | None = None,
+        hf: Path | None = None,
+        env: dict[str, str] | None = None,
     ):
         """`python SCRIPT args` (default: the recipe) in the check's folder, on `nproc` ranks;
-        with `hf`, its own Hugging Face cache (a run reads no data its cache holds already)."""
+        with `hf`, its own Hugging Face cache (a run reads no data its cache holds already);
+        `env` added to the runs' environment."""
         script = script or self.recipe.script
-        env = recipe_env(self.tmp) | ({"HF_HOME": str(hf)} if hf else {})
+        env = recipe_env(self.tmp) | ({"HF_HOME": str(hf)} if hf else {}) | (env or {})
         return run_processes(script, args, nproc, cwd=self.tmp, env=env, timeout=TIMEOUT)
 
-    def run(self, name: str, *extra: str, nproc: int = 1, steps: int = STEPS) -> Path:
-        """The output folder of run `name` (`extra` flags, on `nproc` processes), run once; a run
-        that failed raises RuntimeError naming it, each time it is asked for."""
+    def run(
+        self,
+        name: str,
+        *extra: str,
+        nproc: int = 1,
+        steps: int = STEPS,
+        env: dict[str, str] | None = None,
+    ) -> Path:
+        """The output folder of run `name` (`extra` flags and `env`, on `nproc` processes), run
+        once; a run that failed raises RuntimeError naming it, each time it is asked for."""
         if name not in self.runs:
             out = self.tmp / "runs" / name
             try:
                 args = self.flags(*extra, "--output-dir", str(out), steps=steps)
-                finished(self.process(args, nproc), f"the {name} run")
+                finished(self.process(args, nproc, env=env), f"the {name} run")
                 self.runs[name] = out
             except RuntimeError as err:
                 self.runs[name] = err
