@@ -3,14 +3,15 @@
 With horizon T optimizer steps, p = --pct-start, the start a = 1 / --div-factor and the floor
 z = a / --final-div-factor (fractions of the peak P), the LR of optimizer step k (from 0) is
 
-    k <= p T - 1:   P x anneal(a, 1, k / (p T - 1))                  rising
-    else:           P x anneal(1, z, (k - (p T - 1)) / (T - 1 - (p T - 1)))   falling to the floor
+    R = p T - 1
+    k <= R:   P x anneal(a, 1, k / R)                              rising
+    else:     P x anneal(1, z, min(1, (k - R) / (T - 1 - R)))      falling to the floor
 
 where anneal(x, y, t) = y + (x - y) (1 + cos(pi t)) / 2 (--anneal cos) or x + (y - x) t
-(--anneal linear), t held at 1 from step T on. These are OneCycleLR's phases, its end steps
-(p T - 1, a float, and T - 1) and its step counting: its LR at step k is the one after k calls of
-`step()`, its constructor's included, so step 0 runs at P / --div-factor. OneCycleLR's momentum
-cycling (cycle_momentum) is not part of it: the LR only.
+(--anneal linear): the floor is held from step T - 1 on. These are OneCycleLR's phases, its end
+steps (p T - 1, a float, and T - 1) and its step counting: its LR at step k is the one after k
+calls of `step()`, its constructor's included, so step 0 runs at P / --div-factor.
+OneCycleLR's momentum cycling (cycle_momentum) is not part of it: the LR only.
 """
 
 from __future__ import annotations
