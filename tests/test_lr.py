@@ -8,6 +8,7 @@ from accelerate.state import AcceleratorState
 
 from accel_common.errors import ConfigError
 from accel_common.lr import Decay, LRScaling, LRSettings, Schedule, build_scheduler, scale_lr
+from accel_common.onecycle import OneCycle
 from accel_common.options import SharedSettings
 
 
@@ -344,3 +345,27 @@ def test_the_lr_line_names_onecycles_shape():
         "from 4e-05 (peak / 25) up along a cosine over the first 30% of the steps, then down "
         "to 4e-09 (peak / 25 / 10000) at the last step"
     )
+
+
+def test_a_onecycle_scheduler_resumed_from_its_state_continues_bit_equal():
+    """A checkpoint holds LambdaLR's numbers only (no function): a fresh scheduler of the same
+    schedule, loaded with them and the optimizer's state, goes on at the LRs of an unbroken run."""
+    schedule = Schedule(total_steps=40, decay=Decay.onecycle, cycle=OneCycle(0.25, 10.0, 100.0))
+
+    def run(steps, state=None):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+        scheduler = build_scheduler(optimizer, schedule)
+        if state is not None:
+            optimizer.load_state_dict(state[0])
+            scheduler.load_state_dict(state[1])
+        used = []
+        for _ in range(steps):
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return used, (optimizer.state_dict(), scheduler.state_dict())
+
+    unbroken, _ = run(40)
+    first, state = run(17)
+    assert state[1]["lr_lambdas"] == [None]
+    assert first + run(23, state)[0] == unbroken
