@@ -17,8 +17,11 @@ of optimizer step k (from 0) is
                   step         P x gamma ^ ((k - D) // step_size)           (torch's StepLR)
                   multistep    P x gamma ^ (milestones <= k - D, counted)   (torch's MultiStepLR)
 
-and P between. With --decay-per-epoch, k - D counts whole epochs' steps (the LR changes at epoch
-boundaries), and step_size and the milestones count epochs. Accelerate's prepared
+and P between. `onecycle` is torch's OneCycleLR instead, its own shape from step 0 to T
+(accel_common.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal); it takes no
+warmup, hold or floor of the above (refused), nor --decay-per-epoch. With --decay-per-epoch,
+k - D counts whole epochs' steps (the LR changes at epoch boundaries), and step_size and the
+milestones count epochs. Accelerate's prepared
 scheduler, by default, calls `step()` once per process on every optimizer step, so that a
 schedule written in single-process steps runs `num_processes` times faster. Recipes instead build
 their `Accelerator` with `step_scheduler_with_optimizer=False` and call `scheduler.step()` once per
@@ -31,7 +34,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -39,6 +42,7 @@ from accelerate import Accelerator
 
 from accel_common.batching import BatchPlan, total_optimizer_steps
 from accel_common.errors import ConfigError
+from accel_common.onecycle import OneCycle
 
 
 class LRScaling(str, Enum):
@@ -103,9 +107,12 @@ class LRSettings:
     decay_steps: int = 0
     step_size: int = 0
     milestones: tuple[int, ...] = ()
+    onecycle: OneCycle = field(default_factory=OneCycle)
 
     def __post_init__(self) -> None:
         decay = Decay(self.decay)
+        if decay is Decay.onecycle:
+            self.refuse_with_onecycle()
         if decay is Decay.step and self.step_size < 1:
             raise ConfigError(
                 "--schedule step needs --step-size N: multiply the LR by --gamma every N "
@@ -117,23 +124,45 @@ class LRSettings:
                 "each (optimizer steps after the warmup; epochs with --decay-per-epoch)"
             )
         unused = [
-            name
+            (name, used_by)
             for name, value, used_by in (
                 ("--step-size", self.step_size, Decay.step),
                 ("--milestones", self.milestones, Decay.multistep),
+                *((name, True, Decay.onecycle) for name in self.onecycle.changed()),
             )
             if value and decay is not used_by
         ]
         if unused:
+            name, used_by = unused[0]
             raise ConfigError(
-                f"{unused[0]} shapes another schedule than --schedule {decay.value}: drop it, "
-                "or choose --schedule step (--step-size) or multistep (--milestones)"
+                f"{name} shapes another schedule than --schedule {decay.value}: drop it, "
+                f"or choose --schedule {used_by.value}"
             )
         if self.decay_steps and decay in (Decay.step, Decay.multistep, Decay.constant):
             raise ConfigError(
                 f"--decay-steps {self.decay_steps} ends a cosine, onecycle or exponential "
                 f"decay; --schedule {decay.value} has none to end: drop --decay-steps"
             )
+
+    def refuse_with_onecycle(self) -> None:
+        """onecycle is OneCycleLR's own shape: the flags of the warmup, hold and floor of the
+        other schedules would change it into something torch's is not; name the first one."""
+        for flag, value, default in (
+            ("--warmup-steps", self.warmup_steps, 0),
+            ("--warmup-start", self.warmup_start, 0.0),
+            ("--hold-epochs", self.hold_epochs, 0),
+            ("--min-lr-ratio", self.min_lr_ratio, 0.0),
+            ("--decay-per-epoch", self.decay_per_epoch, False),
+        ):
+            if value != default:
+                given = flag if value is True else f"{flag} {value:g}"
+                fix = f"--no-{flag[2:]}" if value is True else f"{flag} {default}"
+                raise ConfigError(
+                    f"--schedule onecycle takes no {given}: it rises over --pct-start of the "
+                    "run from peak / --div-factor to the peak, then falls to peak / --div-factor "
+                    f"/ --final-div-factor at every optimizer step, as torch's OneCycleLR; give "
+                    f"{fix}, or another --schedule"
+                )
 
     def peak(self, global_batch_size: int) -> float:
         return scale_lr(self.lr, self.ref_bs, global_batch_size, self.scaling)
@@ -150,15 +179,16 @@ class LRSettings:
         warmup = f"{steps} warmup steps"
         if self.warmup_start and steps:
             warmup += f" from {self.warmup_start:g} x peak"
-        if Decay(self.decay) is Decay.onecycle and steps == 0:
-            warmup = "rising over the first 30% of the steps (onecycle's default warmup)"
         if self.hold_epochs:
             warmup += f", {self.hold_epochs} epochs at the peak"
         peak = self.peak(global_batch_size)
+        shape = self.describe_decay(peak)  # onecycle's own rise included
+        if Decay(self.decay) is not Decay.onecycle:
+            shape = f"{warmup}, then {shape}"
         return (
             f"peak {peak:.4g} (--lr {self.lr:g} at --ref-bs {self.ref_bs}, "
             f"{LRScaling(self.scaling).value} scaling to global batch {global_batch_size}); "
-            f"{warmup}, then {self.describe_decay(peak)}"
+            f"{shape}"
         )
 
     def describe_decay(self, peak: float) -> str:
@@ -168,7 +198,9 @@ class LRSettings:
         unit = "epoch" if self.decay_per_epoch else "step"
         name = decay.value + (" per epoch" if self.decay_per_epoch else "")
         end = f"at step {self.decay_steps}, then held" if self.decay_steps else "at the last step"
-        if decay in (Decay.cosine, Decay.onecycle):
+        if decay is Decay.onecycle:
+            return f"onecycle {self.onecycle.describe(peak)} {end}"
+        if decay is Decay.cosine:
             floor = peak * self.min_lr_ratio
             return f"{name} to {floor:.4g} ({self.min_lr_ratio:g} x peak) {end}"
         if decay is Decay.exponential:
@@ -195,9 +227,9 @@ class Schedule:
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
     factor of exponential decay per step, and of step and multistep decay at each change (1.0
     keeps the LR constant after warmup). `warmup_start` is the fraction of the peak that warmup
-    rises from (torch's LinearLR start_factor; 0 by default, onecycle's 1/25 when it is 0).
-    `onecycle` follows torch's OneCycleLR shape: warmup is the rising part (default 30% of the
-    run when `warmup_steps` is 0), then cosine annealing to `min_lr_ratio`.
+    rises from (torch's LinearLR start_factor; 0 by default). `onecycle` is torch's OneCycleLR,
+    shaped by `cycle` over `decay_steps` or the run (then held at its floor); the warmup, hold
+    and floor above do not apply to it (LRSettings refuses them).
     """
 
     total_steps: int
@@ -211,6 +243,7 @@ class Schedule:
     decay_steps: int = 0
     step_size: int = 1
     milestones: tuple[int, ...] = ()
+    cycle: OneCycle = field(default_factory=OneCycle)
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -252,13 +285,11 @@ class Schedule:
     def multiplier(self, step: int) -> float:
         """Fraction of the peak LR used for optimizer step `step` (0-based)."""
         decay = Decay(self.decay)
+        if decay is Decay.onecycle:
+            return self.cycle.multiplier(step, self.decay_steps or self.total_steps)
         warmup = self.warmup_steps
-        if decay is Decay.onecycle and warmup == 0:
-            warmup = max(1, int(0.3 * self.total_steps))
         if step < warmup:
             rise_from = self.warmup_start
-            if decay is Decay.onecycle and not rise_from:
-                rise_from = 0.04  # OneCycleLR starts at peak / 25
             if self.decay_every > 1:  # a scheduler stepped per epoch: epoch e at e epochs' rise
                 return (
                     rise_from
@@ -357,6 +388,7 @@ def make_lr_schedule(
         decay_steps=settings.decay_steps,
         step_size=max(1, settings.step_size),
         milestones=settings.milestones,
+        cycle=settings.onecycle,
     )
     description = settings.describe(plan.global_batch_size, schedule.warmup_steps)
     scheduler = build_scheduler(optimizer, schedule)

@@ -31,6 +31,7 @@ from accel_common.lr import (
     make_lr_schedule,
     parse_milestones,
 )
+from accel_common.onecycle import Anneal, OneCycle
 from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest, Tracking
 from accel_common.settings import (
@@ -111,7 +112,8 @@ class SharedSettings(Settings):
         Decay.cosine,
         "Decay after warmup: constant, cosine (to --min-lr-ratio x the peak at --decay-steps or "
         "the last step), exponential (x --gamma per step), step (x --gamma every --step-size), "
-        "multistep (x --gamma at each of --milestones) or onecycle. LR of optimizer step k "
+        "multistep (x --gamma at each of --milestones) or onecycle (torch's OneCycleLR: "
+        "--pct-start, --div-factor, --final-div-factor, --anneal). LR of optimizer step k "
         "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
         "peak x (s + (1 - s)(k + 1)/W) while k < W, s = --warmup-start; then cosine: peak x (m "
         "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
@@ -126,7 +128,7 @@ class SharedSettings(Settings):
     )
     min_lr_ratio: float = setting(
         0.0,
-        "Floor of cosine and onecycle decay, as a fraction of the peak LR (the scaled --lr): "
+        "Floor of cosine decay, as a fraction of the peak LR (the scaled --lr): "
         "0.1 ends at 0.1 x peak.",
         min=0,
         max=1,
@@ -163,6 +165,29 @@ class SharedSettings(Settings):
         False,
         "Change the LR, warmup and decay, only at epoch boundaries, as a torch scheduler "
         "stepped after each epoch (else at every optimizer step).",
+    )
+    pct_start: float = setting(
+        0.3,
+        "With --schedule onecycle: the fraction of the steps that the LR rises over "
+        "(torch's OneCycleLR pct_start).",
+        min=0.0,
+        max=1.0,
+    )
+    div_factor: float = setting(
+        25.0,
+        "With --schedule onecycle: the first step's LR is the peak / this (OneCycleLR div_factor).",
+        above=0,
+    )
+    final_div_factor: float = setting(
+        1e4,
+        "With --schedule onecycle: the last step's LR is the peak / --div-factor / this "
+        "(OneCycleLR final_div_factor).",
+        above=0,
+    )
+    anneal: Anneal = setting(
+        Anneal.cos,
+        "With --schedule onecycle: rise and fall along a cosine (cos) or a line (linear), "
+        "OneCycleLR's anneal_strategy.",
     )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
@@ -300,6 +325,7 @@ class SharedSettings(Settings):
             self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
             warmup_start=self.warmup_start, decay_steps=self.decay_steps,
             step_size=self.step_size, milestones=parse_milestones(self.milestones),
+            onecycle=OneCycle(self.pct_start, self.div_factor, self.final_div_factor, self.anneal),
         )  # fmt: skip
 
     @property

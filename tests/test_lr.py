@@ -8,6 +8,7 @@ from accelerate.state import AcceleratorState
 
 from accel_common.errors import ConfigError
 from accel_common.lr import Decay, LRScaling, LRSettings, Schedule, build_scheduler, scale_lr
+from accel_common.onecycle import OneCycle
 from accel_common.options import SharedSettings
 
 
@@ -57,15 +58,6 @@ def test_exponential_and_constant():
     assert exp.multiplier(4) == pytest.approx(0.81)
     const = Schedule(total_steps=10, decay=Decay.constant)
     assert {const.multiplier(s) for s in range(10)} == {1.0}
-
-
-def test_onecycle_rises_then_anneals():
-    sched = Schedule(total_steps=100, decay=Decay.onecycle)
-    values = [sched.multiplier(s) for s in range(100)]
-    assert values[0] == pytest.approx(0.04 + 0.96 / 30)
-    assert all(a < b for a, b in itertools.pairwise(values[:30]))  # 30% of the run rising
-    assert values[29] == pytest.approx(1.0) == max(values)
-    assert values[-1] < 0.01
 
 
 def test_scheduler_counts_optimizer_steps():
@@ -273,3 +265,107 @@ def test_decay_steps_before_the_decay_starts_is_refused():
 )  # fmt: skip
 def test_the_lr_line_names_the_decay_and_its_floor(settings, ends):
     assert settings.describe(32).endswith(ends), settings.describe(32)
+
+
+@pytest.mark.parametrize(
+    ("flags", "torch_args"),
+    [
+        ({}, {}),  # torch's defaults: cosine, pct_start 0.3, div 25, final div 1e4
+        ({"anneal": "linear", "pct_start": 0.25}, {"anneal_strategy": "linear", "pct_start": 0.25}),
+        ({"div_factor": 10.0, "final_div_factor": 100.0, "pct_start": 0.5},
+         {"div_factor": 10.0, "final_div_factor": 100.0, "pct_start": 0.5}),
+    ],
+)  # fmt: skip
+def test_onecycle_is_torchs_onecyclelr_stepped_per_optimizer_step(tmp_path, monkeypatch, flags,
+                                                                  torch_args):  # fmt: skip
+    """--schedule onecycle's LR at every optimizer step is OneCycleLR's over the same steps
+    (epochs x steps per epoch), stepped after each: step 0 at peak / div_factor, rising along its
+    anneal over pct_start of the steps, down to peak / div_factor / final_div_factor at the last.
+    The bound: both round differently near the floor (1e-15 of the peak)."""
+    monkeypatch.chdir(tmp_path)
+    per, epochs = 7, 5
+    lower = torch.optim.lr_scheduler
+
+    def onecycle(optimizer):
+        return lower.OneCycleLR(
+            optimizer, max_lr=1.0, epochs=epochs, steps_per_epoch=per, cycle_momentum=False,
+            **torch_args,
+        )  # fmt: skip
+
+    expected = torch_lrs(onecycle, per * epochs)
+    used = recipe_lrs(tmp_path, {"schedule": "onecycle", **flags}, per, epochs)
+    assert used == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert used[0] == pytest.approx(1.0 / torch_args.get("div_factor", 25.0))  # no step ahead
+    floor = 1.0 / torch_args.get("div_factor", 25.0) / torch_args.get("final_div_factor", 1e4)
+    assert used[-1] == pytest.approx(floor, rel=1e-9)  # its floor at the last step
+
+
+def test_onecycle_decay_steps_end_the_cycle_there_then_hold_its_floor():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=1.0, total_steps=30, cycle_momentum=False
+    )
+    expected = []
+    for _ in range(30):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        cycle.step()
+    schedule = Schedule(total_steps=50, decay=Decay.onecycle, decay_steps=30)
+    values = [schedule.multiplier(s) for s in range(50)]
+    assert values[:30] == pytest.approx(expected, rel=1e-12)
+    assert values[30:] == [1 / 25 / 1e4] * 20
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"schedule": "onecycle", "warmup_steps": 100}, "--schedule onecycle takes no "
+         "--warmup-steps 100: it rises over --pct-start of the run"),
+        ({"schedule": "onecycle", "min_lr_ratio": 0.01}, "--schedule onecycle takes no "
+         "--min-lr-ratio 0.01:"),
+        ({"schedule": "onecycle", "decay_per_epoch": True}, "--schedule onecycle takes no "
+         "--decay-per-epoch:"),
+        ({"schedule": "onecycle", "hold_epochs": 2}, "--schedule onecycle takes no --hold-epo"),
+        ({"pct_start": 0.25}, "--pct-start shapes another schedule than --schedule cosine: "
+         "drop it, or choose --schedule onecycle"),
+        ({"schedule": "step", "step_size": 3, "anneal": "linear"}, "--anneal shapes another"),
+        ({"schedule": "exponential", "div_factor": 10.0}, "--div-factor shapes another"),
+    ],
+)  # fmt: skip
+def test_onecycles_shape_flags_go_with_onecycle_only(flags, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}") as refused:
+        SharedSettings.from_config(flags).validate()
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_the_lr_line_names_onecycles_shape():
+    settings = LRSettings(1e-3, 64, decay=Decay.onecycle)
+    assert settings.describe(64) == (
+        "peak 0.001 (--lr 0.001 at --ref-bs 64, linear scaling to global batch 64); onecycle "
+        "from 4e-05 (peak / 25) up along a cosine over the first 30% of the steps, then down "
+        "to 4e-09 (peak / 25 / 10000) at the last step"
+    )
+
+
+def test_a_onecycle_scheduler_resumed_from_its_state_continues_bit_equal():
+    """A checkpoint holds LambdaLR's numbers only (no function): a fresh scheduler of the same
+    schedule, loaded with them and the optimizer's state, goes on at the LRs of an unbroken run."""
+    schedule = Schedule(total_steps=40, decay=Decay.onecycle, cycle=OneCycle(0.25, 10.0, 100.0))
+
+    def run(steps, state=None):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+        scheduler = build_scheduler(optimizer, schedule)
+        if state is not None:
+            optimizer.load_state_dict(state[0])
+            scheduler.load_state_dict(state[1])
+        used = []
+        for _ in range(steps):
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return used, (optimizer.state_dict(), scheduler.state_dict())
+
+    unbroken, _ = run(40)
+    first, state = run(17)
+    assert state[1]["lr_lambdas"] == [None]
+    assert first + run(23, state)[0] == unbroken

@@ -58,7 +58,10 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
     assert plan["parameters"] == parameters(256, 4, fc=256) == "4966497"
     assert plan["batch"] == "global batch 64 = 64 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
-    assert plan["learning rate"].endswith("then onecycle to 0 (0 x peak) at the last step")
+    assert plan["learning rate"].endswith(
+        "onecycle from 4e-05 (peak / 25) up along a cosine over the first 30% of the steps, "
+        "then down to 4e-09 (peak / 25 / 10000) at the last step"
+    )  # OneCycleLR(max_lr=1e-3, pct_start=0.3) at its defaults (train.py 278-287)
     assert plan["epochs"] == "500" and plan["mixed precision"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 

@@ -40,8 +40,8 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
     assert plan["batch"] == "global batch 32 = 32 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0001 (--lr 0.0001 at --ref-bs 32, linear")
     assert plan["learning rate"].endswith(
-        "0 warmup steps, then cosine to 1e-06 (0.01 x peak) at the last step"
-    )
+        "0 warmup steps, then cosine per epoch to 1e-06 (0.01 x peak) at the last step"
+    )  # CosineAnnealingLR(T_max=epochs, eta_min=0.01 lr) stepped after each epoch (train.py 494)
     assert plan["epochs"] == "20" and plan["mixed precision"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
