@@ -195,7 +195,9 @@ def build_optimizer(
     args: SharedSettings, settings: MLPSettings, model: nn.Module
 ) -> torch.optim.Optimizer:
     """The optimizer `train` uses, also built by `--dry-run` to size its state per device."""
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    return args.make_optimizer(
+        torch.optim.AdamW, model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+    )
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
