@@ -6,6 +6,7 @@ three."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -148,3 +149,24 @@ def test_the_dry_run_shows_the_three_and_refuses_what_the_run_refuses(monkeypatc
         refused = invoke_train(train, ["--ddp-static-graph", *extra, "--dry-run"])
         assert refused.exit_code != 0
         assert "--ddp-static-graph" in str(refused.exception)
+
+
+def test_the_banner_shows_them_and_only_the_precision_binds_a_resume(tmp_path, template_data):
+    """TF32 changes the numbers: a resume at another --matmul-precision is another run, refused
+    by name. A fused kernel computes the same update (as --compile): a run may resume without
+    it, its fused optimizer's state loaded into the default one."""
+    out = tmp_path / "out"
+    args = ["--data", str(template_data), "--output-dir", str(out), "--bs", "256"]
+    args += ["--hidden", "8", "--depth", "1", "--matmul-precision", "highest"]
+    first = run_recipe([*args, "--max-steps", "2", "--fused-optimizer"], cwd=tmp_path)
+    banner = dict(re.findall(r"^  (\S.*?\S)  +(\S.*)$", first.stdout, re.MULTILINE))
+    assert banner["matmul precision"].startswith("highest (fp32 matrix products")
+    assert banner["fused optimizer"] == "yes (--fused-optimizer)"
+    assert banner["DDP static graph"] == "no"
+    again = [*args, "--max-steps", "3", "--resume", "latest"]
+    again[again.index("highest")] = "high"
+    refused = run_recipe(again, cwd=tmp_path, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "--matmul-precision highest in the checkpoint, high now" in refused.stderr
+    resumed = run_recipe([*args, "--max-steps", "3", "--resume", "latest"], cwd=tmp_path)
+    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
