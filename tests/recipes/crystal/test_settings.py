@@ -18,6 +18,8 @@ from recipes.crystal.model import Comformer, EComformer
 from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.crystal.helpers import write_volumes
 
+TORCHS_PRECISION = "torch's default (fp32 matrix products, TF32 cuDNN convolutions)"
+
 
 def test_the_originals_arguments_without_a_counterpart_are_refused_by_name(monkeypatch):
     call = functools.partial(api.train_from_extxyz, "never_read.extxyz", "energy")
@@ -60,6 +62,9 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
     assert plan["learning rate"].endswith("then onecycle to 0 (0 x peak) at the last step")
     assert plan["epochs"] == "500" and plan["mixed precision"] == "no"
+    # the original touches no speed switch: torch's defaults (train.py 124-128, 267-269)
+    assert plan["matmul precision"] == TORCHS_PRECISION
+    assert plan["fused optimizer"] == plan["DDP static graph"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
