@@ -124,8 +124,8 @@ def require_ddp(distributed_type: str, grad_accum_steps: int) -> None:
         )
     if not distributed_type.startswith("MULTI_"):
         raise ConfigError(
-            f"--ddp-static-graph: a {distributed_type} launch has no DistributedDataParallel "
-            "wrapper (it wraps the model its own way); drop --ddp-static-graph"
+            f"--ddp-static-graph: this launch runs as {distributed_type}, which wraps the model "
+            "its own way, with no DistributedDataParallel to configure; drop --ddp-static-graph"
         )
     if grad_accum_steps > 1:
         raise ConfigError(

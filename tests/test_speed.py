@@ -110,8 +110,8 @@ def test_static_graph_reaches_ddp_in_a_two_process_launch(tmp_path):
     ("runs_as", "accumulation", "says"),
     [
         ("NO", 1, "one process has no DistributedDataParallel to configure"),
-        ("FSDP", 1, "a FSDP launch has no DistributedDataParallel wrapper"),
-        ("DEEPSPEED", 1, "a DEEPSPEED launch has no DistributedDataParallel wrapper"),
+        ("FSDP", 1, "runs as FSDP, which wraps the model its own way"),
+        ("DEEPSPEED", 1, "runs as DEEPSPEED, which wraps the model its own way"),
         ("MULTI_GPU", 2, "with 2 accumulation steps"),
     ],
 )
