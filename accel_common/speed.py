@@ -115,8 +115,9 @@ def require_ddp(distributed_type: str, grad_accum_steps: int) -> None:
     """Refuse --ddp-static-graph where the launch (Accelerate's `distributed_type`) does not
     wrap the model in DistributedDataParallel, where the flag would do nothing, and with
     gradient accumulation: torch's static graph fails an internal assert on the first backward
-    in no_sync (pytorch#143580, accelerate#3679), and where that is patched it stops
-    all-reducing from the second step on (pytorch#187732), so a launch that ran would be wrong."""
+    in no_sync (pytorch#143580, accelerate#3679; measured here with torch 2.14 on 2 gloo
+    processes), and its fix (pytorch#187732, not merged) found that merely passing the assert
+    leaves DDP skipping the all-reduce from the second step on."""
     if distributed_type == "NO":
         raise ConfigError(
             "--ddp-static-graph: one process has no DistributedDataParallel to configure; drop "
