@@ -121,14 +121,16 @@ test: install
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(TEST_WORKERS) \
 	  --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
-# the version-dependent tests (FSDP and sharded checkpoints, resume, mixed precision, convert) at
-# the oldest versions we keep, in OLDEST_VENV; CI runs it after `make test`
+# the version-dependent tests (FSDP and sharded checkpoints, resume, mixed precision, convert, the
+# speed switches: torch's fused CPU kernels and precision switches) at the oldest versions we
+# keep, in OLDEST_VENV; CI runs it after `make test`
 OLDEST_TESTS ?= tests/test_sharded.py tests/test_resume.py tests/test_checkpoint.py \
   tests/test_checkpoint_safety.py tests/test_tied.py \
   tests/test_cli.py tests/recipes/captioning tests/test_options.py tests/test_compile.py \
-  tests/recipes/pointcloud/test_triton_search.py tests/recipes/pointcloud/test_triton_scatter.py
+  tests/recipes/pointcloud/test_triton_search.py tests/recipes/pointcloud/test_triton_scatter.py \
+  tests/test_speed.py
 OLDEST_SELECT ?= test_sharded or test_resume or test_checkpoint or test_fp16_log \
-  or convert or bf16 or fp16 or overflow or compile or triton or tied
+  or convert or bf16 or fp16 or overflow or compile or triton or tied or test_speed
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_VENV)/bin/python -c 'import torch, accelerate; \
 	  print("oldest: torch", torch.__version__, "accelerate", accelerate.__version__)'

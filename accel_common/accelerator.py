@@ -35,6 +35,7 @@ from accel_common.launch_guard import (
     require_writable_output_dir,
 )
 from accel_common.sharding import guard_wrap_policy
+from accel_common.speed import require_ddp, set_matmul_precision, with_static_graph
 from accel_common.tracking import trackers_for
 
 
@@ -49,6 +50,8 @@ def make_accelerator(
     seed: int = 0,
     deterministic: bool = False,
     kwargs_handlers: Iterable[KwargsHandler] = (),
+    matmul_precision: str | None = None,
+    ddp_static_graph: bool = False,
 ) -> tuple[Accelerator, BatchPlan]:
     """Build the Accelerator and the batch plan for this launch's world size.
 
@@ -63,6 +66,8 @@ def make_accelerator(
     the group exists, and InitProcessGroupKwargs.to_kwargs() drops a timeout equal to its own
     default (600 s). `seed` seeds every process alike, so initial weights are the same everywhere.
     `deterministic` makes every kernel after this call deterministic (accel_common.determinism).
+    `matmul_precision` and `ddp_static_graph` are accel_common.speed's switches; the static graph
+    goes into the recipe's own DistributedDataParallelKwargs where it passes one.
     """
     if dist_timeout < 0:
         raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
@@ -70,6 +75,8 @@ def make_accelerator(
     require_requested_devices(cpu)  # before the output folder is created
     require_writable_output_dir(Path(output_dir))
     kwargs_handlers = list(kwargs_handlers)
+    if ddp_static_graph:
+        kwargs_handlers = with_static_graph(kwargs_handlers)
     init = next((h for h in kwargs_handlers if isinstance(h, InitProcessGroupKwargs)), None)
     group_kwargs = init.to_kwargs() if init else {}
     if dist_timeout:
@@ -94,6 +101,8 @@ def make_accelerator(
         dynamo_backend="no",
     )
     require_requested_sharding(accelerator.distributed_type.value)
+    if ddp_static_graph:
+        require_ddp(accelerator.distributed_type.value, plan.grad_accum_steps)
     if accelerator.distributed_type == DistributedType.FSDP:
         guard_wrap_policy()  # no ModuleList / ModuleDict as its own unit (accel_common.sharding)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
@@ -104,6 +113,7 @@ def make_accelerator(
         )
     if deterministic:
         make_deterministic()
+    set_matmul_precision(matmul_precision)
     set_seed(seed)
     return accelerator, plan
 

@@ -165,7 +165,7 @@ def train_command(
                     recipe, args.batch_request, args.lr_settings, length=length,
                     precision=precision, build_model=build, processes=processes,
                     compile=args.compile, absent=absent_inputs(args, own), cpu=args.cpu,
-                    build_optimizer=optimizer,
+                    build_optimizer=optimizer, speed=args.as_config(),
                 )  # fmt: skip
                 return None
             return fn(args, own)

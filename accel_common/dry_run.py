@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,10 +21,15 @@ from torch import nn
 from accel_common.batching import BatchRequest
 from accel_common.compilation import compile_line
 from accel_common.errors import DataError
-from accel_common.launch_guard import require_requested_sharding, unsharded_type
+from accel_common.launch_guard import (
+    requested_sharding,
+    require_requested_sharding,
+    unsharded_type,
+)
 from accel_common.lr import LRSettings
 from accel_common.memory import MEMORY_DIR
 from accel_common.parameters import parameter_counts
+from accel_common.speed import require_ddp, speed_lines
 
 # fp32 weights and their gradients: what training holds per parameter before the optimizer's
 # state and any activation (halve the gradients' share for bf16 gradients; sharding divides it)
@@ -53,6 +59,8 @@ def optimizer_state(
     if build_optimizer is None:
         return parameters * ASSUMED_STATE_BYTES, "Adam state (assumed: no build_optimizer)"
     optimizer = build_optimizer(model)
+    for group in optimizer.param_groups:  # torch's fused kernels refuse `meta` tensors (the
+        group["fused"] = False  # --fused-optimizer), and the state is the same without them
     for parameter in model.parameters():
         parameter.grad = torch.empty_like(parameter)
     optimizer.step()  # creates the state (on `meta`: no memory, no arithmetic)
@@ -104,20 +112,25 @@ def print_dry_run(
     compile: bool = False,
     absent: tuple[str, ...] = (),
     cpu: bool = False,
+    speed: Mapping[str, Any] | None = None,
 ) -> None:
     """Print the plan the run would start with (on the launch's first process only): the batch
     plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
     `lr.describe`, `compile_line`); `length` is (--epochs, --max-steps), `precision`
-    --mixed-precision, `compile` --compile; `absent` the input flags (`--init-from PATH`) whose
-    files this machine lacks: the run would stop there, the plan says so. A launch the run
-    refuses before it starts (FSDP or DeepSpeed on the CPU, `cpu` --cpu) is refused here too,
-    in the run's words."""
+    --mixed-precision, `compile` --compile, `speed` the settings holding accel_common.speed's
+    switches (the banner shows them from the same values); `absent` the input flags
+    (`--init-from PATH`) whose files this machine lacks: the run would stop there, the plan says
+    so. A launch the run refuses before it starts (FSDP or DeepSpeed on the CPU, `cpu` --cpu,
+    --ddp-static-graph without DDP) is refused here too, in the run's words."""
     world = world_size(processes)
+    speed = speed or {}
     if cpu or not torch.accelerator.is_available():
         require_requested_sharding(unsharded_type(world))
+    plan = batch.plan(world, warn_small=False)
+    if speed.get("ddp_static_graph"):
+        require_ddp(requested_sharding() or unsharded_type(world), plan.grad_accum_steps)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    plan = batch.plan(world, warn_small=False)
     epochs, max_steps = length
     rows = {
         "recipe": recipe,
@@ -134,6 +147,7 @@ def print_dry_run(
         ),
         "mixed precision": mixed_precision(precision),
         "compile": compile_line(compile),
+        **speed_lines(speed),
         **(
             {"inputs": f"not on this machine: {', '.join(absent)} (the run stops unless there)"}
             if absent

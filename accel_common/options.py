@@ -38,6 +38,13 @@ from accel_common.settings import (
     Settings,
     setting,
 )
+from accel_common.speed import (
+    DDP_STATIC_GRAPH_HELP,
+    FUSED_OPTIMIZER_HELP,
+    MATMUL_PRECISION_HELP,
+    MatmulPrecision,
+    make_optimizer,
+)
 from accel_common.tracking import TRACKERS, parse_report_to
 
 
@@ -225,6 +232,9 @@ class SharedSettings(Settings):
         "run's identity.",
     )
     compile: bool = setting(False, COMPILE_HELP, adjustable=True)
+    matmul_precision: MatmulPrecision | None = setting(None, MATMUL_PRECISION_HELP)
+    fused_optimizer: bool = setting(False, FUSED_OPTIMIZER_HELP, adjustable=True)
+    ddp_static_graph: bool = setting(False, DDP_STATIC_GRAPH_HELP, adjustable=True)
     workers: int = setting(
         0, "DataLoader worker processes per training process.", min=0, adjustable=True
     )
@@ -352,7 +362,16 @@ class SharedSettings(Settings):
             seed=self.seed,
             deterministic=self.deterministic,
             kwargs_handlers=kwargs_handlers,
+            matmul_precision=self.matmul_precision.value if self.matmul_precision else None,
+            ddp_static_graph=self.ddp_static_graph,
         )
+
+    def make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """`optimizer_class(params, **kwargs)`, fused with --fused-optimizer (speed.make_optimizer:
+        a fused kernel torch lacks is refused, naming the flag)."""
+        return make_optimizer(optimizer_class, params, self.fused_optimizer, **kwargs)
 
     def adapt_model(self, model: torch.nn.Module) -> None:
         """What the launch asks of `model`, in place: --sync-batchnorm's BatchNorms over the

@@ -55,6 +55,7 @@ from accel_common.export import (
 )
 from accel_common.lr import LRSchedule
 from accel_common.outputs import hold_output_dir
+from accel_common.speed import speed_lines
 from accel_common.tracking import METRICS_FILE, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
@@ -160,7 +161,10 @@ class Run:
             plan=plan,
             lr_line=schedule.description,
             total_steps=schedule.total_steps,
-            extra={"compile": compile_line(bool(config.values.get("compile")))},
+            extra={
+                "compile": compile_line(bool(config.values.get("compile"))),
+                **speed_lines(config.values),
+            },
         )
         run._resume(start, data_dir, monitored)
         if run.finished_export is None:  # a finished run logs nothing more

@@ -234,7 +234,9 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
     if settings.init_from is not None:  # fine-tuning: strictly, or one line naming the misfit
         load_exported(settings.init_from, model)
     # Adam with L2 weight decay, as the original (not AdamW's decoupled decay)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = args.make_optimizer(
+        torch.optim.Adam, model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+    )
     # each step's captions spread over the processes by their token count
     tokens = [len(t) for t in captions]
     train_loader = args.make_train_loader(train_set, plan, collate_fn=collate, costs=tokens)

@@ -276,7 +276,9 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     if start is not None:  # fine-tuning: before the optimizer and DDP see the weights
         require_start_fits(model, start[0], settings.init_from)
         model.load_state_dict(start[0], strict=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = args.make_optimizer(
+        torch.optim.AdamW, model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+    )
     # each step's deliveries spread over the processes by the nodes of their graphs (the
     # history's ball nodes vary, one node of every other type)
     nodes = np.minimum(deliveries.pos[train_set.index], settings.history)

@@ -209,7 +209,9 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     decayed = [p for name, p in model.named_parameters() if name not in plain]
     kept = [p for name, p in model.named_parameters() if name in plain]
     groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = args.make_optimizer(
+        torch.optim.AdamW, groups, lr=args.lr, weight_decay=args.weight_decay
+    )
     collate = Collater(train_set)
     # each step's structures spread over the processes by their edge count (the convolutions'
     # work), so that no process waits for one holding the largest structures

@@ -171,8 +171,12 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         if settings.ema_decay
         else None
     )
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=args.weight_decay
+    optimizer = args.make_optimizer(
+        torch.optim.Adam,
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.5, 0.999),
+        weight_decay=args.weight_decay,
     )
     train_loader = args.make_train_loader(train_set, plan)
     test_loader = make_eval_loader(test_set, plan.per_device_batch_size, workers=args.workers)

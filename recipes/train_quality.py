@@ -454,14 +454,12 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
         p for name, p in model.named_parameters() if name != RELIABILITY_KEY and p.requires_grad
     ]
     eta_scale = settings.eta_lr / args.lr  # --eta-lr, following --lr's scaling and schedule
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": network, "weight_decay": args.weight_decay},
-            # a few scalars that must travel far (0.8 -> 0.1 for a reversed annotator)
-            {"params": [model.annotator_logits], "weight_decay": 0.0, "lr_scale": eta_scale},
-        ],
-        lr=args.lr,
-    )
+    groups = [
+        {"params": network, "weight_decay": args.weight_decay},
+        # a few scalars that must travel far (0.8 -> 0.1 for a reversed annotator)
+        {"params": [model.annotator_logits], "weight_decay": 0.0, "lr_scale": eta_scale},
+    ]
+    optimizer = args.make_optimizer(torch.optim.AdamW, groups, lr=args.lr)
     pairs = Pairs(train_records, train_images, annotators, seed=args.seed)
     train_loader = args.make_train_loader(pairs, plan)
     every_image = Images(names, ImageReader(image_dir, size, mean, std))  # scored each epoch

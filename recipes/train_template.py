@@ -194,8 +194,11 @@ def build_model(args: SharedSettings, settings: MLPSettings) -> MLPRegressor:
 def build_optimizer(
     args: SharedSettings, settings: MLPSettings, model: nn.Module
 ) -> torch.optim.Optimizer:
-    """The optimizer `train` uses, also built by `--dry-run` to size its state per device."""
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    """The optimizer `train` uses, also built by `--dry-run` to size its state per device;
+    `args.make_optimizer` is the class called as usual, fused with --fused-optimizer."""
+    return args.make_optimizer(
+        torch.optim.AdamW, model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+    )
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality

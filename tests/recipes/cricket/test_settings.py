@@ -17,6 +17,8 @@ from tests.recipes.cricket.helpers import train_here
 
 ORIGINAL = REPO / "recipes" / "cricket" / "configs" / "original.yaml"
 
+TORCHS_PRECISION = "torch's default (fp32 matrix products, TF32 cuDNN convolutions)"
+
 
 dry_run = functools.partial(dry_run_plan, recipe.train)
 
@@ -57,6 +59,9 @@ def test_the_original_preset_plans_its_run_and_writes_nothing(cricket_data, tmp_
         "step"
     )
     assert plan["epochs"] == "100"
+    # the original touches no speed switch: torch's defaults (trainer.py 142-153, 174-178)
+    assert plan["matmul precision"] == TORCHS_PRECISION
+    assert plan["fused optimizer"] == plan["DDP static graph"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 

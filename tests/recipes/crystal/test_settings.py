@@ -18,6 +18,8 @@ from recipes.crystal.model import Comformer, EComformer
 from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.crystal.helpers import write_volumes
 
+TORCHS_PRECISION = "torch's default (fp32 matrix products, TF32 cuDNN convolutions)"
+
 
 def test_the_originals_arguments_without_a_counterpart_are_refused_by_name(monkeypatch):
     call = functools.partial(api.train_from_extxyz, "never_read.extxyz", "energy")
@@ -63,6 +65,9 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
         "then down to 4e-09 (peak / 25 / 10000) at the last step"
     )  # OneCycleLR(max_lr=1e-3, pct_start=0.3) at its defaults (train.py 278-287)
     assert plan["epochs"] == "500" and plan["mixed precision"] == "no"
+    # the original touches no speed switch: torch's defaults (train.py 124-128, 267-269)
+    assert plan["matmul precision"] == TORCHS_PRECISION
+    assert plan["fused optimizer"] == plan["DDP static graph"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 

@@ -35,6 +35,10 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
     )
     assert plan["epochs"] == "15000"
     assert plan["compile"] == "inductor (--compile)"  # as the original's torch.compile
+    # its speed switches at their defaults (train_completion.py 1509, 1558-1572, 2135-2138)
+    assert plan["matmul precision"].startswith("high (TF32 matrix products and convolutions")
+    assert plan["fused optimizer"] == "yes (--fused-optimizer)"
+    assert plan["DDP static graph"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 

@@ -18,6 +18,8 @@ from tests.processes import QUALITY, REPO, dry_run_plan, invoke_train, run_recip
 
 ORIGINAL = REPO / "recipes" / "quality" / "configs" / "original.yaml"
 
+TORCHS_PRECISION = "torch's default (fp32 matrix products, TF32 cuDNN convolutions)"
+
 
 invoke = functools.partial(invoke_train, recipe.train)
 dry_run = functools.partial(dry_run_plan, recipe.train)
@@ -43,6 +45,9 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
         "0 warmup steps, then cosine per epoch to 1e-06 (0.01 x peak) at the last step"
     )  # CosineAnnealingLR(T_max=epochs, eta_min=0.01 lr) stepped after each epoch (train.py 494)
     assert plan["epochs"] == "20" and plan["mixed precision"] == "no"
+    # the original touches no speed switch: torch's defaults (train.py 378-382, 408-411)
+    assert plan["matmul precision"] == TORCHS_PRECISION
+    assert plan["fused optimizer"] == plan["DDP static graph"] == "no"
     assert list(tmp_path.iterdir()) == []  # no output folder, no example data
 
 
