@@ -215,6 +215,11 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     model = build_model(args, settings)
     if settings.init_from is not None:  # fine-tuning: strictly, or a CheckpointError naming why
         load_exported(settings.init_from, model)
+    if settings.batchnorm == "torch" and settings.sync_batchnorm and accelerator.num_processes > 1:
+        # torch's BatchNorm1d over the global batch: SyncBatchNorm on GPUs, elsewhere the
+        # float64 formula (torch's SyncBatchNorm refuses CPU tensors); one process: the
+        # original's. New modules: before the optimizer takes the parameters
+        sync_batchnorm(model, accelerator.device)
     optimizer = torch.optim.AdamW(
         parameter_groups(model), lr=args.lr, weight_decay=args.weight_decay
     )
@@ -227,10 +232,6 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)
     )
-    if settings.batchnorm == "torch" and settings.sync_batchnorm and accelerator.num_processes > 1:
-        # torch's BatchNorm1d over the global batch: SyncBatchNorm on GPUs, elsewhere the
-        # float64 formula (torch's SyncBatchNorm refuses CPU tensors); one process: the original's
-        sync_batchnorm(model, accelerator.device)
     args.adapt_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
