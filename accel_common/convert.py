@@ -5,8 +5,10 @@ objects: what `accel-recipes convert` and a recipe's `--weights` read.
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
-from accel_common.errors import CheckpointError
+from accel_common.errors import CheckpointError, RecipeError
 from accel_common.export import UNNAMED_RECIPE, require_export_target, write_export
 from accel_common.outputs import exclusive_outputs
 from accel_common.ties import restore_ties, saved_ties
@@ -190,3 +192,76 @@ def convert_checkpoint(
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
     with exclusive_outputs(not force):
         return write_export(state, target, metadata)
+
+
+def parse_given(pairs: list[str]) -> dict[str, str]:
+    """`convert --set NAME=VALUE ...` as {NAME: VALUE}; anything else is one line."""
+    given = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise RecipeError(f"--set {pair}: give NAME=VALUE, e.g. --set dropout=0.15")
+        given[name.strip().replace("-", "_")] = value.strip()
+    return given
+
+
+def _as_type_of(value: str, assumed: Any, name: str) -> Any:
+    """The text `value` as the type of the value the import assumed for `name`."""
+    kind = type(assumed)
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            return value.lower() == "true"
+        parsed = kind(value)
+    except ValueError:
+        raise RecipeError(
+            f"--set {name}={value}: not a {kind.__name__} (as the assumed {assumed!r})"
+        ) from None
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        raise RecipeError(f"--set {name}={value}: not a finite number")
+    return parsed
+
+
+def settle_unrecorded(
+    source: Path,
+    assumed: dict[str, Any],
+    given: Mapping[str, str],
+    supplied: dict[str, tuple[Any, str]] | None = None,
+) -> tuple[dict[str, Any], str]:
+    """The values of the settings an original's checkpoint does not record: `assumed` (the
+    original's defaults) unless a file beside it `supplied` one ({name: (value, file name)}) or
+    `--set` gave one (which wins); and ONE line saying which it lacks and what is used ("" when
+    it lacks none), for `tell` once the import has succeeded, so that a model trained at another
+    value is not converted silently. A --set of a setting the checkpoint records (or this
+    import does not read) is one line naming those it takes."""
+    supplied = supplied or {}
+    unknown = sorted(set(given) - set(assumed))
+    if unknown:
+        takes = ", ".join(assumed) if assumed else "nothing: it records all this import reads"
+        raise RecipeError(
+            f"--set {unknown[0]}: {source} records it, or the import does not read it; "
+            f"--set takes {takes}"
+        )
+    values, origins = {}, []
+    for name, default in assumed.items():
+        if name in given:
+            values[name] = _as_type_of(given[name], default, name)
+            origins.append(f"{name} {values[name]!r} (--set)")
+        elif name in supplied:
+            values[name], where = supplied[name]
+            origins.append(f"{name} {values[name]!r} ({where})")
+        else:
+            values[name] = default
+            origins.append(f"{name} {default!r} (the original's default)")
+    note = (
+        f"note: {source} does not record {', '.join(assumed)}; used {', '.join(origins)}; "
+        "for a model trained with other values, convert again with --set NAME=VALUE"
+    )
+    return values, note if assumed else ""
+
+
+def tell(note: str) -> None:
+    """`settle_unrecorded`'s line on stderr, if there is one."""
+    if note:
+        print(note, file=sys.stderr)

@@ -58,6 +58,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     from torch_geometric.loader.dataloader import Collater
 
 from accel_common.batching import total_optimizer_steps
+from accel_common.batchnorm import sync_batchnorm
 from accel_common.command import model_option, train_command
 from accel_common.data.cache import list_lengths
 from accel_common.data.fingerprint import named_files
@@ -147,9 +148,19 @@ def build_model(args: SharedSettings | None, settings: CrystalSettings) -> Comfo
         settings.rbf_bins,
         settings.angle_bins,
         settings.fc_features,
+        settings.batchnorm,
     )
     synchronise_batchnorm(network, settings.sync_batchnorm)
     return network
+
+
+def parameter_groups(model: nn.Module) -> list[dict]:
+    """AdamW's groups as the original's (train.py 105-118): no weight decay on biases and batch
+    norms."""
+    plain = {n for n, _ in model.named_parameters() if any(k in n for k in ("bias", "bn", "norm"))}
+    decayed = [p for name, p in model.named_parameters() if name not in plain]
+    kept = [p for name, p in model.named_parameters() if name in plain]
+    return [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
 
 
 @train_command(
@@ -204,13 +215,13 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     model = build_model(args, settings)
     if settings.init_from is not None:  # fine-tuning: strictly, or a CheckpointError naming why
         load_exported(settings.init_from, model)
-    # as the original (train.py 105-118): no weight decay on biases and batch norms
-    plain = {n for n, _ in model.named_parameters() if any(k in n for k in ("bias", "bn", "norm"))}
-    decayed = [p for name, p in model.named_parameters() if name not in plain]
-    kept = [p for name, p in model.named_parameters() if name in plain]
-    groups = [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
+    if settings.batchnorm == "torch" and settings.sync_batchnorm and accelerator.num_processes > 1:
+        # torch's BatchNorm1d over the global batch: SyncBatchNorm on GPUs, elsewhere the
+        # float64 formula (torch's SyncBatchNorm refuses CPU tensors); one process: the
+        # original's. New modules: before the optimizer takes the parameters
+        sync_batchnorm(model, accelerator.device)
     optimizer = args.make_optimizer(
-        torch.optim.AdamW, groups, lr=args.lr, weight_decay=args.weight_decay
+        torch.optim.AdamW, parameter_groups(model), lr=args.lr, weight_decay=args.weight_decay
     )
     collate = Collater(train_set)
     # each step's structures spread over the processes by their edge count (the convolutions'
@@ -221,7 +232,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
         DataLoader(s, batch_size=plan.per_device_batch_size, collate_fn=collate)
         for s in (val_set, test_set)
     )
-    args.adapt_model(model)  # --sync-batchnorm, --compile: in place, before prepare
+    args.adapt_model(model)  # --compile: in place, before prepare
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, test_loader
     )

@@ -248,6 +248,23 @@ def test_convert_from_pcdiff_refuses_in_one_line(tmp_path):
     assert "not an export of the pointcloud recipe" in line
 
 
+def test_convert_set_refuses_in_one_line(tmp_path):
+    """--set NAME=VALUE: malformed, without --from, a value not of the assumed type, or a name
+    the import does not take: one line each, nothing written."""
+    good = pcdiff_checkpoint(tmp_path / "model_best.pth")
+    out = tmp_path / "out"
+    cases = [
+        (["--from", "pcdiff", "--set", "vox_res_mult"], "--set vox_res_mult: give NAME=VALUE"),
+        (["--set", "vox_res_mult=1"], "use it with --from"),
+        (["--from", "pcdiff", "--set", "vox_res_mult=big"], "not a float (as the assumed 1.0)"),
+        (["--from", "pcdiff", "--set", "width=3"], "--set takes vox_res_mult"),
+    ]
+    for extra, message in cases:
+        line = one_error_line(invoke("convert", str(good), str(out), *extra))
+        assert message in line, line
+    assert not out.exists()
+
+
 def test_convert_to_an_original_names_source_for_another_recipes_export(tmp_path):
     """The shared export reader's message names the argument that gave the folder: convert's
     SOURCE, not the --model of the recipes' own commands."""

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
-from accel_common.convert import convert_checkpoint
+from accel_common.convert import convert_checkpoint, parse_given
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import (
     UNNAMED_RECIPE,
@@ -202,6 +202,13 @@ def convert(
         help="SOURCE is this project's export folder: write OUTPUT as a checkpoint the original "
         "project's code loads.",
     ),
+    given: list[str] = typer.Option(
+        [],
+        "--set",
+        help="With --from: NAME=VALUE, a setting the original's checkpoint does not record (the "
+        "note --from prints names them and what it assumed), e.g. --set dropout=0.159. Repeat "
+        "for several.",
+    ),
 ) -> None:
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
@@ -216,8 +223,15 @@ def convert(
     """
     if from_original and to_original:
         raise RecipeError("give --from or --to, not both")
+    if given and not from_original:
+        raise RecipeError(
+            "--set gives a setting an original's checkpoint does not record: use it with --from"
+        )
     with exclusive_outputs(not force):  # checked before the work, and again at each move
-        convert_to(source, output, recipe, model_index, force, (from_original, to_original))
+        convert_to(
+            source, output, recipe, model_index, force, (from_original, to_original),
+            parse_given(given),
+        )  # fmt: skip
 
 
 def convert_to(
@@ -227,6 +241,7 @@ def convert_to(
     model_index: int,
     force: bool,
     originals: tuple[str | None, str | None],
+    given: dict[str, str] | None = None,
 ) -> None:
     """`convert`'s work, once its flags are known to go together."""
     from_original, to_original = originals
@@ -242,17 +257,18 @@ def convert_to(
     if from_original:
         recipe, module = converter(from_original)
         model_path = require_export_target(output, force)
-        state, config = module.import_checkpoint(source)
+        # what the recipe's commands read beside the weights (a vocabulary), read before anything
+        # is written, and before the import's note on what the checkpoint lacks (an error is
+        # then the only line)
+        extras = getattr(module, "export_files", None)
+        files = extras(source) if extras else {}
+        require_new_files([model_path.parent / name for name in files], force)
+        state, config = module.import_checkpoint(source, given or {})
         metadata = {
             "recipe": recipe,
             "config": config,
             "converted_from": f"{from_original}: {source}",
         }
-        # what the recipe's commands read beside the weights (a vocabulary), read before anything
-        # is written
-        extras = getattr(module, "export_files", None)
-        files = extras(source) if extras else {}
-        require_new_files([model_path.parent / name for name in files], force)
         path = write_export(state, output, metadata)
         for name, text in files.items():
             write = functools.partial(Path.write_text, data=text)

@@ -3,9 +3,12 @@
 Each recipe with an original owns its conversion, beside its model: `recipes/X/convert.py` names
 the original (`ORIGINAL = "pcdiff"`) and defines
 
-    import_checkpoint(source: Path) -> tuple[dict[str, Tensor], dict[str, Any]]
+    import_checkpoint(source: Path, given: Mapping[str, str]) -> tuple[dict[str, Tensor], dict]
         the original's checkpoint as this recipe's state dict (loads strictly into its model) and
-        the export's config (the settings, and derived values, its commands rebuild the model from)
+        the export's config (the settings, and derived values, its commands rebuild the model
+        from); `given` is `--set NAME=VALUE`: the settings the checkpoint does not record, which
+        it passes with what it assumed to accel_common.convert.settle_unrecorded (one line
+        naming them)
     export_checkpoint(model_dir: Path, target: Path) -> Path
         this recipe's export as a file the original's code loads
     export_files(source: Path) -> dict[str, str]   (optional)

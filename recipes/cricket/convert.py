@@ -28,13 +28,15 @@ import json
 import pickle
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint, require_tensors
-from accel_common.errors import CheckpointError
+from accel_common.convert import load_original_checkpoint, require_tensors, settle_unrecorded, tell
+from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     read_export_weights,
     read_recipe_export,
@@ -52,6 +54,13 @@ TRAINING_KEYS = {"huber_delta": "huber_delta", "patience": "patience", "min_epoc
 # the original's graph keeps every earlier ball; the longest T20 innings has 144 deliveries
 ALL_BALLS = 150
 MAPPER_FILE = "entity_mapper.pkl"
+# what its checkpoint does not record (ModelConfig's, not TrainingConfig's), at train.py's
+# defaults; its HP search's best_params.json (train.py --config) may give them
+UNRECORDED = {"dropout": 0.1}
+BEST_PARAMS = "best_params.json"
+# best_params.json's network sizes: {its key: architecture()'s}
+BEST_PARAMS_SIZES = {"hidden_dim": "hidden", "num_layers": "layers", "num_heads": "heads",
+                     "model_class": "model"}  # fmt: skip
 # its TrainingConfig's defaults, which train.py --test-only builds its Trainer's optimizer from:
 # AdamW at lr 1e-3, weight decay 0.01; CosineAnnealingLR over epochs 100 - warmup_epochs 5
 ORIGINAL_LR, ORIGINAL_WD, ORIGINAL_T_MAX = 1e-3, 0.01, 95
@@ -166,18 +175,61 @@ def architecture(state: dict[str, torch.Tensor], source: Path) -> dict[str, Any]
     return {"model": model, "vocab_sizes": rows, "hidden": hidden, "layers": layers, "heads": heads}
 
 
-def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The original's checkpoint as this recipe's state dict and export config."""
+def read_best_params(path: Path, shape: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The unrecorded settings a best_params.json beside the checkpoint gives (its HP search's
+    file, which its train.py --config reads: the values under "best_params", or at the top), as
+    {setting: (value, file name)}; its network sizes must be the checkpoint's."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path}: not readable JSON ({err})") from None
+    params = data.get("best_params", data) if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{path}: not the HP search's best_params.json (a JSON object)")
+    for theirs, ours in BEST_PARAMS_SIZES.items():
+        if theirs in params and params[theirs] != shape[ours]:
+            raise CheckpointError(
+                f"{path}: {theirs} {params[theirs]!r} but the checkpoint's tensors have "
+                f"{shape[ours]}: give the best_params.json of the run that saved it"
+            )
+    supplied = {}
+    if "dropout" in params:
+        dropout = params["dropout"]
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, int | float)
+            or not (0 <= dropout <= 0.9)
+        ):
+            raise CheckpointError(f"{path}: dropout {dropout!r} is not a number in [0, 0.9]")
+        supplied["dropout"] = (float(dropout), path.name)
+    return supplied
+
+
+def import_checkpoint(
+    source: Path, given: Mapping[str, str] = MappingProxyType({})
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The original's checkpoint as this recipe's state dict and export config. Its config is
+    the TrainingConfig, not the model's: the dropout (ModelConfig's) comes from --set, else a
+    best_params.json beside it, else the original train.py's default, and the line printed says
+    which."""
     checkpoint = _read(source)
     state = {k.removeprefix("module."): v for k, v in checkpoint[STATE_KEY].items()}
     shape = architecture(state, source)
     training = checkpoint.get("config") or {}
     overrides = {ours: training[theirs] for theirs, ours in TRAINING_KEYS.items()
                  if theirs in training}  # fmt: skip
+    best = Path(source).parent / BEST_PARAMS
+    supplied = read_best_params(best, shape) if best.is_file() else {}
+    values, note = settle_unrecorded(source, UNRECORDED, given, supplied)
+    overrides |= values
     settings = CricketSettings(
         model=shape["model"], hidden=shape["hidden"], layers=shape["layers"],
         heads=shape["heads"], history=ALL_BALLS, **overrides,
     )  # fmt: skip
+    try:
+        settings.validate()
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: {err}") from None
     with torch.device("meta"):
         model = network(settings, shape["vocab_sizes"])
     where = f"{source}: not {settings.model} at these sizes"
@@ -189,6 +241,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         "baseline": [0.0] * 220,
         "original_training_config": training,
     }
+    tell(note)
     return {k: v.contiguous() for k, v in state.items()}, config
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint
+from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     read_export_weights,
@@ -33,6 +35,10 @@ from recipes.crystal.settings import CrystalSettings
 ORIGINAL = "comformer"
 CONFIG = "config.json"  # the original's training config, beside best_model.pt
 # config.json's numbers this import reads, and what each should be
+# what a best_model.pt without config.json (or one lacking them) does not record, at the
+# original's defaults: its API's graphs (custom_train.py 888-889) and its unscaled target (train.py
+# 206-215: mean 0, std 1)
+ORIGINAL_DEFAULTS = {"cutoff": 6.0, "max_neighbors": 25, "mean": 0.0, "std": 1.0}
 NUMBERS = {
     "mean_train": "set it to the training target's mean (or remove it)",
     "std_train": "set it to the training target's standard deviation (or remove it)",
@@ -103,9 +109,13 @@ def _check_model_section(model: dict[str, Any], sizes: dict[str, int], path: Pat
             )
 
 
-def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def import_checkpoint(
+    source: Path, given: Mapping[str, str] = MappingProxyType({})
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A ComFormer `best_model.pt` as this recipe's state dict and export config; the graph
-    settings, target and its mean/std come from the `config.json` beside it when there is one."""
+    settings, target and its mean/std come from the `config.json` beside it when there is one.
+    What it lacks (all of them without one) comes from --set, else the original's defaults,
+    and the line printed names them."""
     source = Path(source)
     loaded = load_original_checkpoint(source, ORIGINAL, "model")
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
@@ -123,7 +133,8 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     kind = sizes["model"]
     require_same_tensors(state, model.state_dict(), f"{source}: not this recipe's {kind}")
     model.load_state_dict(state, strict=True)
-    settings = dict(sizes)
+    # the original trains with torch's BatchNorm1d: recorded, so that --init-from runs it too
+    settings: dict[str, Any] = dict(sizes) | {"batchnorm": "torch"}
     path = source.parent / CONFIG
     for key, whole in (("cutoff", False), ("max_neighbors", True)):
         if (value := _number(original, key, path)) is not None:
@@ -135,15 +146,24 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
             settings[key] = original[key]
     if isinstance(original.get("target"), str) and original["target"] not in ("", "target"):
         settings["target"] = original["target"]
+    derived = {}
+    for key, ours in (("mean_train", "mean"), ("std_train", "std")):
+        if (value := _number(original, key, path)) is not None:
+            derived[ours] = value
+    lacking = {k: v for k, v in ORIGINAL_DEFAULTS.items() if k not in settings | derived}
+    given_values, note = settle_unrecorded(source, lacking, given)
+    settings |= {k: v for k, v in given_values.items() if k not in ("mean", "std")}
+    derived |= {k: v for k, v in given_values.items() if k in ("mean", "std")}
     try:
         parsed = CrystalSettings.from_config(settings)
         parsed.validate()
     except ConfigError as err:  # a value the recipe cannot take: the file is where it came from
-        raise CheckpointError(f"{path}: {err}") from None
-    config = parsed.as_config()
-    config["mean"] = _number(original, "mean_train", path) or 0.0  # the original's default: 0, 1
-    config["std"] = _number(original, "std_train", path) or 1.0
-    return model.state_dict(), config
+        where = path if path.is_file() else source
+        raise CheckpointError(f"{where}: {err}") from None
+    if derived["std"] <= 0:  # from config.json's std_train or --set std
+        raise CheckpointError(f"{source}: target std {derived['std']} is not positive")
+    tell(note)
+    return model.state_dict(), parsed.as_config() | derived
 
 
 def _number(original: dict[str, Any], key: str, path: Path) -> float | None:

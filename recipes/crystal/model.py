@@ -26,10 +26,12 @@ with the edge vector's spherical harmonics (l = 0, 1, 2; weights per edge from a
 edge's RBF features; mean over each atom's edges, 64x0e -> 64x0e + 8x1o + 8x2e -> 64x0e),
 BatchNorm, a projection back and a skip connection (5,583,809 parameters, 116 tensors).
 
-Every BatchNorm is `BatchNorm`: torch's BatchNorm1d, whose training statistics are those of the
-whole global batch when several processes train (see its docstring), so that 1 and N processes
-take the same steps. The original runs `att_layers` 0..3 by index (its forward needs exactly 4);
-here `layers` convolutions run in order, the edge update after the first: the same at 4.
+Every BatchNorm is, by default, `BatchNorm`: torch's BatchNorm1d, whose training statistics are
+summed in float64 and are those of the whole global batch when several processes train (see its
+docstring), so that 1 and N processes take the same steps; `batchnorm="torch"` (the presets) builds
+the original's plain BatchNorm1d instead (`BATCHNORMS`), whose step is the original's bit for bit.
+The original runs `att_layers` 0..3 by index (its forward needs exactly 4); here `layers`
+convolutions run in order, the edge update after the first: the same at 4.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
 
 CGCNN_TABLE = Path(__file__).with_name("cgcnn_features.json")
 VARIANTS = ("iComformer", "eComformer")  # the original's model names this recipe builds
+# the BatchNorms it can train with: its own float64, global-batch one, or torch's, as the original
+BATCHNORMS = ("float64", "torch")
 
 
 def cgcnn_features() -> torch.Tensor:
@@ -408,6 +412,18 @@ def synchronise_batchnorm(network: nn.Module, synchronised: bool) -> None:
             module.synchronised = synchronised
 
 
+def with_torch_batchnorm(network: nn.Module) -> None:
+    """Every `BatchNorm` of the network replaced, in place, by torch's BatchNorm1d as the
+    original builds it (`nn.BatchNorm1d(channels)`: eps 1e-5, momentum 0.1, affine), with its
+    parameters and buffers: the same state-dict keys, torch's float32 kernels in training."""
+    for parent in list(network.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BatchNorm):
+                plain = nn.BatchNorm1d(child.num_features, child.eps, child.momentum)
+                plain.load_state_dict(child.state_dict())
+                setattr(parent, name, plain.to(child.weight.device))
+
+
 def build_network(
     model: str,
     width: int,
@@ -416,10 +432,18 @@ def build_network(
     rbf_bins: int,
     angle_bins: int | None = None,
     fc_features: int | None = None,
+    batchnorm: str = "float64",
 ) -> Comformer | EComformer:
-    """The original's network by its name (its `model_name`): iComformer or eComformer."""
+    """The original's network by its name (its `model_name`): iComformer or eComformer, with
+    the recipe's float64 BatchNorms or torch's (`BATCHNORMS`)."""
+    if batchnorm not in BATCHNORMS:
+        raise ValueError(f"batchnorm {batchnorm!r}: one of {', '.join(BATCHNORMS)}")
     if model == "eComformer":
-        return EComformer(width, layers, heads, rbf_bins, fc_features)
-    if model == "iComformer":
-        return Comformer(width, layers, heads, rbf_bins, angle_bins, fc_features)
-    raise ValueError(f"model {model!r}: this recipe builds {', '.join(VARIANTS)}")
+        network: Comformer | EComformer = EComformer(width, layers, heads, rbf_bins, fc_features)
+    elif model == "iComformer":
+        network = Comformer(width, layers, heads, rbf_bins, angle_bins, fc_features)
+    else:
+        raise ValueError(f"model {model!r}: this recipe builds {', '.join(VARIANTS)}")
+    if batchnorm == "torch":
+        with_torch_batchnorm(network)
+    return network

@@ -11,7 +11,7 @@ from pathlib import Path
 from accel_common.errors import ConfigError
 from accel_common.settings import MAX_BLOCKS, Settings, setting
 from recipes.crystal.data import TARGET_HELP
-from recipes.crystal.model import VARIANTS
+from recipes.crystal.model import BATCHNORMS, VARIANTS
 
 
 @dataclass
@@ -55,6 +55,12 @@ class CrystalSettings(Settings):
         min=2,
     )
     fc_features: int = setting(16, "Width of the MLP after pooling: fc_features (256).", min=1)
+    batchnorm: str = setting(
+        "float64",
+        "BatchNorm in training: float64 (statistics summed in float64, the same steps on 1 and N "
+        "processes), or torch (torch's BatchNorm1d as the original's, its step bit for bit; "
+        "the presets' choice; on N processes --sync-batchnorm makes it SyncBatchNorm on GPUs).",
+    )
     sync_batchnorm: bool = setting(
         True,
         "BatchNorm statistics of the whole global batch, so that N processes take one process's "
@@ -83,3 +89,5 @@ class CrystalSettings(Settings):
             raise ConfigError("--train-ratio, --val-ratio and --test-ratio must sum to 1")
         if self.model not in VARIANTS:
             raise ConfigError(f"--model {self.model}: this recipe builds {', '.join(VARIANTS)}")
+        if self.batchnorm not in BATCHNORMS:
+            raise ConfigError(f"--batchnorm {self.batchnorm}: one of {', '.join(BATCHNORMS)}")

@@ -10,13 +10,15 @@ are this recipe's PVCNN2's own, one to one.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import yaml
 
-from accel_common.convert import load_original_checkpoint
+from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.export import (
     export_paths,
@@ -78,22 +80,25 @@ def settings_for(state: dict[str, torch.Tensor], source: Path) -> PointCloudSett
     return PointCloudSettings.from_config(preset)
 
 
-def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A pcdiff checkpoint as this recipe's state dict and export config (loads strictly)."""
+def import_checkpoint(
+    source: Path, given: Mapping[str, str] = MappingProxyType({})
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A pcdiff checkpoint as this recipe's state dict and export config (loads strictly); the
+    voxel-resolution multiplier, which it does not record, from --set or the preset's 1 (the
+    line printed says which)."""
     state = read_state(Path(source))
     settings = settings_for(state, source)
+    assumed = {"vox_res_mult": settings.vox_res_mult}
+    values, note = settle_unrecorded(source, assumed, given)
+    for name, value in values.items():
+        setattr(settings, name, value)
     try:  # a width whose channels GroupNorm cannot split in 8 groups
         settings.validate()
     except ConfigError as err:
         raise CheckpointError(f"{source}: not PVCNN2 at a size it builds: {err}") from None
     expected = network(settings).state_dict()
     require_same_tensors(state, expected, f"{source}: not PVCNN2 at these sizes")
-    print(
-        f"note: a pcdiff checkpoint does not record --vox_res_mult; assumed vox_res_mult "
-        f"{settings.vox_res_mult} (its default): for one trained with another, set "
-        "config.vox_res_mult in the export's model.json",
-        file=sys.stderr,
-    )
+    tell(note)
     return {k: v.to(expected[k].dtype).contiguous() for k, v in state.items()}, settings.as_config()
 
 

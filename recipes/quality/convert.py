@@ -14,12 +14,14 @@ parametrisation). Read with torch.load(weights_only=True): nothing arbitrary is 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint
+from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
 from accel_common.errors import CheckpointError
 from accel_common.export import (
     read_export_weights,
@@ -47,8 +49,13 @@ def check_state(state: dict[str, torch.Tensor], backbone: str, source: Path) -> 
     require_same_tensors(state, scorer_shapes(backbone), where)
 
 
-def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The original's checkpoint as this recipe's state dict and export config."""
+def import_checkpoint(
+    source: Path, given: Mapping[str, str] = MappingProxyType({})
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The original's checkpoint as this recipe's state dict and export config. Its trainer
+    records the backbone, the input size and eta_logit; one that lacks any of them (an older
+    or hand-made save) gets --set's value, else train.py's default, and the line printed says
+    which."""
     source = Path(source)
     checkpoint = load_original_checkpoint(source, ORIGINAL, "model")
     if not isinstance(checkpoint, dict):
@@ -60,20 +67,27 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     config = checkpoint.get("config") or {}
     if not isinstance(config, dict):
         raise CheckpointError(f"{source}: its 'config' is {type(config).__name__}, not a dict")
-    backbone = config.get("backbone_name", "efficientnet_b4")  # train.py's default
+    assumed = {"backbone": "efficientnet_b4", "image_size": 448}  # train.py's --backbone, ...
+    assumed["eta_logit"] = DEFAULT_ETA_LOGIT
+    recorded = {"backbone": config.get("backbone_name"), "image_size": config.get("input_size")}
+    recorded["eta_logit"] = checkpoint.get("eta_logit")
+    lacking = {k: v for k, v in assumed.items() if recorded[k] is None}
+    values, note = settle_unrecorded(source, lacking, given)
+    recorded |= values
+    backbone = recorded["backbone"]
     if not isinstance(backbone, str) or not is_timm_model(backbone):
         raise CheckpointError(
             f"{source}: its config's backbone_name {backbone!r} is not a timm model name, so "
             "the network it was saved from is unknown; set it to the backbone it was trained with"
         )
-    image_size = config.get("input_size", 448)
+    image_size = recorded["image_size"]
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
         raise CheckpointError(
             f"{source}: its config's input_size {image_size!r} is not an image size (a whole "
             "number of pixels, at least 8); set it to the size it was trained at"
         )
     check_state(state, backbone, source)
-    eta_logit = float(checkpoint.get("eta_logit", DEFAULT_ETA_LOGIT))
+    eta_logit = float(recorded["eta_logit"])
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     state[RELIABILITY_KEY] = torch.tensor([eta_logit])
     export_config = {
@@ -84,6 +98,7 @@ def import_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         "draw_weight": 0.5,
         "annotators": [ANNOTATOR],
     }
+    tell(note)
     return state, export_config
 
 

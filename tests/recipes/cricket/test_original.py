@@ -374,3 +374,62 @@ def test_to_cricketmodel_writes_what_the_originals_load_checkpoint_reads(model, 
     scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
     assert (checkpoint["epoch"], checkpoint["best_val_loss"]) == (0, float("inf"))
     assert isinstance(checkpoint["global_step"], int)
+
+
+def convert_from_cricketmodel(source: Path, out: Path, *extra: str) -> tuple[int, str, dict]:
+    """`accel-recipes convert --from cricketmodel`: exit code, output, the export's config."""
+    from typer.testing import CliRunner
+
+    from accel_common.tools.cli import app
+
+    argv = ["convert", str(source), str(out), "--from", "cricketmodel", *extra]
+    result = CliRunner().invoke(app, argv)
+    written = out / "model.json"
+    config = json.loads(written.read_text())["config"] if written.is_file() else {}
+    return result.exit_code, result.output.strip(), config
+
+
+def test_convert_names_the_dropout_it_lacks_and_takes_it_from_set_or_best_params(tmp_path):
+    """Its checkpoint records the TrainingConfig, not the model's dropout: a
+    CricketHeteroGNNFull trained at 0.159 was converted at 0.1, silently. Now one line names
+    what it assumed, --set gives the value, and so does the HP search's best_params.json beside
+    the checkpoint (its format: the values under "best_params", as its train.py --config reads)."""
+    source = original_checkpoint(tmp_path, "CricketHeteroGNNFull")
+    code, output, config = convert_from_cricketmodel(source, tmp_path / "assumed")
+    assert code == 0, output
+    (note,) = [line for line in output.splitlines() if line.startswith("note:")]
+    assert f"{source} does not record dropout; used dropout 0.1 (the original's default)" in note
+    assert config["dropout"] == 0.1
+    code, output, config = convert_from_cricketmodel(
+        source, tmp_path / "set", "--set", "dropout=0.159"
+    )
+    assert code == 0 and "dropout 0.159 (--set)" in output, output
+    assert config["dropout"] == 0.159
+    sizes = {"hidden_dim": config["hidden"], "num_layers": config["layers"]}
+    best = {"best_params": sizes | {"num_heads": config["heads"], "dropout": 0.15931016006719328}}
+    (tmp_path / "best_params.json").write_text(json.dumps({"study_name": "s"} | best))
+    code, output, config = convert_from_cricketmodel(source, tmp_path / "best")
+    assert code == 0 and "dropout 0.15931016006719328 (best_params.json)" in output, output
+    assert config["dropout"] == 0.15931016006719328
+    code, output, config = convert_from_cricketmodel(  # --set wins over the file
+        source, tmp_path / "both", "--set", "dropout=0.2"
+    )
+    assert code == 0 and config["dropout"] == 0.2, output
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"best_params": {"dropout": 0.1', "not readable JSON"),
+        ("[0.1]", "not the HP search's best_params.json (a JSON object)"),
+        ('{"best_params": {"dropout": "high"}}', "dropout 'high' is not a number in [0, 0.9]"),
+        ('{"best_params": {"hidden_dim": 7}}', "hidden_dim 7 but the checkpoint's tensors have"),
+    ],
+)
+def test_a_bad_best_params_json_is_one_line_naming_it(tmp_path, text, message):
+    source = original_checkpoint(tmp_path, "CricketHeteroGNN")
+    (tmp_path / "best_params.json").write_text(text)
+    code, output, _ = convert_from_cricketmodel(source, tmp_path / "out")
+    assert code != 0 and len(output.splitlines()) == 1, output
+    assert output.startswith(f"error: {tmp_path / 'best_params.json'}: {message}"), output
+    assert not (tmp_path / "out").exists()

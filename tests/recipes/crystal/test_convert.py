@@ -219,3 +219,37 @@ def test_convert_to_comformer_never_replaces_a_config_json_it_was_not_given(tmp_
     argv = ["convert", str(exports[1]), str(back / "b.pt"), "--to", "comformer", "--force"]
     assert CliRunner().invoke(cli.app, argv).exit_code == 0
     assert json.loads((back / "config.json").read_text())["mean_train"] == -3.0
+
+
+def test_convert_from_comformer_names_what_the_checkpoint_lacks_and_takes_set(tmp_path):
+    """Without config.json, best_model.pt records no graph settings nor the target's scaling:
+    one line names them and the original's defaults it used (its API's 6 angstrom and 25
+    neighbours, mean 0, std 1: not the recipe's CPU defaults); --set gives any of them. With a
+    config.json lacking only the scaling, only that is named. The BatchNorm is torch's, as the
+    original trains."""
+    folder = tmp_path / "orig"
+    folder.mkdir()
+    torch.save({"model": load_file(FIXTURES / "icomformer.safetensors")}, folder / "best_model.pt")
+    source, out = folder / "best_model.pt", tmp_path / "export"
+    argv = ["convert", str(source), str(out), "--from", "comformer", "--set", "std=2.5"]
+    result = CliRunner().invoke(cli.app, [*argv, "--set", "max-neighbors=12"])
+    assert result.exit_code == 0, result.output
+    (note,) = [line for line in result.output.splitlines() if line.startswith("note:")]
+    assert note.startswith(f"note: {source} does not record cutoff, max_neighbors, mean, std;")
+    assert "cutoff 6.0 (the original's default), max_neighbors 12 (--set)" in note
+    assert "mean 0.0 (the original's default), std 2.5 (--set)" in note
+    config = json.loads((out / "model.json").read_text())["config"]
+    assert (config["cutoff"], config["max_neighbors"], config["std"]) == (6.0, 12, 2.5)
+    assert config["batchnorm"] == "torch"
+    source = write_original_checkpoint(tmp_path / "with_config")
+    _, config = convert.import_checkpoint(source)
+    assert (config["cutoff"], config["max_neighbors"], config["mean"]) == (6.0, 25, 0.0)
+    result = CliRunner().invoke(
+        cli.app, ["convert", str(source), str(tmp_path / "x"), "--from", "comformer"]
+    )
+    assert f"note: {source} does not record mean, std;" in result.output, result.output
+    argv = ["convert", str(source), str(tmp_path / "y"), "--from", "comformer"]
+    result = CliRunner().invoke(cli.app, [*argv, "--set", "cutoff=7"])
+    assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--set cutoff: {source} records it" in result.output
+    assert not (tmp_path / "y").exists()

@@ -95,6 +95,9 @@ def test_a_config_value_is_used_and_a_flag_overrides_it(tmp_path):
     result = invoke(["--config", str(config), "--dry-run"])
     assert isinstance(result.exception, ConfigError)
     assert str(result.exception) == "--train-ratio, --val-ratio and --test-ratio must sum to 1"
+    result = invoke(["--batchnorm", "sync", "--dry-run"])
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == "--batchnorm sync: one of float64, torch"
 
 
 def test_resuming_with_another_split_seed_is_refused_naming_it(tmp_path):

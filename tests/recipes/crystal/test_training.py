@@ -93,7 +93,8 @@ def test_predict_writes_every_digit_of_the_models_output(tmp_path):
 
 
 @pytest.mark.dist
-def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
+@pytest.mark.parametrize("two_processes", ["float64", "torch"])
+def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path, two_processes):
     """Each structure weighs the same in the loss (a mean over structures) and every BatchNorm
     normalises with the statistics of the global batch (model.BatchNorm sums them over the
     processes and trains with the same formula in one process; the gradients of 1 and 2
@@ -104,11 +105,16 @@ def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path):
     steps: up to 10% apart), and the running means of those BatchNorms, which track them (7%).
     Every other tensor agrees to 2e-5 (measured; the largest, `edge_update_layer.bn_att.bias`,
     was 1.4e-2 apart while one process used torch's own BatchNorm, whose float32 CPU backward
-    sums less exactly)."""
+    sums less exactly). `--batchnorm torch` (the presets') on 2 CPU processes becomes the same
+    global, float64 BatchNorm (accel_common.batchnorm; SyncBatchNorm on GPUs), so it too takes
+    one process's steps (its new layers' parameters are the ones the optimizer steps)."""
     args = ["--data", str(crystal_data), *CRYSTAL_TINY, "--bs", "16", "--max-steps", "20"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_recipe([*args, "--output-dir", str(one)], cwd=tmp_path, script=CRYSTAL)
-    run_recipe([*args, "--output-dir", str(two)], cwd=tmp_path, script=CRYSTAL, nproc=2)
+    run_recipe(
+        [*args, "--batchnorm", two_processes, "--output-dir", str(two)],
+        cwd=tmp_path, script=CRYSTAL, nproc=2,
+    )  # fmt: skip
     assert metrics_log(two)[0]["config"]["num_processes"] == 2
     first, second = exported_params(one), exported_params(two)
     counts = {k for k, v in first.items() if not v.is_floating_point()}  # num_batches_tracked

@@ -168,7 +168,12 @@ def test_convert_says_what_the_checkpoint_does_not_record(tmp_path):
         app, ["convert", str(tmp_path / "ckpt.pth"), str(tmp_path / "export"), "--from", "pcdiff"]
     )
     assert result.exit_code == 0, result.output
-    assert "vox_res_mult 1.0" in result.output
+    assert "does not record vox_res_mult; used vox_res_mult 1.0" in result.output
+    argv = ["convert", str(tmp_path / "ckpt.pth"), str(tmp_path / "set"), "--from", "pcdiff"]
+    result = runner.invoke(app, [*argv, "--set", "vox_res_mult=0.5"])
+    assert result.exit_code == 0 and "vox_res_mult 0.5 (--set)" in result.output, result.output
+    config = json.loads((tmp_path / "set" / "model.json").read_text())["config"]
+    assert config["vox_res_mult"] == 0.5
     settings = PointCloudSettings(num_points=512, num_nn=64, radius_mult=4.0, num_neighbors=32)
     write_export(
         network(settings).state_dict(),

@@ -182,6 +182,37 @@ def test_a_bad_value_in_the_checkpoints_config_is_one_line_naming_the_file_and_k
     assert not out.exists()
 
 
+def test_convert_names_what_an_older_checkpoint_lacks_and_takes_set(tmp_path):
+    """The original's trainer records its backbone, input size and eta_logit: nothing is
+    named, and --set of one is refused as recorded. A save without eta_logit (and its config)
+    gets one line naming what it assumed (train.py's defaults, eta_init 0.8), and --set's value."""
+    from accel_common.tools.cli import app
+    from recipes.quality.model import RELIABILITY_KEY
+
+    source = original_checkpoint(tmp_path / "last.pt")
+    out = tmp_path / "model"
+    result = CliRunner().invoke(app, ["convert", str(source), str(out), "--from", "crowd-bt"])
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+    argv = ["convert", str(source), str(tmp_path / "x"), "--from", "crowd-bt"]
+    result = CliRunner().invoke(app, [*argv, "--set", "eta_logit=1"])
+    assert result.exit_code != 0 and "--set eta_logit: " in result.stderr, result.output
+    assert "--set takes nothing: it records all this import reads" in result.stderr
+    checkpoint = torch.load(source, weights_only=True)
+    del checkpoint["eta_logit"]
+    checkpoint["config"].pop("input_size")
+    torch.save(checkpoint, source)
+    argv = ["convert", str(source), str(tmp_path / "older"), "--from", "crowd-bt"]
+    result = CliRunner().invoke(app, [*argv, "--set", "eta_logit=1.25"])
+    assert result.exit_code == 0, result.output
+    assert f"{source} does not record image_size, eta_logit; used image_size 448 (the " in (
+        result.stderr
+    )
+    assert "eta_logit 1.25 (--set)" in result.stderr
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "older" / "model.safetensors"))[RELIABILITY_KEY].item() == 1.25
+
+
 def test_gold_reliabilities_and_metrics_follow_the_original():
     """compute_user_reliability (data_loader.py 95-133): accuracy on gold_gold pairs, half a
     point for a draw between adjacent ranks, 0.5 without gold pairs; the metrics: the 0.1 draw
