@@ -34,29 +34,74 @@ def first_step_lr(args: SharedSettings, optimizer: torch.optim.Optimizer, steps:
     )  # fmt: skip
 
 
-def step_differences(
-    fixture: Path, loss: torch.Tensor, model: torch.nn.Module, rename: Callable[[str], str] = str
+# a gradient below this fraction of the model's largest entry is taken for rounding noise
+NOISE = 1e-4
+
+
+def step_tensors(loss: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's step in the fixtures' layout: `loss`, `grad/<parameter>`, `after/<key>`."""
+    ours = {"loss": loss.detach().reshape(1)}
+    ours |= {f"grad/{k}": p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return ours | {f"after/{k}": v for k, v in model.state_dict().items()}
+
+
+def differences(
+    ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], lr: float
 ) -> dict[str, float]:
-    """The largest difference to the original's step, relative to each tensor's largest entry,
-    for the loss, the gradients and the weights and buffers after the step. Every gradient and
-    state-dict entry of the fixture must be the model's (`rename`: the model's key to the
-    original's), none missing, none extra."""
-    expected = load_file(str(fixture))
-    grads = {rename(k): p.grad for k, p in model.named_parameters() if p.grad is not None}
-    state = {rename(k): v for k, v in model.state_dict().items()}
-    ours = {"loss": loss.detach().reshape(1)} | {f"grad/{k}": v for k, v in grads.items()}
-    ours |= {f"after/{k}": v for k, v in state.items()}
+    """How far `ours` is from `expected` (both in the fixtures' layout), by kind, each on the
+    scale at which float order shows: the loss relative to itself; the gradients relative to
+    the largest gradient entry of the model (a gradient that is 0 but for rounding, a
+    BatchNorm bias before another BatchNorm, is noise on its own scale); the weights after the
+    step in units of `lr`, apart for those whose gradient is noise (below NOISE x the largest:
+    Adam's first step moves any weight by lr x sign(gradient), so these may land up to 2 lr
+    apart); what has no gradient (buffers) relative to its own largest entry, integers
+    exactly. Every key of one must be the other's."""
     assert set(ours) == set(expected), sorted(set(ours) ^ set(expected))[:5]
-
-    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-        if not a.is_floating_point():
-            return float(not torch.equal(a, b))
-        scale = b.double().abs().max().clamp_min(1e-30)
-        return ((a.double() - b.double()).abs().max() / scale).item()
-
-    worst: dict[str, float] = {}
-    for key, value in ours.items():
-        group = key.split("/")[0]
-        worst[group] = max(worst.get(group, 0.0), relative(value, expected[key]))
+    scale = max(v.abs().max().item() for k, v in expected.items() if k.startswith("grad/"))
+    worst = dict.fromkeys(("loss", "grad", "weights", "noise_weights", "buffers"), 0.0)
+    for key, want in expected.items():
+        have = ours[key]
+        assert have.shape == want.shape and have.dtype == want.dtype, (key, have, want)
+        if not want.is_floating_point():
+            kind, error = "buffers", float(not torch.equal(have, want))
+        else:
+            gap = (have.double() - want.double()).abs().max().item()
+            name = key.partition("/")[2]
+            if key == "loss":
+                kind, error = "loss", gap / abs(want.item())
+            elif key.startswith("grad/"):
+                kind, error = "grad", gap / scale
+            elif f"grad/{name}" in expected:
+                noise = expected[f"grad/{name}"].abs() < NOISE * scale
+                gaps = (have.double() - want.double()).abs() / lr
+                error = gaps[noise].max().item() if noise.any() else 0.0
+                worst["noise_weights"] = max(worst["noise_weights"], error)
+                kind, error = "weights", gaps[~noise].max().item() if not noise.all() else 0.0
+            else:
+                kind, error = "buffers", gap / max(want.abs().max().item(), 1e-30)
+        worst[kind] = max(worst[kind], error)
     return worst
+
+
+def step_differences(
+    fixtures: list[Path],
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    lr: float,
+    untrained: tuple[str, ...] = (),
+    apart: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """`differences` of the model's step to the original's in `fixtures`. `untrained`: parameters
+    the recipe leaves untrained on purpose; the original's gradient for them must be 0 (so the
+    steps still agree), and it is left out; `apart`: the recipe's parameters that the original's
+    model lacks, left out."""
+    expected: dict[str, torch.Tensor] = {}
+    for path in fixtures:
+        expected |= load_file(str(path))
+    for name in untrained:
+        assert not expected.pop(f"grad/{name}").any(), name
+    ours = step_tensors(loss, model)
+    for name in apart:
+        ours.pop(f"grad/{name}", None)
+        ours.pop(f"after/{name}")
+    return differences(ours, expected, lr)

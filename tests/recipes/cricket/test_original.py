@@ -381,9 +381,10 @@ def test_one_training_step_is_the_originals(model, tmp_path):
     """Issue 49: one step of the recipe (its loss, clipping and AdamW at the preset's first-step
     LR) from the fixture's weights on the original's 8 graphs, dropout 0, against one step of
     cricketmodel's own Trainer.train_epoch (tests/fixtures/cricket/README.md): loss, gradients
-    after clipping, weights after. Bound: the original's step against itself on 1 and 2 threads
-    differs by up to 6.4e-7 (relative to a tensor's largest entry); the recipe's is bit-equal
-    on 1 thread, held within 2e-6 so another thread count passes."""
+    after clipping, weights after. Measured: bit-equal on 1 thread. The bounds (on the scales of
+    tests/original_step.differences) are 10x the original's own step on 1 against 2 threads:
+    gradients 1.6e-8, weights 1.2e-4 lr (an ulp), loss and buffers 0, so another thread count
+    passes."""
     from torch_geometric.data import Batch
 
     from recipes.cricket.convert import import_checkpoint
@@ -407,5 +408,6 @@ def test_one_training_step_is_the_originals(model, tmp_path):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(network.parameters(), args.clip_grad)
     optimizer.step()
-    worst = step_differences(FIXTURES / f"{model}_step.safetensors", loss, network)
-    assert max(worst.values()) <= 2e-6, worst
+    worst = step_differences([FIXTURES / f"{model}_step.safetensors"], loss, network, 1e-3)
+    bound = {"loss": 1e-6, "grad": 2e-7, "weights": 2e-3, "noise_weights": 2.001, "buffers": 1e-6}
+    assert all(worst[kind] <= bound[kind] for kind in bound), worst
