@@ -4,6 +4,7 @@ fixture of the original's step (`loss`, `grad/<parameter>`, `after/<state-dict k
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -34,15 +35,34 @@ def first_step_lr(args: SharedSettings, optimizer: torch.optim.Optimizer, steps:
     )  # fmt: skip
 
 
+# a tensor with more entries is kept at this many, so that a large network's step fits a small file
+SAMPLE = 2048
+
+
+def sampled(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (of parameter or buffer `name`), or SAMPLE of its entries, at positions drawn
+    from a generator seeded by the crc32 of `name`: the same for its gradient and its value."""
+    if tensor.numel() <= SAMPLE:
+        return tensor
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    index = torch.randperm(tensor.numel(), generator=generator)[:SAMPLE].sort().values
+    return tensor.reshape(-1)[index]
+
+
 # a gradient below this fraction of the model's largest entry is taken for rounding noise
 NOISE = 1e-4
 
 
-def step_tensors(loss: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A model's step in the fixtures' layout: `loss`, `grad/<parameter>`, `after/<key>`."""
+def step_tensors(
+    loss: torch.Tensor, model: torch.nn.Module, sample: bool = False
+) -> dict[str, torch.Tensor]:
+    """A model's step in the fixtures' layout: `loss`, `grad/<parameter>`, `after/<key>`, each
+    `sampled` if `sample`."""
+    keep = sampled if sample else lambda _name, tensor: tensor
     ours = {"loss": loss.detach().reshape(1)}
-    ours |= {f"grad/{k}": p.grad for k, p in model.named_parameters() if p.grad is not None}
-    return ours | {f"after/{k}": v for k, v in model.state_dict().items()}
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    ours |= {f"grad/{k}": keep(k, g) for k, g in grads.items()}
+    return ours | {f"after/{k}": keep(k, v) for k, v in model.state_dict().items()}
 
 
 def differences(
@@ -90,17 +110,18 @@ def step_differences(
     lr: float,
     untrained: tuple[str, ...] = (),
     apart: tuple[str, ...] = (),
+    sample: bool = False,
 ) -> dict[str, float]:
     """`differences` of the model's step to the original's in `fixtures`. `untrained`: parameters
     the recipe leaves untrained on purpose; the original's gradient for them must be 0 (so the
     steps still agree), and it is left out; `apart`: the recipe's parameters that the original's
-    model lacks, left out."""
+    model lacks, left out. `sample`: the fixtures hold large tensors `sampled`."""
     expected: dict[str, torch.Tensor] = {}
     for path in fixtures:
         expected |= load_file(str(path))
     for name in untrained:
         assert not expected.pop(f"grad/{name}").any(), name
-    ours = step_tensors(loss, model)
+    ours = step_tensors(loss, model, sample)
     for name in apart:
         ours.pop(f"grad/{name}", None)
         ours.pop(f"after/{name}")
