@@ -239,12 +239,13 @@ def test_one_training_step_is_the_originals_within_float_order():
     (0 and 71) and noise (tests/fixtures/pointcloud/README.md). Not bit-equal; measured: the
     loss 1.0e-7 apart (the original averages each cloud's mean: with that order it is
     bit-equal), the gradients after the last point op (classifier, last point MLP) bit-equal
-    and before it up to 7.3e-7 of the largest gradient (the point ops' backward scatter-adds
-    sum in another order), a tenth of the original's own spread on 1 against 2 threads
-    (7.2e-6); weights 5.8e-5 lr apart, those of noise gradients up to 2 lr (1.2 measured, 1.6
-    between the original's two runs). Bounds: loss and gradients about 10x those; the weights
-    an ulp of the largest (1.37: 1.2e-7, 0.24 lr at this lr of 5e-7, below which a step is not
-    resolved), on top of the 2 lr for noise gradients."""
+    and before it up to 7.3e-7 of the largest gradient (the backward scatter-adds of three-NN
+    interpolation and trilinear devoxelisation sum in another order than the kernels': 2.4e-7
+    and 2.2e-7 apart on test_ops' tiny cloud, compare_ops), a tenth of the original's own
+    spread on 1 against 2 threads (7.2e-6); weights 5.8e-5 lr apart, those of noise gradients
+    up to 2 lr (1.2 measured, 1.6 between the original's two runs). Bounds: loss and gradients
+    about 10x those; the weights an ulp of the largest (1.37: 1.2e-7, 0.24 lr at this lr of
+    5e-7, below which a step is not resolved), on top of the 2 lr for noise gradients."""
     from recipes.pointcloud.diffusion import Diffusion
     from recipes.pointcloud.model import predict_noise
     from recipes.train_pointcloud import train
