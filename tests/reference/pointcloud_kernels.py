@@ -276,6 +276,21 @@ class ReferenceKernels:
         return torch.from_numpy(ref.ball_query(_np(centers), _np(points), radius, k)).int()
 
     @staticmethod
+    def gather_features_forward(features: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        f, i = _np(features), _np(indices).astype(np.int64)
+        return torch.from_numpy(
+            np.ascontiguousarray(np.stack([f[s][:, i[s]] for s in range(len(f))]))
+        )
+
+    @staticmethod
+    def gather_features_backward(grad: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
+        b, c = grad.shape[:2]
+        out = np.zeros((b, c, n), dtype=np.float32)
+        for s in range(b):
+            np.add.at(out[s].T, _np(indices[s]).astype(np.int64), _np(grad[s]).T)
+        return torch.from_numpy(out)
+
+    @staticmethod
     def grouping_forward(features: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(ref.grouping(_np(features), _np(indices).astype(np.int64)))
 
