@@ -74,6 +74,9 @@ CHECK_ARGS = ["--dim", "32", "--depth", "1", "--decoder-depth", "1", "--image-si
 CHECK_ARGS += ["--bs", "8"]
 CHECK_DATA = {"train_images": 32, "test_images": 4, "size": 16}
 CHECK_COMMAND = ["caption", "--model", "{model}", "--images", "{data}/test", "--out", "{out}.txt"]
+# the kill-and-resume test: 3 micro-batches of 2 per step, 16 an epoch, so windows run across
+# epoch ends
+CHECK_RESUME = ["--bs", "6", "--grad-accum", "3"]
 TOKENIZER_FILE = "tokenizer.json"  # beside the export
 EXAMPLE_VOCAB = 20  # the example's 16 words and [PAD] [UNK] [BOS] [EOS]
 NETWORK = ("image_size", "patch", "dim", "depth", "decoder_depth", "heads", "max_tokens")

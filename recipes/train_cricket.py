@@ -91,6 +91,8 @@ CHECK_ARGS += ["--dropout", "0", "--sample-every", "8", "--val-ratio", "0.2", "-
 CHECK_DATA = {"matches": 12}
 CHECK_COMMAND = ["predict", "--model", "{model}", "--match", "{data}/1000001.json"]
 CHECK_COMMAND += ["--out", "{out}.csv"]
+# the kill-and-resume test: dropout on (its default), 13 steps an epoch
+CHECK_RESUME = ["--dropout", "0.1", "--bs", "16"]
 
 
 def start_files(export: Path) -> tuple[Path, Path]:

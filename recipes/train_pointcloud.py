@@ -87,6 +87,9 @@ CHECK_ARGS += ["--sampler", "ddim", "--sample-steps", "2", "--num-ens", "1", "--
 CHECK_ARGS += ["--no-compile"]  # the original's preset compiles (minutes on a CPU)
 CHECK_DATA = {"train_skulls": 4, "test_skulls": 1, "points_per_skull": 600}
 CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}", "--sample-steps", "2"]
+# the kill-and-resume test: the EMA of the weights (the export) restored, and an evaluation (which
+# samples implants from random points) before the kill
+CHECK_RESUME = ["--ema-decay", "0.9", "--eval-every", "1"]
 
 
 # --------------------------------------------------------------------------- training

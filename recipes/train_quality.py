@@ -91,6 +91,7 @@ RECIPE = "quality"
 CHECK_ARGS = ["--bs", "8", "--dropout", "0", "--image-size", "16"]
 CHECK_DATA = {"images": 12, "comparisons_per_annotator": 16, "size": 16}
 CHECK_COMMAND = ["score", "--model", "{model}", "--images", "{data}/images", "--out", "{out}.csv"]
+CHECK_RESUME = ["--dropout", "0.2"]  # the kill-and-resume test: dropout on, as augmentation is
 RELIABILITY = ("full", "global", "fixed", "gold")
 DRAW_MARGIN = 0.1  # the original's draw margin in its accuracy (loss.py 48, infer.py 115)
 CHOICES = {"reliability": RELIABILITY, "head_init": ("kaiming", "torch")}

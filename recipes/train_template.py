@@ -32,8 +32,8 @@ evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optim
 checkpoints and export: accel_common/run.py).
 A recipe is found by existing: `accel-recipes make-data`, `accel-recipes check NAME` (what the
 library promises every recipe, proved on the CPU) and the tests discover every
-`recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA` and
-`CHECK_COMMAND` below declare (WORKLOAD: yours).
+`recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA`,
+`CHECK_COMMAND` and `CHECK_RESUME` below declare (WORKLOAD: yours).
 A workload that outgrows one file keeps this script and moves its model, readers and example
 generator into `recipes/NAME/` (see recipes/pointcloud/). That folder holds the script's parts: the
 script imports them, and none of them imports the script (tests/test_layout.py checks it), so what
@@ -78,6 +78,10 @@ NOISE = 0.1
 CHECK_ARGS = ["--hidden", "32", "--bs", "32"]
 CHECK_DATA = {"train_size": 128, "test_size": 32}
 CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}"]
+# CHECK_RESUME: what the kill-and-resume test (tests/test_resume.py: one process, 2 epochs, killed
+# in the second) adds to CHECK_ARGS: randomness and state a resume must restore bit for bit (here
+# per-row noise on the features; elsewhere dropout, which CHECK_ARGS turns off, or an EMA).
+CHECK_RESUME = ["--jitter", "0.1"]
 
 
 # --------------------------------------------------------------------------- WORKLOAD: data

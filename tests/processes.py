@@ -11,12 +11,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accel_common.tools.check import processes as checked_runs
 from accel_common.tools.check.processes import recipe_env  # re-exported for the tests
 from accel_common.tools.ports import free_port  # re-exported for the tests
 from tests import forked
+
+if TYPE_CHECKING:
+    import pytest
+
+    from accel_common.tools.check.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "recipes" / "train_template.py"
@@ -122,6 +127,36 @@ def run_together(jobs: dict[str, tuple[Path, list[str], Path]], timeout: float =
     if failed:
         name, code = failed[0]
         raise AssertionError(f"run {name} failed ({code}):\n{outputs[name]}")
+
+
+def run_to_the_end(
+    recipe: Recipe,
+    args: list[str],
+    cwd: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    """Run the recipe to the end in this process and return what it printed, set up as
+    run_recipe sets up a process (one thread, the datasets cache under cwd/hf, so it shares a
+    killed run's preprocessing cache). Only a killed run needs a process of its own: the
+    recipes' imports beyond torch (datasets, PyG, tokenizers) cost 1 to 4 CPU-s a process, as
+    much as a small run's training."""
+    import datasets
+    import torch
+    from accelerate.state import AcceleratorState
+
+    from accel_common.entry import train_in_python
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf" / "datasets"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capsys.readouterr()
+    try:
+        train_in_python(recipe.module.train, args, cwd, script=recipe.script)
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return capsys.readouterr().out
 
 
 def invoke_train(train: Callable[..., Any], args: list[str]) -> Any:

@@ -1,9 +1,11 @@
 """`accel-recipes check NAME` proves a recipe's promises: the template holds them all, a fresh
 `accel-recipes new` copy holds them outside the repository, and a broken copy fails the row of
-the promise it breaks, with exit code 1. Its refusals are one line (exit 2)."""
+the promise it breaks, with exit code 1. Its refusals are one line (exit 2). The suite's generic
+tests find a new recipe as the check does, by its file."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.processes import TEMPLATE, recipe_env
+from tests.processes import REPO, TEMPLATE, recipe_env
 
 
 def check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,8 +95,32 @@ def test_a_bad_name_or_promise_is_one_line(args, message):
 def test_the_template_shows_a_new_recipe_what_to_declare():
     """What `accel-recipes new` copies declares what the check and the tests run it with."""
     text = TEMPLATE.read_text()
-    for name in ("CHECK_ARGS", "CHECK_DATA", "CHECK_COMMAND"):
+    for name in ("CHECK_ARGS", "CHECK_DATA", "CHECK_COMMAND", "CHECK_RESUME"):
         assert f"\n{name} = " in text, name
+
+
+def test_a_new_recipe_joins_the_generic_tests_with_no_test_edited(tmp_path):
+    """`accel-recipes new mymodel` in a copy of the project: collecting the kill-and-resume and
+    the FSDP tests gives a case of the copy, named by its file, beside the project's recipes."""
+    copy = tmp_path / "project"
+    junk = shutil.ignore_patterns("__pycache__", "fixtures")
+    for part in ("accel_common", "recipes", "tests"):
+        shutil.copytree(REPO / part, copy / part, ignore=junk)
+    shutil.copy(REPO / "pyproject.toml", copy)
+    new_recipe(copy / "recipes", "mymodel")
+    tests = ["tests/test_resume.py", "tests/test_sharded.py"]
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    env = {**recipe_env(tmp_path), "PYTHONPATH": str(copy)}
+    result = subprocess.run(
+        [*command, *tests], cwd=copy, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = set(result.stdout.split())
+    for test in (
+        "tests/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run",
+        "tests/test_sharded.py::test_every_recipe_under_fsdp_exports_what_it_exports_under_ddp",
+    ):
+        assert {f"{test}[mymodel]", f"{test}[template]"} <= cases, result.stdout
 
 
 def test_a_run_that_times_out_is_a_row_not_a_traceback(monkeypatch, capsys):

@@ -21,7 +21,7 @@ from accelerate.state import AcceleratorState
 from accel_common.dry_run import parameter_lines, size
 from accel_common.entry import train_in_python
 from accel_common.tools.check.compare import plan_differences
-from accel_common.tools.check.recipe import find_recipe
+from accel_common.tools.check.recipe import discovered, find_recipe
 from tests.processes import (
     CRICKET_TINY,
     REPO,
@@ -142,9 +142,10 @@ def test_a_dry_run_without_the_data_says_its_count_is_unknown(tmp_path):
     assert plan["parameters"].endswith(f"(--init-from {tmp_path / 'export'}: not on this machine)")
 
 
-@pytest.mark.parametrize("recipe", ["crystal", "quality", "pointcloud"])
+@pytest.mark.parametrize("recipe", discovered())
 def test_a_dry_run_names_an_input_this_machine_lacks(recipe, tmp_path):
-    """The run stops on an --init-from that is not there; its dry run said nothing (exit 0)."""
+    """The run stops on an --init-from that is not there; its dry run said nothing (exit 0).
+    Every recipe there is: each has --init-from (the template's, which a copy keeps)."""
     module = importlib.import_module(f"recipes.train_{recipe}")
     plan = dry_run_plan(module.train, ["--init-from", str(tmp_path / "nope")])
     assert plan["inputs"] == (

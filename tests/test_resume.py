@@ -2,123 +2,71 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import shutil
-import signal
-import tempfile
-import time
 from pathlib import Path
-from types import ModuleType
 
-import datasets
 import pytest
-import torch
-from accelerate.state import AcceleratorState
 
 from accel_common.checkpoint import list_checkpoints
-from accel_common.entry import train_in_python
-from accel_common.errors import EXIT_PREEMPTED
 from accel_common.outputs import LOCK_FILE
-from recipes import load_recipe
-from tests import forked
-from tests.processes import (
-    CAPTIONING,
-    CAPTIONING_TINY,
-    CRICKET,
-    CRICKET_TINY,
-    CRYSTAL,
-    CRYSTAL_TINY,
-    POINTCLOUD,
-    POINTCLOUD_TINY,
-    QUALITY,
-    TEMPLATE,
-    kill_once_written,
-    recipe_env,
-    run_recipe,
-)
+from accel_common.tools.check.recipe import discovered, find_recipe
+from tests.processes import kill_once_written, run_recipe, run_to_the_end
 from tests.results import exported_params, metrics_log
 
 pytestmark = pytest.mark.slow
 
-CASES = {
-    # 64 steps per epoch at --bs 32: killed 16 steps into the second epoch
-    "template": (TEMPLATE, "template_data", 80, 192, ["--bs", "32", "--epochs", "3"]),
-    # 15 steps per epoch (120 samples, --bs 8): killed 5 steps into the second epoch; the EMA of
-    # the weights (the export) is restored too
-    "pointcloud": (POINTCLOUD, "pointcloud_data", 20, 45, ["--epochs", "3", "--ema-decay", "0.9"]),
-    # 48 steps per epoch (1530 training comparisons, --batch-size 32), cut to 84 steps: killed 22
-    # steps into the second epoch; dropout and augmentation stay on, so the restored RNG state
-    # and the augmentation's per-pair draws are tested too
-    "quality": (QUALITY, "quality_data", 70, 84, ["--epochs", "2", "--max-steps", "84"]),
-    # 50 micro-batches of 16 per epoch (800 images), 4 per optimizer step, so windows run across
-    # epoch ends: 37 steps in 3 epochs, killed 3 steps into the second epoch
-    "captioning": (CAPTIONING, "captioning_data", 15, 37, ["--epochs", "3"]),
-    # 12 steps per epoch (800 training structures, --bs 64): killed 3 steps into the second
-    "crystal": (CRYSTAL, "crystal_data", 15, 36, ["--epochs", "3"]),
-    # every 8th delivery of 95 training matches: about 2,700 graphs, ~170 steps at --bs 16,
-    # cut to 30 steps (one evaluation, on 1 validation and 3 test matches, so the exported
-    # best epoch is the final model): killed 5 or more steps into the epoch; dropout stays on
-    "cricket": (CRICKET, "cricket_data", 5, 30, ["--epochs", "1", "--max-steps", "30"]),
-}
-# one validation and three test matches: the final evaluation is small too
-CRICKET_SMALL = [*CRICKET_TINY, "--sample-every", "8", "--bs", "16"]
-CRICKET_SMALL += ["--val-ratio", "0.02", "--test-ratio", "0.02"]
-SMALL = {
-    "template": ["--hidden", "256", "--depth", "3"],
-    "pointcloud": POINTCLOUD_TINY,
-    "quality": [],
-    "captioning": CAPTIONING_TINY,
-    "crystal": CRYSTAL_TINY,
-    "cricket": CRICKET_SMALL,
-}
+EPOCHS = 2  # killed in the second: a resume into the middle of an epoch, after an evaluation
 
 
-@functools.cache
-def recipe_module(recipe: str) -> ModuleType:
-    return load_recipe(recipe)
+def kill_step(total_steps: int) -> int:
+    """Where the killed run dies: three quarters into the uninterrupted run, so inside its second
+    epoch whatever the recipe's epoch length (the test checks that it is)."""
+    return max(1, 3 * total_steps // 4)
 
 
-def run_to_the_end(recipe: str, args: list[str], cwd: Path, capsys, monkeypatch) -> str:
-    """Run the recipe to the end in this process and return what it printed, set up as
-    run_recipe sets up a process (one thread, the datasets cache under cwd/hf, so it shares the
-    killed run's preprocessing cache). Only the killed run is a process of its own: the recipes'
-    imports beyond torch (datasets, PyG, tokenizers) cost 1 to 4 CPU-s a process, as much as a
-    small run's training."""
-    script = CASES[recipe][0]
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf" / "datasets"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    capsys.readouterr()
-    try:
-        train_in_python(recipe_module(recipe).train, args, cwd, script=script)
-    finally:
-        torch.set_num_threads(threads)
-        AcceleratorState._reset_state(reset_partial_state=True)
-    return capsys.readouterr().out
-
-
-@pytest.mark.parametrize("recipe", CASES)
+@pytest.mark.parametrize("recipe", discovered())
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(
-    recipe, tmp_path, request, capsys, monkeypatch
+    recipe, tmp_path, check_example, capsys, monkeypatch
 ):
-    script, data_fixture, kill_at, total_steps, flags = CASES[recipe]
-    data = request.getfixturevalue(data_fixture)
-    args = ["--data", str(data), "--save-every", "5", "--keep-last", "3", *flags, *SMALL[recipe]]
-    full = tmp_path / "full"
-    run_to_the_end(recipe, [*args, "--output-dir", str(full)], tmp_path, capsys, monkeypatch)
+    """Every recipe there is (recipes/train_*.py), on its example at the size it declares for
+    `accel-recipes check` (CHECK_DATA), run as CHECK_ARGS and then CHECK_RESUME ask (randomness
+    and state one process must restore: dropout, augmentation, an EMA of the weights, an
+    evaluation that samples).
 
+    Issue 27: after a resume the weights were bit-equal but the point-cloud export's Chamfer
+    distance was not (61.82 vs 59.31 mm): how many evaluations a process had run decided which
+    random numbers the next one drew. Issue 43: the training loss of the epoch the kill cut
+    covered only the steps since the resume."""
+    found = find_recipe(recipe)
+    args = ["--data", str(check_example(recipe)), *found.resume_args, "--epochs", str(EPOCHS)]
+    full = tmp_path / "full"
+    run_to_the_end(found, [*args, "--output-dir", str(full)], tmp_path, capsys, monkeypatch)
+    # its last step: the checkpoint saved at its end (the export may be an earlier, best epoch)
+    total_steps = int(list_checkpoints(full)[-1].name.removeprefix("step_"))
+
+    # a checkpoint at the kill step only (--save-every changes when a run saves, not what it
+    # trains): the run is killed as soon as it is complete
+    kill_at = kill_step(total_steps)
+    args += ["--save-every", str(kill_at)]
     killed = tmp_path / "killed"
     marker = killed / "checkpoints" / f"step_{kill_at}" / "progress.json"
-    kill_once_written(script, [*args, "--output-dir", str(killed)], cwd=tmp_path, marker=marker)
-    latest = int(list_checkpoints(killed)[-1].name.removeprefix("step_"))
-    assert kill_at <= latest < total_steps
+    kill_once_written(
+        found.script, [*args, "--output-dir", str(killed)], cwd=tmp_path, marker=marker
+    )
+    assert [p.name for p in list_checkpoints(killed)] == [f"step_{kill_at}"]
     assert not (killed / "model").exists()  # it really died before finishing
+    progress = json.loads(marker.read_text())["progress"]
+    where = (
+        f"killed at step {kill_at} of {total_steps}, epoch {progress['epoch'] + 1} sample "
+        f"{progress['samples_in_epoch']}: not inside the second epoch; declare a CHECK_DATA (or "
+        "CHECK_RESUME --bs) that makes an epoch several optimizer steps"
+    )
+    assert progress["epoch"] == 1 and progress["samples_in_epoch"] > 0, where
 
     resume = [*args, "--output-dir", str(killed), "--resume", "latest"]
-    printed = run_to_the_end(recipe, resume, tmp_path, capsys, monkeypatch)
-    assert f"resumed from {killed / 'checkpoints' / f'step_{latest}'}" in printed
+    printed = run_to_the_end(found, resume, tmp_path, capsys, monkeypatch)
+    assert f"resumed from {marker.parent}" in printed
     expected, resumed = exported_params(full), exported_params(killed)
     assert expected.keys() == resumed.keys()
     for key in expected:
@@ -143,68 +91,6 @@ def evaluations(output_dir: Path) -> dict[int, dict]:
         for record in metrics_log(output_dir)
         if "eval/train_loss" in record
     }
-
-
-# Recipes whose evaluation draws random numbers: the point-cloud recipe samples implants (DDIM from
-# random points) and its test points are subsampled at random. The others evaluate in eval mode
-# (no dropout) and deterministically: template (MSE), captioning (greedy captions), crystal and
-# cricket (regression), quality (scores of every image).
-SAMPLING_EVALUATION = {
-    # 15 steps per epoch, evaluated after each: stopped in the third epoch, after two evaluations
-    "pointcloud": (35, 45, ["--epochs", "3", "--eval-every", "1", "--sample-steps", "4"]),
-}
-
-
-def stop_once_written(script: Path, args: list[str], *, cwd: Path, marker: Path) -> str:
-    """Run `python script args` and send it SIGTERM (a scheduler's preemption) as soon as
-    `marker` exists; it saves the step in progress and exits 75. Returns its stderr."""
-    logs = Path(tempfile.mkdtemp(prefix="stopped-"))
-    child = forked.start(script, args, cwd=cwd, env=recipe_env(cwd), logs=logs, new_session=True)
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert child.exitcode is None, "the run ended before the test could stop it"
-        assert time.monotonic() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.002)
-    os.kill(child.pid, signal.SIGTERM)
-    child.join(timeout=300)
-    stderr = (logs / "err").read_text()
-    shutil.rmtree(logs)
-    assert child.exitcode == EXIT_PREEMPTED, stderr
-    return stderr
-
-
-@pytest.mark.parametrize("recipe", SAMPLING_EVALUATION)
-def test_a_resumed_run_exports_the_metrics_of_the_uninterrupted_run(
-    recipe, tmp_path, request, capsys, monkeypatch
-):
-    """Issue 27: after SIGTERM and a resume the weights were bit-equal but the point-cloud
-    export's Chamfer distance was not (61.82 vs 59.31 mm): how many evaluations a process had run
-    decided which random numbers the next one drew. Issue 43: its train_loss was not either (0.2791
-    vs 0.3107): it covered only the steps since the resume."""
-    script, data_fixture = CASES[recipe][:2]
-    stop_at, total_steps, flags = SAMPLING_EVALUATION[recipe]
-    data = request.getfixturevalue(data_fixture)
-    args = ["--data", str(data), "--save-every", "5", *flags, *SMALL[recipe]]
-    full = tmp_path / "full"
-    run_to_the_end(recipe, [*args, "--output-dir", str(full)], tmp_path, capsys, monkeypatch)
-
-    stopped = tmp_path / "stopped"
-    marker = stopped / "checkpoints" / f"step_{stop_at}" / "progress.json"
-    stop_once_written(script, [*args, "--output-dir", str(stopped)], cwd=tmp_path, marker=marker)
-    latest = int(list_checkpoints(stopped)[-1].name.removeprefix("step_"))
-    assert stop_at <= latest < total_steps  # in the last epoch: its loss spans the resume
-    assert not (stopped / "model").exists()
-
-    resume = [*args, "--output-dir", str(stopped), "--resume", "latest"]
-    printed = run_to_the_end(recipe, resume, tmp_path, capsys, monkeypatch)
-    assert f"resumed from {stopped / 'checkpoints' / f'step_{latest}'}" in printed
-    expected, resumed = exported_params(full), exported_params(stopped)
-    assert all((expected[key] == resumed[key]).all() for key in expected)
-    exports = [json.loads((run / "model" / "model.json").read_text()) for run in (full, stopped)]
-    for export in exports:
-        assert export["step"] == total_steps
-        del export["metrics"]["train_seconds"]
-    assert exports[0]["metrics"] == exports[1]["metrics"]
 
 
 def refuse(constant: str) -> None:

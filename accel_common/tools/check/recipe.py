@@ -3,9 +3,10 @@ example data.
 
 A recipe declares, at module level, what makes its run small and deterministic for the checks
 (`CHECK_ARGS`: tiny sizes, dropout off, the global batch), how small its example is
-(`CHECK_DATA`: its generator's options) and the single-device command that loads its export
-(`CHECK_COMMAND`: {model}, {data} and {out} are filled in). The tests read the same
-declarations, so a new recipe joins them by existing.
+(`CHECK_DATA`: its generator's options), the single-device command that loads its export
+(`CHECK_COMMAND`: {model}, {data} and {out} are filled in) and what its kill-and-resume test adds
+to CHECK_ARGS (`CHECK_RESUME`: the randomness and state one process must restore exactly). The
+tests read the same declarations, so a new recipe joins them by existing.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class Recipe:
     @property
     def args(self) -> list[str]:
         return list(getattr(self.module, "CHECK_ARGS", []))
+
+    @property
+    def resume_args(self) -> list[str]:
+        """CHECK_ARGS and then CHECK_RESUME: what the kill-and-resume test runs (one process,
+        so what CHECK_ARGS turns off for N-vs-1 equality, dropout, may be on again)."""
+        return [*self.args, *getattr(self.module, "CHECK_RESUME", [])]
 
     @property
     def noise(self) -> tuple[str, ...]:
