@@ -15,7 +15,7 @@ from accel_common.errors import ConfigError, NonFiniteError
 # what the loop itself puts among a run's metrics: a recipe's evaluation may not return these
 LOOP_METRICS = frozenset(
     {"train_loss", "train_loss_partial", "train_seconds", "skipped_steps", "nonfinite_skipped"}
-    | {"best_epoch"}
+    | {"best_epoch", "best_step"}
 )
 
 

@@ -29,11 +29,11 @@ bookkeeping when the recipe asks for the next batch (after the previous one's op
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
 
-With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
-model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
-run stops after N epochs without improvement (with `min_epochs` M, not before epoch M + 1: the
-count may reach N earlier, the stop waits). Both decide from the value the main process holds,
-broadcast to all, so every process stops at the same epoch; a resume restores best and count.
+With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` and `log_eval(metrics,
+model)` keep an export of the best model (`OUTPUT/best`), and `finish` exports that one; with
+`patience` N, the run stops after N evaluations without improvement (not before epoch
+`min_epochs` + 1). Both decide from the value the main process holds, broadcast to all, so
+every process stops at the same step; a resume restores best and count.
 
 `epochs()` sets the epoch on the loader and a dataset with `set_epoch` (so epoch-dependent
 samples match on 1 or N processes), and skips what a resumed run trained on. A run resumed
@@ -380,12 +380,21 @@ class TrainLoop:
         epoch_ends = self.progress.samples_in_epoch // micro_step_samples >= len(self.loader)
         return self.step % every == 0 and not self.done and not epoch_ends
 
-    def log_eval(self, eval_metrics: dict[str, float]) -> dict[str, float]:
+    def log_eval(
+        self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
+    ) -> dict[str, float]:
         """Log an evaluation at this optimizer step (`eval_due`), as `eval/NAME` at the step and
         printed once, checked as `end_epoch` checks its metrics (reduced across processes by
-        the recipe; no name the loop owns; finite). The epoch's training-loss mean goes on."""
+        the recipe; no name the loop owns; finite). The epoch's training-loss mean goes on.
+        With a `monitor`, pass the model: this evaluation may be the best model, and counts
+        towards `patience` (then evaluations, not epochs: a run by iterations stops early too)."""
         check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
-        return self.log.log_eval(self.step, eval_metrics)
+        logged = self.log.log_eval(self.step, eval_metrics)
+        if self.stopping.monitor and model is not None:
+            self._track_best(model, eval_metrics)
+            if self.progress.stopped and self._booked is not None:
+                self._booked = True  # the step's bookkeeping is done: the epoch ends here
+        return logged
 
     def end_epoch(
         self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
@@ -399,9 +408,10 @@ class TrainLoop:
         self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics, again=again)
         if "train_loss" in self.metrics:  # none when nothing was trained (after a resume)
             self._require_finite(self.metrics["train_loss"])
-        # not again for a finished run evaluated once more: its last epoch counted before its save
-        if self.stopping.monitor and not again:
-            self._track_best(model)
+        # not again for a finished run evaluated once more (its last epoch counted before its
+        # save), nor after a step evaluation stopped the run (it counted that one)
+        if self.stopping.monitor and not again and not self.progress.stopped:
+            self._track_best(model, self.metrics)
         return self.metrics
 
     def _restore_loss_sums(self) -> None:
@@ -416,23 +426,20 @@ class TrainLoop:
                 "only the steps since it, marked train/loss_partial and train_loss_partial",
             )
 
-    def _track_best(self, model: torch.nn.Module | None) -> None:
-        """Export the model when the monitored metric improved; count the epochs it did not."""
-        monitor, patience = self.stopping.monitor, self.stopping.patience
-        if model is None or monitor not in self.metrics:
+    def _track_best(self, model: torch.nn.Module | None, metrics: dict[str, float]) -> None:
+        """Export the model when the monitored metric improved; count the evaluations it did
+        not."""
+        monitor = self.stopping.monitor
+        if model is None or monitor not in metrics:
             raise TypeError(f"TrainLoop: end_epoch needs the model and a '{monitor}' metric")
         # the main process's value decides for all: no process can stop alone
-        value = float(broadcast_object_list([self.metrics[monitor]])[0])
-        best, stop = self.stopping.judge(self.progress, value, self.metrics, self._epoch_number)
+        value = float(broadcast_object_list([metrics[monitor]])[0])
+        epoch, step = self._epoch_number, self.step
+        best, stop = self.stopping.judge(self.progress, value, metrics, epoch, step)
         if best:
             self.run.export(model, self.run.output_dir / BEST_DIR, self.progress.best_metrics)
         if stop:
-            say(
-                self.accelerator,
-                f"early stopping: {monitor} has not improved for {patience} epochs "
-                f"(best {self.progress.best:.4g} at epoch "
-                f"{self.progress.best_metrics['best_epoch']}); the export is that epoch's model",
-            )
+            say(self.accelerator, self.stopping.stopped(self.progress, self.policy.saves))
 
     def save(self) -> Path:
         """Save resumable state at the current step (collective: every process calls it).

@@ -32,9 +32,10 @@ class SavePolicy:
 
 @dataclass(frozen=True)
 class EarlyStopping:
-    """A recipe's early stopping: keep the best epoch's model by `monitor` (lower is better);
-    with `patience` N, stop after N epochs without an improvement by more than `min_delta`,
-    not before epoch `min_epochs` + 1."""
+    """A recipe's early stopping: keep the best evaluated model by `monitor` (lower is better);
+    with `patience` N, stop after N evaluations (epoch ends, and --eval-every's steps where the
+    recipe passes the model to `log_eval`) without an improvement by more than `min_delta`, not
+    before epoch `min_epochs` + 1."""
 
     monitor: str | None = None
     patience: int = 0
@@ -46,17 +47,22 @@ class EarlyStopping:
             raise ConfigError("TrainLoop: patience needs a metric to monitor")
 
     def judge(
-        self, progress: TrainProgress, value: float, metrics: dict[str, float], epoch: int
+        self,
+        progress: TrainProgress,
+        value: float,
+        metrics: dict[str, float],
+        epoch: int,
+        step: int,
     ) -> tuple[bool, bool]:
-        """Record epoch `epoch`'s monitored `value` in `progress`: (whether it is the best so
-        far, whether the run stops now). Any lower value is the best model; only one lower by
-        more than `min_delta` resets the patience count (as the cricket original's trainer: a
-        tiny gain does not keep it going)."""
+        """Record the monitored `value` of an evaluation in epoch `epoch` at optimizer step
+        `step` in `progress`: (whether it is the best so far, whether the run stops now). Any
+        lower value is the best model; only one lower by more than `min_delta` resets the
+        patience count (as the cricket original's trainer: a tiny gain does not keep it going)."""
         significant = progress.best is None or value < progress.best - self.min_delta
         best = progress.best is None or value < progress.best
         if best:
             progress.best = value
-            progress.best_metrics = {**metrics, "best_epoch": epoch}
+            progress.best_metrics = {**metrics, "best_epoch": epoch, "best_step": step}
         if significant:
             progress.bad_epochs = 0
             return best, False
@@ -66,6 +72,16 @@ class EarlyStopping:
             progress.stopped = True
             return best, True
         return best, False
+
+    def stopped(self, progress: TrainProgress, saves: SavePolicy) -> str:
+        """The line that says why the run stopped early, and which model it exports."""
+        unit = "evaluations" if saves.eval_every else "epochs"
+        at = progress.best_metrics
+        return (
+            f"early stopping: {self.monitor} has not improved for {self.patience} {unit} (best "
+            f"{progress.best:.4g} at epoch {at['best_epoch']}, step {at['best_step']}); the "
+            "export is that model"
+        )
 
 
 @dataclass(frozen=True)

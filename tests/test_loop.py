@@ -679,3 +679,29 @@ def test_a_mean_weighted_by_items_is_the_mean_over_every_item(tmp_path):
     resumed.restore(saved, accelerator)
     assert mean.compute(accelerator) == resumed.compute(accelerator) == 5.0
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_a_step_evaluation_keeps_the_best_model_and_its_patience_stops_the_run(run, tmp_path):
+    """--eval-every 3 with a monitor, the model passed to log_eval: val_mae 2 at step 3, 1.5 at
+    epoch 1's end (step 5), 3 at step 6 with patience 1: the run stops right after step 6, in
+    its epoch (the epoch-end evaluation that follows judges nothing again), and exports step 5's
+    model, recorded as best_epoch 1, best_step 5."""
+    values = iter([2.0, 1.5, 3.0, 9.0])
+    accelerator, model, optimizer, loop, _ = run(monitor="val_mae", patience=1, eval_every=3)
+    weights_at = {}
+    for _epoch in loop.epochs():
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                accelerator.backward((model(x / 1000) - y).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(torch.zeros(()))
+            if loop.eval_due():
+                weights_at[loop.step] = model.weight.detach().clone()
+                loop.log_eval({"val_mae": next(values)}, model)
+        weights_at[loop.step] = model.weight.detach().clone()
+        loop.end_epoch({"val_mae": next(values)}, model)
+    assert loop.done and loop.step == 6 and sorted(weights_at) == [3, 5, 6]
+    metrics = loop.finish(model)
+    assert (metrics["val_mae"], metrics["best_epoch"], metrics["best_step"]) == (1.5, 1, 5)
+    assert torch.equal(exported_params(tmp_path)["weight"], weights_at[5])

@@ -97,9 +97,11 @@ def two_processes_equal_one(session: Session) -> Outcome:
 
 
 def resume_is_exact(session: Session) -> Outcome:
-    """b. kill -9 after a checkpoint, then --resume latest: the export bit for bit."""
-    full = exported_params(session.run("single"))
-    killed, latest = session.killed_and_resumed()
+    """b. kill -9 after a checkpoint, then --resume latest: the export bit for bit, with what
+    CHECK_RESUME turns back on (dropout, augmentation, EMA) that a resume must restore."""
+    extra = session.recipe.resume_args[len(session.recipe.args) :]
+    full = exported_params(session.run("resumable", *extra) if extra else session.run("single"))
+    killed, latest = session.killed_and_resumed(*extra)
     resumed = exported_params(killed)
     if full.keys() != resumed.keys():
         return Outcome(NOT_HELD, "", "the resumed export has other tensors")

@@ -100,11 +100,11 @@ class Session:
             raise self.runs[name]
         return self.runs[name]
 
-    def killed_and_resumed(self) -> tuple[Path, int]:
-        """A run SIGKILLed once its first checkpoint is complete, then resumed with
-        `--resume latest`: its folder and the step it resumed from."""
+    def killed_and_resumed(self, *extra: str) -> tuple[Path, int]:
+        """A run (`extra` flags) SIGKILLed once its first checkpoint is complete, then resumed
+        with `--resume latest`: its folder and the step it resumed from."""
         out = self.tmp / "runs" / "killed"
-        args = self.flags("--output-dir", str(out))
+        args = self.flags(*extra, "--output-dir", str(out))
         marker = out / "checkpoints" / f"step_{SAVE_EVERY}" / "progress.json"
         why = kill_once_written(self.recipe.script, args, cwd=self.tmp, marker=marker)
         if why is not None:
