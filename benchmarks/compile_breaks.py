@@ -1,7 +1,8 @@
 """The graph breaks that remain under `--compile`, per recipe (the list in docs/compile.md).
 
 Each recipe trains a few optimizer steps and evaluates once with --compile, at the tests' tiny
-sizes (tests/processes.py *_TINY), on the CPU, in this process; dynamo's own counters then give
+sizes (tests/processes.py *_TINY; a recipe not listed in SIZES, as a new one, at its own
+CHECK_ARGS), on the CPU, in this process; dynamo's own counters then give
 the graphs it compiled, its recompilations and every graph break with its reason. Breaks and
 graphs are the same on a GPU for the same code path, but pointcloud's point ops take another
 path there (POINTCLOUD_KERNELS), so its list is the CPU's.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +28,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from accel_common.entry import train_in_python
+from accel_common.tools.check.recipe import discovered, find_recipe
 from recipes import load_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: tests/
 from tests.processes import CAPTIONING_TINY, CRICKET_TINY, CRYSTAL_TINY, POINTCLOUD_TINY, REPO
 
 SIZES = {
@@ -45,7 +50,8 @@ def breaks(recipe: str, out: Path) -> tuple[float, dict[str, int], dict[str, int
     torch._dynamo.reset()
     counters.clear()
     script = REPO / "recipes" / f"train_{recipe}.py"
-    argv = [*SIZES[recipe], *STEPS, "--output-dir", str(out / recipe)]
+    sizes = SIZES[recipe] if recipe in SIZES else find_recipe(recipe).args
+    argv = [*sizes, *STEPS, "--output-dir", str(out / recipe)]
     start = time.perf_counter()
     train_in_python(load_recipe(recipe).train, argv, out / recipe, script=script)
     seconds = time.perf_counter() - start
@@ -54,10 +60,11 @@ def breaks(recipe: str, out: Path) -> tuple[float, dict[str, int], dict[str, int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipes", nargs="*", default=list(SIZES), choices=[[], *SIZES])
+    every = discovered()
+    parser.add_argument("recipes", nargs="*", default=every, choices=[[], *every])
     parser.add_argument("--backend", default="eager", help="torch.compile backend")
     options = parser.parse_args()
-    chosen = options.recipes or list(SIZES)
+    chosen = options.recipes or every
     os.environ["ACCELERATE_DYNAMO_BACKEND"] = options.backend.upper()
     report = []
     with tempfile.TemporaryDirectory() as tmp:
