@@ -28,6 +28,8 @@ bookkeeping when the recipe asks for the next batch (after the previous one's op
   `log_every` steps, save resumable state every `save_every` steps;
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
+- around the micro-batches of each launch's first optimizer step: count their FLOPs, for the
+  logged TFLOP/s and MFU (accel_common.throughput).
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
@@ -212,6 +214,7 @@ class TrainLoop:
         self._timing_since = time.perf_counter()
         try:
             for batch in batches:
+                self.log.flops.begin()  # the launch's first optimizer step only
                 yield batch
                 done = self._after_micro_batch() if self._booked is None else self._booked
                 self._booked = None
@@ -220,6 +223,7 @@ class TrainLoop:
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
         finally:
+            self.log.flops.end(step_ended=False)  # a body that raised: stop counting
             self._count_time()
             self._timing_since = None
 
@@ -261,6 +265,7 @@ class TrainLoop:
 
     def _after_micro_batch(self) -> bool:
         """Bookkeeping after the recipe's body for one micro-batch; True when the run is done."""
+        self.log.flops.end(step_ended=self.accelerator.sync_gradients)
         if not self._recorded:
             raise RuntimeError("TrainLoop: call loop.record(loss) once for every batch")
         self._recorded = False

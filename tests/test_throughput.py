@@ -1,0 +1,174 @@
+"""The FLOPs, TFLOP/s and MFU every recipe logs (accel_common.throughput): counted on the first
+optimizer step, by the peak of the device the run is on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from accel_common.accelerator import make_accelerator
+from accel_common.batching import BatchRequest
+from accel_common.data.loaders import make_train_loader
+from accel_common.loop import TrainLoop
+from accel_common.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.policy import LoopPolicy, SavePolicy
+from accel_common.run import Run, RunConfig
+from accel_common.throughput import StepFlops, device_peak, known_peak, matmul_precision, mfu
+from accel_common.tracking import StepLogger
+from tests.processes import invoke_train
+
+B, IN, OUT, ACCUMULATION = 4, 5, 3, 2
+
+
+@pytest.fixture
+def accelerator_plan(tmp_path):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield make_accelerator(
+        output_dir=tmp_path,
+        batch=BatchRequest(per_device_batch_size=B, grad_accum_steps=ACCUMULATION),
+        cpu=True,
+    )
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_left_out(
+    accelerator_plan, tmp_path, capsys
+):
+    """A Linear layer whose input needs a gradient: 2*B*in*out FLOPs forward, twice that
+    backward (input and weight gradients), for each of the step's 2 micro-batches. An
+    evaluation after step 1 (--eval-every 1) runs after the count: it adds nothing."""
+    accelerator, plan = accelerator_plan
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = TensorDataset(torch.randn(8 * B, IN), torch.randn(8 * B, OUT))
+    loader = make_train_loader(data, plan.per_device_batch_size)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    settings = LRSettings(1e-3, ref_bs=B, decay=Decay.constant)
+    schedule = make_lr_schedule(
+        accelerator, optimizer, plan, settings, steps_per_epoch=len(loader), epochs=1
+    )
+    run = Run.open(accelerator, plan, schedule, RunConfig("toy", {}), output_dir=tmp_path)
+    policy = LoopPolicy(SavePolicy(log_every=1, eval_every=1))
+    loop = TrainLoop(accelerator, plan, loader, schedule, run, policy)
+    for _epoch in loop.epochs():
+        for x, y in loop.batches():
+            with accelerator.accumulate(model):
+                loss = (model(x.requires_grad_()) - y).pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            loop.record(loss)
+            if loop.eval_due():
+                loop.log_eval({"out": model(torch.randn(64, IN)).sum().item()})
+        loop.end_epoch({})
+    loop.finish(model)
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    logged = [r for r in map(json.loads, lines) if "train/loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    expected = ACCUMULATION * 3 * (2 * B * IN * OUT)
+    for record in logged:
+        assert record["train/flops_per_step"] == expected
+        steps_per_s = record["train/samples_per_s"] / plan.global_batch_size
+        assert record["train/tflops_per_device"] == pytest.approx(expected * steps_per_s / 1e12)
+        assert "train/mfu" not in record  # the CPU has no peak
+    printed = capsys.readouterr().out.splitlines()
+    assert [line for line in printed if "MFU" in line] == [
+        "MFU is not logged on the CPU: it has no known peak FLOP/s to divide by (the step's "
+        "FLOPs and train/tflops_per_device are logged)"
+    ]
+
+
+def test_a_compiled_module_is_counted_eagerly_with_the_same_flops(accelerator_plan):
+    """The counted step runs eagerly: a compiled module's kernels would hide their FLOPs."""
+    accelerator, _ = accelerator_plan
+    model = nn.Linear(IN, OUT)
+    model.compile(backend="eager")
+    model(torch.randn(B, IN))  # compiled before the count
+    flops = StepFlops(accelerator)
+    flops.begin()
+    model(torch.randn(B, IN, requires_grad=True)).sum().backward()
+    flops.end(step_ended=True)
+    assert flops.per_step == 3 * (2 * B * IN * OUT)
+    flops.begin()  # counted once: later steps cost nothing
+    assert flops._stack is None
+
+
+def test_mfu_is_the_achieved_share_of_the_given_peak(accelerator_plan):
+    """2.5e13 FLOPs a step at 2 steps/s on 1 process: 50 TFLOP/s, half of a 100 TFLOP/s peak."""
+    accelerator, plan = accelerator_plan
+    logger = StepLogger(
+        accelerator, total_steps=1, initial_step=0, log_every=1,
+        global_batch_size=plan.global_batch_size, desc="toy",
+    )  # fmt: skip
+    logger.peak = 100.0
+    record = logger.flops_record(2.5e13, samples_per_s=2 * plan.global_batch_size)
+    logger.close()
+    assert record["train/tflops_per_device"] == pytest.approx(50.0)
+    assert record["train/mfu"] == pytest.approx(0.5)
+    assert mfu(494.7, 989.4) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", ("H100 SXM", 989.4)),
+        ("NVIDIA H100 PCIe", "tf32", ("H100 PCIe", 378.0)),
+        ("NVIDIA H100 NVL", "fp16", ("H100 NVL", 835.5)),
+        ("NVIDIA H200", "fp32", ("H200", 66.9)),
+        ("NVIDIA A100-SXM4-80GB", "bf16", ("A100", 312.0)),
+        ("NVIDIA A100 80GB PCIe", "tf32", ("A100", 156.0)),
+        ("NVIDIA A10", "bf16", ("A10", 125.0)),
+        ("NVIDIA L4", "bf16", ("L4", 121.0)),
+        ("NVIDIA L40S", "fp32", ("L40S", 91.6)),
+        ("Tesla T4", "bf16", ("T4", None)),  # no bf16 tensor cores
+        ("Tesla V100-SXM2-16GB", "fp16", ("V100 SXM", 125.0)),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
+def test_the_known_device_table_picks_the_peak_of_the_device_and_precision(
+    device, precision, expected
+):
+    assert known_peak(device, precision) == expected
+
+
+def test_fp32_runs_use_the_tf32_peak_where_torch_allows_tf32():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_precision("no") == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert matmul_precision("no") == "tf32"
+        assert matmul_precision("bf16") == "bf16"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_the_cpu_has_no_peak(accelerator_plan):
+    peak, line = device_peak(accelerator_plan[0])
+    assert peak is None and line.startswith("MFU is not logged on the CPU:")
+
+
+def test_a_recipe_run_logs_its_flops_and_tflops(template_data, tmp_path):
+    """The template recipe, unchanged, logs the step's FLOPs and TFLOP/s on every logging step
+    and says once why MFU is missing."""
+    from recipes.train_template import train
+
+    out = tmp_path / "run"
+    args = ["--data", str(template_data), "--output-dir", str(out), "--epochs", "0"]
+    args += ["--max-steps", "3", "--log-every", "1", "--hidden", "8", "--cpu"]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    result = invoke_train(train, args)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert result.exit_code == 0, result.output
+    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    logged = [r for r in map(json.loads, lines) if "train/loss" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert len({r["train/flops_per_step"] for r in logged}) == 1
+    assert all(r["train/flops_per_step"] > 0 < r["train/tflops_per_device"] for r in logged)
+    assert result.output.count("MFU is not logged on the CPU") == 1
+    assert "TFLOP/s=" in result.output
