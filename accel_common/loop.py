@@ -28,8 +28,7 @@ bookkeeping when the recipe asks for the next batch (after the previous one's op
   `log_every` steps, save resumable state every `save_every` steps;
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
-- around the micro-batches of each launch's first optimizer step: count their FLOPs, for the
-  logged TFLOP/s and MFU (accel_common.throughput).
+- in each launch's first optimizer step: count its FLOPs (for TFLOP/s, MFU: throughput.py).
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
@@ -223,7 +222,7 @@ class TrainLoop:
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
         finally:
-            self.log.flops.end(step_ended=False)  # a body that raised: stop counting
+            self.log.flops.pause()  # a body that raised: stop counting
             self._count_time()
             self._timing_since = None
 
@@ -237,6 +236,7 @@ class TrainLoop:
         taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
         gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
         Under fp16 the loss scaler makes that decision itself."""
+        self.log.flops.pause()  # the optimizer step is not counted
         if self.sync_timer is not None:
             self.sync_timer.backward_done()
             self.sync_timer.attach(model)  # times every later step (the first is never logged)
@@ -265,7 +265,7 @@ class TrainLoop:
 
     def _after_micro_batch(self) -> bool:
         """Bookkeeping after the recipe's body for one micro-batch; True when the run is done."""
-        self.log.flops.end(step_ended=self.accelerator.sync_gradients)
+        self.log.flops.pause()
         if not self._recorded:
             raise RuntimeError("TrainLoop: call loop.record(loss) once for every batch")
         self._recorded = False
@@ -278,6 +278,7 @@ class TrainLoop:
             self._window_costs = costs if self._window_costs is None else self._window_costs + costs
         if not self.accelerator.sync_gradients:
             return False  # mid-accumulation: no optimizer step happened
+        self.log.flops.step_done()
         if self._window_costs is not None:
             self._imbalances.append(imbalance(self._window_costs))
             self._window_costs = None

@@ -124,30 +124,36 @@ def device_peak(accelerator: Accelerator) -> tuple[float | None, str]:
 
 
 class StepFlops:
-    """The FLOPs of one optimizer step over every process, counted on this launch's first
-    (`begin` before each of its micro-batches, `end` after; then free: two attribute reads)."""
+    """The FLOPs of one optimizer step over every process, counted on this launch's first:
+    `begin` before each of its micro-batches, `pause` after the backward (the optimizer's
+    arithmetic is not the model's, and its many small ops would only slow the count down) or
+    after the micro-batch, `step_done` after the optimizer step. Later steps cost two attribute
+    reads."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.per_step: float | None = None  # all processes', once counted
-        self._counted = 0
+        self._counted: int | None = None  # this process's, while counting
         self._stack: ExitStack | None = None
         self._counter: FlopCounterMode | None = None
 
     def begin(self) -> None:
-        """Count what runs from here to `end` (the recipe's body for one micro-batch)."""
+        """Count what runs from here to `pause` (the recipe's body for one micro-batch)."""
         if self.per_step is None and self._stack is None:
             self._stack = ExitStack()
             self._counter = eager_flop_counter(self._stack)
 
-    def end(self, step_ended: bool) -> None:
-        """Stop counting; when the micro-batch ended the optimizer step, sum every process's
-        count (collective: every process's first step ends at the same step)."""
-        if self._stack is None:
-            return
-        self._stack.close()
-        self._counted += self._counter.get_total_flops()  # type: ignore[union-attr]
-        self._stack = self._counter = None
-        if step_ended:
+    def pause(self) -> None:
+        """Stop counting until the next `begin`, keeping the count."""
+        if self._stack is not None:
+            self._stack.close()
+            self._counted = (self._counted or 0) + self._counter.get_total_flops()  # type: ignore[union-attr]
+            self._stack = self._counter = None
+
+    def step_done(self) -> None:
+        """After the counted optimizer step: sum every process's count (collective: every
+        process's first step ends at the same step)."""
+        self.pause()
+        if self.per_step is None and self._counted is not None:
             mine = torch.tensor([float(self._counted)], device=self.accelerator.device)
             self.per_step = self.accelerator.reduce(mine, reduction="sum").item()

@@ -92,7 +92,7 @@ def test_a_compiled_module_is_counted_eagerly_with_the_same_flops(accelerator_pl
     flops = StepFlops(accelerator)
     flops.begin()
     model(torch.randn(B, IN, requires_grad=True)).sum().backward()
-    flops.end(step_ended=True)
+    flops.step_done()
     assert flops.per_step == 3 * (2 * B * IN * OUT)
     flops.begin()  # counted once: later steps cost nothing
     assert flops._stack is None
