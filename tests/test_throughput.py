@@ -20,7 +20,7 @@ from accel_common.policy import LoopPolicy, SavePolicy
 from accel_common.run import Run, RunConfig
 from accel_common.throughput import StepFlops, device_peak, known_peak, matmul_precision, mfu
 from accel_common.tracking import StepLogger
-from tests.processes import invoke_train
+from tests.processes import invoke_train, run_recipe
 
 B, IN, OUT, ACCUMULATION = 4, 5, 3, 2
 
@@ -172,3 +172,19 @@ def test_a_recipe_run_logs_its_flops_and_tflops(template_data, tmp_path):
     assert all(r["train/flops_per_step"] > 0 < r["train/tflops_per_device"] for r in logged)
     assert result.output.count("MFU is not logged on the CPU") == 1
     assert "TFLOP/s=" in result.output
+
+
+@pytest.mark.dist
+def test_two_processes_log_the_flops_of_the_whole_step(template_data, tmp_path):
+    """The same global batch (32) on 1 process and on 2 x 16 over gloo (under DDP): each process
+    counts its half and the logged step's FLOPs are the sum, the 1-process run's."""
+    flops = {}
+    for nproc in (1, 2):
+        out = tmp_path / str(nproc)
+        args = ["--data", str(template_data), "--output-dir", str(out), "--epochs", "0"]
+        args += ["--max-steps", "2", "--log-every", "1", "--bs", "32", "--cpu"]
+        run_recipe(args, cwd=tmp_path, nproc=nproc)
+        lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+        logged = [r for r in map(json.loads, lines) if "train/loss" in r]
+        flops[nproc] = [r["train/flops_per_step"] for r in logged]
+    assert flops[1] == flops[2] and len(flops[1]) == 2 and flops[1][0] > 0
