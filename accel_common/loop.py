@@ -28,7 +28,7 @@ bookkeeping when the recipe asks for the next batch (after the previous one's op
   `log_every` steps, save resumable state every `save_every` steps;
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
-- in each launch's first optimizer step: count its FLOPs (for TFLOP/s, MFU: throughput.py).
+- in the run's first optimizer step: count its FLOPs (for TFLOP/s, MFU: throughput.py).
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` keeps an export of the
 model at its best epoch (`OUTPUT/best`), and `finish` exports that one; with `patience` N, the
@@ -336,10 +336,7 @@ class TrainLoop:
         if self.sync_timer is not None and self.sync_timer.attached:
             mine = torch.tensor([self.sync_timer.take_mean_ms()], device=self.accelerator.device)
             waits = self.accelerator.gather(mine).tolist()
-            record["train/sync_wait_ms_min"], record["train/sync_wait_ms_max"] = (
-                min(waits),
-                max(waits),
-            )
+            record |= {"train/sync_wait_ms_min": min(waits), "train/sync_wait_ms_max": max(waits)}
         if record:
             self.accelerator.log(record, step=self.step)
 
@@ -414,6 +411,7 @@ class TrainLoop:
         """Continue the logged loss means where the checkpoint left them; one saved before
         they were stored gives means over the steps since the resume: marked, and said once."""
         self.log.restore(self.progress.loss_sums)
+        self.log.flops.restore(self.progress.flops_per_step)  # counted by the run's first launch
         if self.progress.loss_sums is None:
             say(
                 self.accelerator,
@@ -447,6 +445,7 @@ class TrainLoop:
         resume from."""
         self._count_time()  # the checkpoint records the training time up to here
         self.progress.loss_sums = self.log.state()
+        self.progress.flops_per_step = self.log.flops.per_step
         consumed = self.progress.batches_to_skip(self.plan)  # this epoch's, on this process
         return self.run.save(self.policy.saves.keep_last, fetched_ahead(self.loader, consumed))
 

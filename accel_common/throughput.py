@@ -124,7 +124,7 @@ def device_peak(accelerator: Accelerator) -> tuple[float | None, str]:
 
 
 class StepFlops:
-    """The FLOPs of one optimizer step over every process, counted on this launch's first:
+    """The FLOPs of one optimizer step over every process, counted on the run's first:
     `begin` before each of its micro-batches, `pause` after the backward (the optimizer's
     arithmetic is not the model's, and its many small ops would only slow the count down) or
     after the micro-batch, `step_done` after the optimizer step. Later steps cost two attribute
@@ -133,13 +133,14 @@ class StepFlops:
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.per_step: float | None = None  # all processes', once counted
+        self._count = True  # False once counted, or restored from a checkpoint
         self._counted: int | None = None  # this process's, while counting
         self._stack: ExitStack | None = None
         self._counter: FlopCounterMode | None = None
 
     def begin(self) -> None:
         """Count what runs from here to `pause` (the recipe's body for one micro-batch)."""
-        if self.per_step is None and self._stack is None:
+        if self._count and self._stack is None:
             self._stack = ExitStack()
             self._counter = eager_flop_counter(self._stack)
 
@@ -154,6 +155,14 @@ class StepFlops:
         """After the counted optimizer step: sum every process's count (collective: every
         process's first step ends at the same step)."""
         self.pause()
-        if self.per_step is None and self._counted is not None:
+        if self._count and self._counted is not None:
             mine = torch.tensor([float(self._counted)], device=self.accelerator.device)
             self.per_step = self.accelerator.reduce(mine, reduction="sum").item()
+            self._count = False
+
+    def restore(self, per_step: float | None) -> None:
+        """A resumed run's count, from its checkpoint. Counted again, its next step would differ
+        from the uninterrupted run's in the last bits: the counter runs ops it has no formula
+        for as their decompositions (SiLU's backward), which round differently. None: a
+        checkpoint from before counts were kept; this launch logs no TFLOP/s."""
+        self.per_step, self._count = per_step, False

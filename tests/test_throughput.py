@@ -17,7 +17,7 @@ from accel_common.data.loaders import make_train_loader
 from accel_common.loop import TrainLoop
 from accel_common.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.policy import LoopPolicy, SavePolicy
-from accel_common.run import Run, RunConfig
+from accel_common.run import Run, RunConfig, StartRequest
 from accel_common.throughput import StepFlops, device_peak, known_peak, matmul_precision, mfu
 from accel_common.tracking import StepLogger
 from tests.processes import invoke_train, run_recipe
@@ -25,24 +25,32 @@ from tests.processes import invoke_train, run_recipe
 B, IN, OUT, ACCUMULATION = 4, 5, 3, 2
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture
 def accelerator_plan(tmp_path):
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield make_accelerator(
+    return make_accelerator(
         output_dir=tmp_path,
         batch=BatchRequest(per_device_batch_size=B, grad_accum_steps=ACCUMULATION),
         cpu=True,
     )
+
+
+def train_linear(out, max_steps: int = 0, resume: str | None = None) -> TrainLoop:
+    """A Linear layer trained by the loop (8 micro-batches of B, 2 a step: 4 steps), its input
+    needing a gradient, evaluated after every step (--eval-every 1); returns the loop."""
     AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_left_out(
-    accelerator_plan, tmp_path, capsys
-):
-    """A Linear layer whose input needs a gradient: 2*B*in*out FLOPs forward, twice that
-    backward (input and weight gradients), for each of the step's 2 micro-batches. An
-    evaluation after step 1 (--eval-every 1) runs after the count: it adds nothing."""
-    accelerator, plan = accelerator_plan
+    accelerator, plan = make_accelerator(
+        output_dir=out,
+        batch=BatchRequest(per_device_batch_size=B, grad_accum_steps=ACCUMULATION),
+        cpu=True,
+    )
+    torch.manual_seed(0)
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = TensorDataset(torch.randn(8 * B, IN), torch.randn(8 * B, OUT))
@@ -52,8 +60,11 @@ def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_l
     schedule = make_lr_schedule(
         accelerator, optimizer, plan, settings, steps_per_epoch=len(loader), epochs=1
     )
-    run = Run.open(accelerator, plan, schedule, RunConfig("toy", {}), output_dir=tmp_path)
-    policy = LoopPolicy(SavePolicy(log_every=1, eval_every=1))
+    run = Run.open(
+        accelerator, plan, schedule, RunConfig("toy", {}), output_dir=out,
+        start=StartRequest(resume=resume),
+    )  # fmt: skip
+    policy = LoopPolicy(SavePolicy(log_every=1, save_every=1, eval_every=1))
     loop = TrainLoop(accelerator, plan, loader, schedule, run, policy)
     for _epoch in loop.epochs():
         for x, y in loop.batches():
@@ -65,15 +76,27 @@ def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_l
             loop.record(loss)
             if loop.eval_due():
                 loop.log_eval({"out": model(torch.randn(64, IN)).sum().item()})
+            if max_steps and loop.step == max_steps:
+                return loop
         loop.end_epoch({})
     loop.finish(model)
+    return loop
+
+
+def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_left_out(
+    tmp_path, capsys
+):
+    """A Linear layer whose input needs a gradient: 2*B*in*out FLOPs forward, twice that
+    backward (input and weight gradients), for each of the step's 2 micro-batches. The
+    evaluation after step 1 runs after the count: it adds nothing."""
+    loop = train_linear(tmp_path)
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     logged = [r for r in map(json.loads, lines) if "train/loss" in r]
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     expected = ACCUMULATION * 3 * (2 * B * IN * OUT)
     for record in logged:
         assert record["train/flops_per_step"] == expected
-        steps_per_s = record["train/samples_per_s"] / plan.global_batch_size
+        steps_per_s = record["train/samples_per_s"] / loop.plan.global_batch_size
         assert record["train/tflops_per_device"] == pytest.approx(expected * steps_per_s / 1e12)
         assert "train/mfu" not in record  # the CPU has no peak
     printed = capsys.readouterr().out.splitlines()
@@ -81,6 +104,26 @@ def test_the_logged_step_flops_are_the_counters_for_a_linear_layer_evaluations_l
         "MFU is not logged on the CPU: it has no known peak FLOP/s to divide by (the step's "
         "FLOPs and train/tflops_per_device are logged)"
     ]
+
+
+def test_a_resumed_run_takes_the_count_from_its_checkpoint_and_counts_nothing(
+    tmp_path, monkeypatch
+):
+    """Counted again, the resumed step would round differently from the uninterrupted run's
+    (the counter decomposes ops such as SiLU's backward): the checkpoint keeps the count."""
+    train_linear(tmp_path, max_steps=2)  # saved step_1 and step_2
+    progress = json.loads((tmp_path / "checkpoints" / "step_2" / "progress.json").read_text())
+    expected = ACCUMULATION * 3 * (2 * B * IN * OUT)
+    assert progress["progress"]["flops_per_step"] == expected
+    counted = []
+    monkeypatch.setattr(
+        "accel_common.throughput.eager_flop_counter", lambda stack: counted.append(1)
+    )
+    loop = train_linear(tmp_path, resume="latest")
+    assert loop.step == 4 and not counted
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    logged = [r for r in map(json.loads, lines) if "train/loss" in r and r["step"] > 2]
+    assert [r["train/flops_per_step"] for r in logged] == [expected, expected]
 
 
 def test_a_compiled_module_is_counted_eagerly_with_the_same_flops(accelerator_plan):
