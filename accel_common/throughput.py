@@ -2,10 +2,12 @@
 MFU, the fraction of the device's peak (as litgpt, torchtitan and Lightning's ThroughputMonitor
 report it).
 
-The FLOPs come from torch's FlopCounterMode on the first optimizer step of each launch (every
-micro-batch of its accumulation window: forward, backward, whatever else the recipe computes;
-matrix products, convolutions and attention, the ops that dominate, not elementwise ones or the
-optimizer). The step runs eagerly while it is counted (`torch.compiler.set_stance("force_eager")`):
+The FLOPs come from torch's FlopCounterMode on the run's first optimizer step (every micro-batch
+of its accumulation window up to `loop.clip_gradients`, or to its end: forward, backward,
+whatever else the recipe computes; matrix products, convolutions and attention, the ops that
+dominate, not elementwise ones or the optimizer's). Checkpoints keep the count: a resumed run
+does not count again (under the counter its step would round differently from the uninterrupted
+run's). The step runs eagerly while it is counted (`torch.compiler.set_stance("force_eager")`):
 a compiled module's kernels would hide their arithmetic from the counter, which compilation does
 not change. Each process counts its own micro-batches; one all-reduce sums them, so a step's
 FLOPs are the whole job's. Activation checkpointing's recomputation is counted too (hardware

@@ -4,6 +4,7 @@ optimizer step, by the peak of the device the run is on."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,3 +232,28 @@ def test_two_processes_log_the_flops_of_the_whole_step(template_data, tmp_path):
         logged = [r for r in map(json.loads, lines) if "train/loss" in r]
         flops[nproc] = [r["train/flops_per_step"] for r in logged]
     assert flops[1] == flops[2] and len(flops[1]) == 2 and flops[1][0] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "peak", "line"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4, "MFU against the H100 SXM's dense bf16 peak"),
+        ("Tesla T4", "bf16", None, "MFU is not logged: no bf16 peak is known for Tesla T4"),
+        ("NVIDIA Future GPU", "fp16", 123.0, "MFU against a fp16 matrix product measured on"),
+    ],
+)
+def test_a_gpus_peak_is_the_tables_else_a_measured_matrix_product(
+    monkeypatch, name, precision, peak, line
+):
+    """Without a GPU: the device's name and the measurement stand in (a torch.float16 product
+    for an fp16 run on a GPU the table lacks)."""
+    measured = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    monkeypatch.setattr(
+        "accel_common.throughput.matmul_peak",
+        lambda size, repeats, dtype: measured.append(dtype) or 123.0,
+    )
+    accelerator = SimpleNamespace(device=torch.device("cuda"), mixed_precision=precision)
+    found, said = device_peak(accelerator)
+    assert found == peak and said.startswith(line)
+    assert measured == ([torch.float16] if "Future" in name else [])
