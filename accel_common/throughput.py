@@ -137,21 +137,21 @@ class StepFlops:
         self.per_step: float | None = None  # all processes', once counted
         self._count = True  # False once counted, or restored from a checkpoint
         self._counted: int | None = None  # this process's, while counting
-        self._stack: ExitStack | None = None
-        self._counter: FlopCounterMode | None = None
+        self._counting: tuple[ExitStack, FlopCounterMode] | None = None
 
     def begin(self) -> None:
         """Count what runs from here to `pause` (the recipe's body for one micro-batch)."""
-        if self._count and self._stack is None:
-            self._stack = ExitStack()
-            self._counter = eager_flop_counter(self._stack)
+        if self._count and self._counting is None:
+            stack = ExitStack()
+            self._counting = stack, eager_flop_counter(stack)
 
     def pause(self) -> None:
         """Stop counting until the next `begin`, keeping the count."""
-        if self._stack is not None:
-            self._stack.close()
-            self._counted = (self._counted or 0) + self._counter.get_total_flops()  # type: ignore[union-attr]
-            self._stack = self._counter = None
+        if self._counting is not None:
+            stack, counter = self._counting
+            stack.close()
+            self._counted = (self._counted or 0) + counter.get_total_flops()
+            self._counting = None
 
     def step_done(self) -> None:
         """After the counted optimizer step: sum every process's count (collective: every

@@ -139,7 +139,7 @@ def test_a_compiled_module_is_counted_eagerly_with_the_same_flops(accelerator_pl
     flops.step_done()
     assert flops.per_step == 3 * (2 * B * IN * OUT)
     flops.begin()  # counted once: later steps cost nothing
-    assert flops._stack is None
+    assert flops._counting is None
 
 
 def test_mfu_is_the_achieved_share_of_the_given_peak(accelerator_plan):
