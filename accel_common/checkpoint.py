@@ -77,6 +77,9 @@ class TrainProgress:
     # the logged loss means' running sums, every process's (StepLogger.state); None in a
     # checkpoint saved before they were stored
     loss_sums: dict[str, Any] | None = None
+    # the FLOPs of an optimizer step, all processes', counted on the run's first (StepFlops): a
+    # resumed run does not count again, which would round its next step differently
+    flops_per_step: float | None = None
 
     def batches_to_skip(self, plan: BatchPlan) -> int:
         """Per-process micro-batches of the current epoch that were already trained on."""
@@ -390,6 +393,7 @@ def progress_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
     if progress.skipped_steps > progress.step or progress.nonfinite_skipped > progress.step:
         return "more skipped steps than steps"
     numbers = {"train_seconds": progress.train_seconds, "best": progress.best}
+    numbers["flops_per_step"] = progress.flops_per_step
     numbers.update({f"best_metrics.{k}": v for k, v in progress.best_metrics.items()})
     for name, value in numbers.items():
         if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):

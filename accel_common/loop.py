@@ -28,6 +28,7 @@ bookkeeping when the recipe asks for the next batch (after the previous one's op
   `log_every` steps, save resumable state every `save_every` steps;
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
+- in the run's first optimizer step: count its FLOPs (for TFLOP/s, MFU: throughput.py).
 
 With `monitor="val_mae"` (lower is better), `end_epoch(metrics, model)` and `log_eval(metrics,
 model)` keep an export of the best model (`OUTPUT/best`), and `finish` exports that one; with
@@ -88,12 +89,9 @@ from accel_common.tracking import StepLogger
 
 
 class TrainLoop:
-    """One training run's step bookkeeping; see the module docstring for the loop it serves.
-
-    Create it after `Run.open` (which resumed the run, if asked): it catches stop signals until
-    `finish`. Every process must create it and run the same loop: saves and logging are
-    collective.
-    """
+    """One training run's step bookkeeping (the module docstring shows its loop). Create it
+    after `Run.open` (which resumed the run, if asked): it catches stop signals until `finish`.
+    Every process must create it and run the same loop: saves and logging are collective."""
 
     def __init__(
         self,
@@ -212,6 +210,7 @@ class TrainLoop:
         self._timing_since = time.perf_counter()
         try:
             for batch in batches:
+                self.log.flops.begin()  # the launch's first optimizer step only
                 yield batch
                 done = self._after_micro_batch() if self._booked is None else self._booked
                 self._booked = None
@@ -220,6 +219,7 @@ class TrainLoop:
             else:
                 self.progress.epoch, self.progress.samples_in_epoch = epoch + 1, 0
         finally:
+            self.log.flops.pause()  # a body that raised: stop counting
             self._count_time()
             self._timing_since = None
 
@@ -227,12 +227,11 @@ class TrainLoop:
         """Call between `backward` and `optimizer.step()`: on the micro-batch that ends an
         accumulation window, clip the gradient norm to `clip_grad` (if set) and keep the norm
         for logging (measured only on logging steps when not clipping). Elsewhere a no-op:
-        clipping a partial sum of gradients would change the update.
-
-        With `on_nonfinite="skip"` it also decides, on every process alike, whether this step is
-        taken: a non-finite gradient norm anywhere (reduced with the step's flags) drops every
-        gradient, so `optimizer.step()` leaves the weights and the optimizer state as they are.
-        Under fp16 the loss scaler makes that decision itself."""
+        clipping a partial sum of gradients would change the update. With
+        `on_nonfinite="skip"` it also decides, on every process alike, whether this step is
+        taken: a non-finite gradient norm anywhere drops every gradient, so `optimizer.step()`
+        leaves the weights and the optimizer state as they are (fp16: the loss scaler does)."""
+        self.log.flops.pause()  # the optimizer step is not counted
         if self.sync_timer is not None:
             self.sync_timer.backward_done()
             self.sync_timer.attach(model)  # times every later step (the first is never logged)
@@ -261,6 +260,7 @@ class TrainLoop:
 
     def _after_micro_batch(self) -> bool:
         """Bookkeeping after the recipe's body for one micro-batch; True when the run is done."""
+        self.log.flops.pause()
         if not self._recorded:
             raise RuntimeError("TrainLoop: call loop.record(loss) once for every batch")
         self._recorded = False
@@ -273,6 +273,7 @@ class TrainLoop:
             self._window_costs = costs if self._window_costs is None else self._window_costs + costs
         if not self.accelerator.sync_gradients:
             return False  # mid-accumulation: no optimizer step happened
+        self.log.flops.step_done()
         if self._window_costs is not None:
             self._imbalances.append(imbalance(self._window_costs))
             self._window_costs = None
@@ -330,10 +331,7 @@ class TrainLoop:
         if self.sync_timer is not None and self.sync_timer.attached:
             mine = torch.tensor([self.sync_timer.take_mean_ms()], device=self.accelerator.device)
             waits = self.accelerator.gather(mine).tolist()
-            record["train/sync_wait_ms_min"], record["train/sync_wait_ms_max"] = (
-                min(waits),
-                max(waits),
-            )
+            record |= {"train/sync_wait_ms_min": min(waits), "train/sync_wait_ms_max": max(waits)}
         if record:
             self.accelerator.log(record, step=self.step)
 
@@ -367,11 +365,10 @@ class TrainLoop:
 
     def eval_due(self) -> bool:
         """Call after `loop.record(loss)`: whether the optimizer step this micro-batch ended is
-        one to evaluate at (`eval_every`: every N steps, counted from the run's start, so a
-        resumed run evaluates at the uninterrupted run's steps). Not at an epoch's last step or
-        the run's: the recipe's `end_epoch` evaluates those. On such a micro-batch it does the
-        step's bookkeeping now (else done when the next batch is asked for), so the evaluation
-        sees the step counted, logged, checked and saved."""
+        one to evaluate at (every `eval_every` steps from the run's start, so a resumed run
+        evaluates at the same steps; not at an epoch's or the run's last: `end_epoch` does).
+        It does the step's bookkeeping first, so the evaluation sees the step counted, logged,
+        checked and saved."""
         every = self.policy.saves.eval_every
         if not every or not self.accelerator.sync_gradients or self._booked is not None:
             return False
@@ -418,6 +415,7 @@ class TrainLoop:
         """Continue the logged loss means where the checkpoint left them; one saved before
         they were stored gives means over the steps since the resume: marked, and said once."""
         self.log.restore(self.progress.loss_sums)
+        self.log.flops.restore(self.progress.flops_per_step)  # counted by the run's first launch
         if self.progress.loss_sums is None:
             say(
                 self.accelerator,
@@ -448,6 +446,7 @@ class TrainLoop:
         resume from."""
         self._count_time()  # the checkpoint records the training time up to here
         self.progress.loss_sums = self.log.state()
+        self.progress.flops_per_step = self.log.flops.per_step
         consumed = self.progress.batches_to_skip(self.plan)  # this epoch's, on this process
         return self.run.save(self.policy.saves.keep_last, fetched_ahead(self.loader, consumed))
 

@@ -22,6 +22,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
 from accel_common.console import format_metrics, progress_bar, say
 from accel_common.errors import ConfigError
+from accel_common.throughput import StepFlops, device_peak, mfu
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -210,7 +211,8 @@ class Throughput:
 
 
 class StepLogger:
-    """The loop's bookkeeping: loss means, samples/s, the progress bar and tracker records.
+    """The loop's bookkeeping: loss means, samples/s, TFLOP/s and MFU (accel_common.throughput),
+    the progress bar and tracker records.
 
     Per micro-batch it costs one in-place add on the device, per optimizer step a counter and a
     progress-bar tick; host syncs (`.item()`, all-reduce) happen only on logging steps. Every
@@ -234,6 +236,9 @@ class StepLogger:
         self.initial_step = initial_step
         self.last_epoch_loss: float | None = None  # a finished run evaluated again reports it
         self.throughput = Throughput()
+        self.flops = StepFlops(accelerator)  # the loop counts its first step
+        self.peak, peak_line = device_peak(accelerator)
+        say(accelerator, peak_line)
         self.bar = progress_bar(
             accelerator,
             total=total_steps,
@@ -269,9 +274,26 @@ class StepLogger:
             record["train/loss_partial"] = True
         if self.accelerator.scaler is not None:  # fp16: a collapsing scale means overflowing grads
             record["train/loss_scale"] = self.accelerator.scaler.get_scale()
+        if self.flops.per_step is not None:
+            record |= self.flops_record(self.flops.per_step, record["train/samples_per_s"])
         self.accelerator.log(record, step=step)
-        self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", refresh=False)
+        postfix = {"loss": f"{record['train/loss']:.4f}"}
+        if "train/tflops_per_device" in record:
+            postfix["TFLOP/s"] = f"{record['train/tflops_per_device']:.3g}"
+        if "train/mfu" in record:
+            postfix["MFU"] = f"{100 * record['train/mfu']:.1f}%"
+        self.bar.set_postfix(postfix, refresh=False)
         return record["train/loss"]
+
+    def flops_record(self, flops: float, samples_per_s: float) -> dict[str, float]:
+        """A step's `flops` (all processes), the TFLOP/s each device achieved over the window of
+        `samples_per_s` and, where its peak is known, their share of it."""
+        steps_per_s = samples_per_s / self.global_batch_size
+        tflops = flops / self.accelerator.num_processes * steps_per_s / 1e12
+        record = {"train/flops_per_step": flops, "train/tflops_per_device": tflops}
+        if self.peak:
+            record["train/mfu"] = mfu(tflops, self.peak)
+        return record
 
     def end_epoch(
         self, epoch: int, step: int, eval_metrics: dict[str, float], *, again: bool = False

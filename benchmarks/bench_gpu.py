@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accel_common.errors import DataError
 from accel_common.launch_guard import require_writable_folder
+from accel_common.throughput import matmul_peak
 from accel_common.tools.bench.report import write_section
 from benchmarks.gpu import report
 from benchmarks.gpu.point_ops import run_ops
@@ -56,7 +57,6 @@ from benchmarks.gpu.steps import (
     ORIGINAL,
     Skipped,
     Step,
-    matmul_peak,
     plan,
     run,
 )

@@ -282,7 +282,7 @@ def test_a_run_resumed_mid_epoch_logs_and_exports_the_uninterrupted_runs_losses(
 
     def records(out: Path) -> list[dict]:
         logged = [json.loads(line) for line in metrics_lines(out)]
-        timing = ("time", "train/samples_per_s")
+        timing = ("time", "train/samples_per_s", "train/tflops_per_device")
         return [
             {k: v for k, v in r.items() if k not in timing}
             for r in logged

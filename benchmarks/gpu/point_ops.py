@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu.steps import point_kernels, synchronize
+from accel_common.throughput import synchronize
+from benchmarks.gpu.steps import point_kernels
 from benchmarks.original_sizes import Workload
 
 OPS = ("furthest_point_sample", "ball_query", "grouping", "avg_voxelize", "trilinear_devoxelize",

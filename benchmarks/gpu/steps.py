@@ -4,8 +4,9 @@ Accelerate's dynamo setting), on the recipe's network or, for pointcloud, on the
 
 Each step trains through Accelerate as the recipes do (autocast, fp16's loss scaler, AdamW):
 WARMUP untimed steps (a compiled model compiles in the first), then STEPS timed between CUDA
-synchronisations. FLOPs come from torch's FLOP counter on one more step of the uncompiled module
-(compilation changes the time, not the arithmetic)."""
+synchronisations. FLOPs come from torch's FLOP counter on one more step, run eagerly
+(compilation changes the time, not the arithmetic), as the training loop counts them
+(accel_common.throughput)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from torch.utils.flop_counter import FlopCounterMode
 
+from accel_common.throughput import eager_flop_counter, synchronize
 from benchmarks.original_sizes import Workload, preset
 
 GIB = 2**30
@@ -79,28 +80,6 @@ def plan(names: list[str], smoke: bool) -> tuple[list[Step], list[Step]]:
     first = {Step("pointcloud", p, variant=v) for p in ("no", "bf16") for v in (RECIPE, ORIGINAL)}
     first |= {Step("captioning", p, compiled=c) for p in ("no", "bf16") for c in (False, True)}
     return [s for s in steps if s in first], [s for s in steps if s not in first]
-
-
-def synchronize() -> None:
-    """Wait for the GPU's queued work, so that a clock read after it counts it (no-op on CPU)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def matmul_peak(size: int = 8192, repeats: int = 20) -> float:
-    """TFLOP/s of a size^3 bf16 matrix product: what this device's matrix units reach in
-    practice."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    synchronize()
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 @contextmanager
@@ -201,9 +180,10 @@ def measure(
     synchronize()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
-    with FlopCounterMode(display=False) as counter:
-        train_step(getattr(model, "_orig_mod", model))
-    flops = counter.get_total_flops()
+    with ExitStack() as stack:
+        counter = eager_flop_counter(stack)
+        train_step(model)
+    flops = counter.total
     result = {
         "samples_per_s": workload.per_gpu_batch * steps / seconds,
         "ms_per_step": 1e3 * seconds / steps,
