@@ -369,3 +369,55 @@ def test_a_onecycle_scheduler_resumed_from_its_state_continues_bit_equal():
     first, state = run(17)
     assert state[1]["lr_lambdas"] == [None]
     assert first + run(23, state)[0] == unbroken
+
+
+def test_warmup_epochs_count_the_runs_own_steps_per_epoch(tmp_path, monkeypatch):
+    """--warmup-epochs 4 is pcdiff's LinearLR(total_iters=4) stepped per epoch whatever an epoch's
+    optimizer steps (5 on one process, 2 on more, or with accumulation): the same epochs rise,
+    where --warmup-steps would fix one size's count."""
+    monkeypatch.chdir(tmp_path)
+    lower = torch.optim.lr_scheduler
+
+    def pcdiff(optimizer):
+        linear = lower.LinearLR(optimizer, start_factor=0.01, total_iters=4)
+        constant = lower.ExponentialLR(optimizer, gamma=1.0)
+        return lower.SequentialLR(optimizer, [linear, constant], milestones=[4])
+
+    flags = {"warmup_epochs": 4, "warmup_start": 0.01, "decay_per_epoch": True}
+    for per in (5, 2):
+        expected = torch_lrs(pcdiff, per * 7, every=per)
+        used = recipe_lrs(tmp_path, {"schedule": "constant", **flags}, per, 7)
+        assert used == pytest.approx(expected, rel=1e-12)
+        assert used[4 * per - 1] < 1.0 == used[4 * per]  # the peak from the 5th epoch on
+
+
+def test_warmup_epochs_name_their_steps_once_the_data_is_read():
+    settings = LRSettings(1e-3, 8, decay=Decay.constant, warmup_epochs=500, warmup_start=0.01)
+    assert settings.run_warmup(10**6) is None  # a dry run: the data's steps per epoch unknown
+    assert settings.run_warmup(500) == 500  # --max-steps 500: warming up throughout
+    assert settings.run_warmup(10**6, steps_per_epoch=7) == 3500
+    assert settings.run_warmup(10**6, steps_per_epoch=56, grad_accum_steps=2) == 14000
+    assert settings.run_warmup(100, steps_per_epoch=56) == 100  # cut to the run's length
+    assert settings.describe(8).endswith(
+        "; 500 warmup epochs (x the data's optimizer steps per epoch) from 0.01 x peak, then "
+        "constant"
+    )
+    assert settings.describe(8, 3500).endswith(
+        "; 500 warmup epochs (3500 optimizer steps) from 0.01 x peak, then constant"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"warmup_steps": 100, "warmup_epochs": 5}, "--warmup-steps 100 and --warmup-epochs 5 "
+         "both set the warmup's length: give one (--warmup-epochs 0 to count steps, or "
+         "--warmup-steps 0 to count epochs"),
+        ({"schedule": "onecycle", "warmup_epochs": 5}, "--schedule onecycle takes no "
+         "--warmup-epochs 5:"),
+    ],
+)  # fmt: skip
+def test_warmup_flags_that_do_not_go_together_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}") as refused:
+        SharedSettings.from_config(flags).validate()
+    assert len(str(refused.value).splitlines()) == 1

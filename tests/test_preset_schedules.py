@@ -2,8 +2,10 @@
 torch scheduler does: at every optimizer step of a run of the preset's settings, the LR of the
 recipe's scheduler (make_lr_schedule, from the preset as its recipe resolves it) equals the LR of
 the original's scheduler, built with the original's arguments and stepped where its trainer steps
-it (after each iteration or each epoch). Bound: 1e-12 relative (both compute in float64; torch's
-chainable forms and the recipe's closed forms round differently).
+it (after each iteration or each epoch). Each at two sizes: an epoch's optimizer steps on one GPU
+and on 8 (the global batch 8 x larger), since a schedule that counts epochs must follow the run's
+own. Bound: 1e-12 relative (both compute in float64; torch's chainable forms and the recipe's
+closed forms round differently).
 """
 
 from __future__ import annotations
@@ -101,21 +103,22 @@ def cricketmodel(lr: float, epochs: int, per_epoch: int) -> list[float]:
 
 @dataclass(frozen=True)
 class Original:
-    """An original's schedule (`lrs(lr, epochs, steps per epoch)`) and the short run compared:
-    `per_epoch` optimizer steps per epoch, `epochs` (0: the preset's)."""
+    """An original's schedule (`lrs(lr, epochs, steps per epoch)`) and the short runs compared:
+    `per_epoch`, an epoch's optimizer steps on one GPU and on 8, and `epochs` (0: the
+    preset's)."""
 
     lrs: Callable[[float, int, int], list[float]]
-    per_epoch: int = 3
+    per_epoch: tuple[int, int] = (24, 3)
     epochs: int = 0
 
 
 ORIGINALS = {
     "quality": Original(crowd_bt),
     "crystal": Original(comformer),
-    # The preset's --warmup-steps 28000 are the 500 epochs of 56 steps of SkullBreak's training
-    # split (pcdiff/datasets/SkullBreak/train.csv: 455 samples, --bs 8, drop_last): 510 epochs
-    # climb the whole staircase and hold the peak.
-    "pointcloud": Original(pcdiff, per_epoch=455 // 8, epochs=510),
+    # The preset's 500 warmup epochs are 28000 steps on SkullBreak's training split
+    # (pcdiff/datasets/SkullBreak/train.csv: 455 samples, --bs 8, drop_last: 56 per epoch) and
+    # 3500 on 8 GPUs (--bs 64: 7); 510 epochs climb the whole staircase and hold the peak.
+    "pointcloud": Original(pcdiff, per_epoch=(455 // 8, 455 // 64), epochs=510),
     "cricket": Original(cricketmodel),
 }
 
@@ -150,13 +153,20 @@ def test_every_recipe_with_a_preset_has_its_originals_schedule_here():
     assert {preset.parent.parent.name for preset in PRESETS} == set(ORIGINALS)
 
 
+@pytest.mark.parametrize("gpus", [1, 8])
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
-def test_the_presets_lr_is_the_originals_at_every_optimizer_step(preset, tmp_path, monkeypatch):
+def test_the_presets_lr_is_the_originals_at_every_optimizer_step(
+    preset, gpus, tmp_path, monkeypatch
+):
+    """The LR of every optimizer step, with an epoch's steps as on 1 GPU or on 8 (the schedule's
+    shape depends on the steps per epoch only; the peak at another batch is --lr-scaling's,
+    tested in test_lr)."""
     monkeypatch.chdir(tmp_path)  # the accelerator's output folder, if any, lands here
     original = ORIGINALS[preset.parent.parent.name]
-    used, args = recipe_lrs(preset, original.epochs, original.per_epoch)
+    per_epoch = original.per_epoch[gpus > 1]
+    used, args = recipe_lrs(preset, original.epochs, per_epoch)
     assert args.bs == args.ref_bs  # at the original's batch: the peak is its lr
-    expected = original.lrs(args.lr, args.epochs, original.per_epoch)
-    assert len(used) == len(expected) == args.epochs * original.per_epoch
+    expected = original.lrs(args.lr, args.epochs, per_epoch)
+    assert len(used) == len(expected) == args.epochs * per_epoch
     assert used == pytest.approx(expected, rel=1e-12, abs=0)
     assert len(set(expected)) > 2  # the schedule moves in the run compared
