@@ -19,7 +19,8 @@ of optimizer step k (from 0) is
                   multistep    P x gamma ^ (milestones <= k - D, counted)   (torch's MultiStepLR)
 
 and P between. `onecycle` is torch's OneCycleLR instead, its own shape from step 0 to T
-(accel_common.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal); it takes no
+(accel_common.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal, and
+--cycle-momentum, which sets the optimizer's momentum at every step too); it takes no
 warmup, hold or floor of the above (refused), nor --decay-per-epoch. With --decay-per-epoch,
 k - D counts whole epochs' steps (the LR changes at epoch boundaries), and step_size and the
 milestones count epochs. Accelerate's prepared
@@ -43,7 +44,7 @@ from accelerate import Accelerator
 
 from accel_common.batching import BatchPlan, total_optimizer_steps
 from accel_common.errors import ConfigError
-from accel_common.onecycle import OneCycle
+from accel_common.onecycle import OneCycle, require_momentum, set_momentum
 
 
 class LRScaling(str, Enum):
@@ -224,7 +225,9 @@ class LRSettings:
         name = decay.value + (" per epoch" if self.decay_per_epoch else "")
         end = f"at step {self.decay_steps}, then held" if self.decay_steps else "at the last step"
         if decay is Decay.onecycle:
-            return f"onecycle {self.onecycle.describe(peak)} {end}"
+            return (
+                f"onecycle {self.onecycle.describe(peak)} {end}{self.onecycle.describe_momentum()}"
+            )
         if decay is Decay.cosine:
             floor = peak * self.min_lr_ratio
             return f"{name} to {floor:.4g} ({self.min_lr_ratio:g} x peak) {end}"
@@ -337,25 +340,53 @@ class Schedule:
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
+    def momentum(self, step: int) -> float | None:
+        """The optimizer's momentum for optimizer step `step` where the schedule cycles it
+        (onecycle with --cycle-momentum), else None: the optimizer's own is left alone."""
+        if Decay(self.decay) is not Decay.onecycle or not self.cycle.cycle_momentum:
+            return None
+        return self.cycle.momentum(step, self.decay_steps or self.total_steps)
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: Schedule
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR driven by `schedule`; step it once per optimizer step (see module docstring)."""
 
-    # A plain function, not the bound method: LambdaLR then keeps it out of its state_dict, so
-    # checkpoints hold only numbers (last step, base LRs) and resume with whatever schedule is set.
-    def multiplier(step: int) -> float:
-        return schedule.multiplier(step)
+class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR at the schedule's multiplier that, where the schedule cycles the momentum,
+    sets it too at every step (the constructor's included) from the same step counter, as
+    OneCycleLR's cycle_momentum. Its state_dict holds numbers only (the last step, base LRs: no
+    function, no schedule), so checkpoints load weights-only and resume with the schedule set;
+    the momentum in use travels in the optimizer's state_dict (its param groups' betas)."""
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
+        # Plain functions, not bound methods: LambdaLR keeps them out of its state_dict.
+        def multiplier(step: int) -> float:
+            return schedule.multiplier(step)
+
+        self.momentum = schedule.momentum
+        if schedule.momentum(0) is not None:
+            require_momentum(optimizer)
+        super().__init__(optimizer, multiplier)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        momentum = self.momentum(self.last_epoch)
+        if momentum is not None:
+            set_momentum(self.optimizer, momentum)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        del state["momentum"]
+        return state
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule) -> ScheduledLR:
+    """The run's scheduler of `schedule`; step it once per optimizer step (module docstring)."""
+    return ScheduledLR(optimizer, schedule)
 
 
 @dataclass(frozen=True)
 class LRSchedule:
     """The run's scheduler, its length in optimizer steps, and where the peak LR came from."""
 
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: ScheduledLR
     total_steps: int
     description: str
 

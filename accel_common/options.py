@@ -196,6 +196,18 @@ class SharedSettings(Settings):
         "With --schedule onecycle: rise and fall along a cosine (cos) or a line (linear), "
         "OneCycleLR's anneal_strategy.",
     )
+    cycle_momentum: bool = setting(
+        False,
+        "With --schedule onecycle: cycle the optimizer's momentum (Adam's beta1, SGD's momentum) "
+        "from --max-momentum down to --base-momentum as the LR rises and back as it falls "
+        "(OneCycleLR's cycle_momentum, torch's default); else the optimizer's own is kept.",
+    )
+    base_momentum: float = setting(
+        0.85, "With --cycle-momentum: the momentum at the peak LR.", min=0.0, max=1.0
+    )
+    max_momentum: float = setting(
+        0.95, "With --cycle-momentum: the momentum at the first and last step.", min=0.0, max=1.0
+    )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
     )
@@ -335,7 +347,10 @@ class SharedSettings(Settings):
             self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
             warmup_start=self.warmup_start, decay_steps=self.decay_steps,
             step_size=self.step_size, milestones=parse_milestones(self.milestones),
-            onecycle=OneCycle(self.pct_start, self.div_factor, self.final_div_factor, self.anneal),
+            onecycle=OneCycle(
+                self.pct_start, self.div_factor, self.final_div_factor, self.anneal,
+                self.cycle_momentum, self.base_momentum, self.max_momentum,
+            ),
             warmup_epochs=self.warmup_epochs,
         )  # fmt: skip
 
