@@ -6,7 +6,8 @@ its square root (gentler, often better for Adam).
 
 Schedules: warmup, an optional hold at the peak, then decay; the multiplier is a pure function of
 the optimizer step (one step = one update after gradient accumulation). With peak P, warmup W
-steps rising from the fraction s (--warmup-start), hold H steps, decay start D = W + H, horizon T
+steps (--warmup-steps, or --warmup-epochs x the run's optimizer steps per epoch) rising from the
+fraction s (--warmup-start), hold H steps, decay start D = W + H, horizon T
 (--decay-steps, else the run's last step) and floor m (--min-lr-ratio, a fraction of P), the LR
 of optimizer step k (from 0) is
 
@@ -18,7 +19,8 @@ of optimizer step k (from 0) is
                   multistep    P x gamma ^ (milestones <= k - D, counted)   (torch's MultiStepLR)
 
 and P between. `onecycle` is torch's OneCycleLR instead, its own shape from step 0 to T
-(accel_common.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal); it takes no
+(accel_common.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal, and
+--cycle-momentum, which sets the optimizer's momentum at every step too); it takes no
 warmup, hold or floor of the above (refused), nor --decay-per-epoch. With --decay-per-epoch,
 k - D counts whole epochs' steps (the LR changes at epoch boundaries), and step_size and the
 milestones count epochs. Accelerate's prepared
@@ -42,7 +44,7 @@ from accelerate import Accelerator
 
 from accel_common.batching import BatchPlan, total_optimizer_steps
 from accel_common.errors import ConfigError
-from accel_common.onecycle import OneCycle
+from accel_common.onecycle import OneCycle, require_momentum, set_momentum
 
 
 class LRScaling(str, Enum):
@@ -108,9 +110,16 @@ class LRSettings:
     step_size: int = 0
     milestones: tuple[int, ...] = ()
     onecycle: OneCycle = field(default_factory=OneCycle)
+    warmup_epochs: int = 0
 
     def __post_init__(self) -> None:
         decay = Decay(self.decay)
+        if self.warmup_steps and self.warmup_epochs:
+            raise ConfigError(
+                f"--warmup-steps {self.warmup_steps} and --warmup-epochs {self.warmup_epochs} "
+                "both set the warmup's length: give one (--warmup-epochs 0 to count steps, or "
+                "--warmup-steps 0 to count epochs of the run's own optimizer steps)"
+            )
         if decay is Decay.onecycle:
             self.refuse_with_onecycle()
         if decay is Decay.step and self.step_size < 1:
@@ -149,6 +158,7 @@ class LRSettings:
         other schedules would change it into something torch's is not; name the first one."""
         for flag, value, default in (
             ("--warmup-steps", self.warmup_steps, 0),
+            ("--warmup-epochs", self.warmup_epochs, 0),
             ("--warmup-start", self.warmup_start, 0.0),
             ("--hold-epochs", self.hold_epochs, 0),
             ("--min-lr-ratio", self.min_lr_ratio, 0.0),
@@ -167,16 +177,32 @@ class LRSettings:
     def peak(self, global_batch_size: int) -> float:
         return scale_lr(self.lr, self.ref_bs, global_batch_size, self.scaling)
 
-    def run_warmup(self, total_steps: int) -> int:
-        """The warmup the run uses: --warmup-steps cut to the run's length, so a short
-        (--max-steps) run still works. The run and its --dry-run both cut it here."""
-        return min(self.warmup_steps, total_steps)
+    def run_warmup(
+        self, total_steps: int, steps_per_epoch: int = 0, grad_accum_steps: int = 1
+    ) -> int | None:
+        """The warmup the run uses, in optimizer steps: --warmup-steps, or --warmup-epochs x the
+        run's own optimizer steps per epoch (`steps_per_epoch` micro-batches per process over
+        `grad_accum_steps`; 0 where the data is unread, as in a --dry-run: then None, unless
+        the run is no longer than the warmup's epochs, which have an optimizer step each at
+        least), cut to the run's length, so a short (--max-steps) run still works. The run and
+        its --dry-run both cut it here."""
+        if not self.warmup_epochs:
+            return min(self.warmup_steps, total_steps)
+        if not steps_per_epoch:
+            return total_steps if total_steps <= self.warmup_epochs else None
+        return min(self.warmup_epochs * steps_per_epoch // grad_accum_steps, total_steps)
 
     def describe(self, global_batch_size: int, warmup_steps: int | None = None) -> str:
         """The banner's LR line: the peak, where it came from, and the schedule's shape
         (`warmup_steps`: as the run's length cut them, else as asked) down to its floor."""
         steps = self.warmup_steps if warmup_steps is None else warmup_steps
         warmup = f"{steps} warmup steps"
+        if self.warmup_epochs:  # its steps are known once the data is read (not in a dry run)
+            counted = "x the data's optimizer steps per epoch"
+            if warmup_steps is not None:
+                counted = f"{warmup_steps} optimizer steps"
+            warmup = f"{self.warmup_epochs} warmup epochs ({counted})"
+            steps = self.warmup_epochs if warmup_steps is None else warmup_steps
         if self.warmup_start and steps:
             warmup += f" from {self.warmup_start:g} x peak"
         if self.hold_epochs:
@@ -199,7 +225,9 @@ class LRSettings:
         name = decay.value + (" per epoch" if self.decay_per_epoch else "")
         end = f"at step {self.decay_steps}, then held" if self.decay_steps else "at the last step"
         if decay is Decay.onecycle:
-            return f"onecycle {self.onecycle.describe(peak)} {end}"
+            return (
+                f"onecycle {self.onecycle.describe(peak)} {end}{self.onecycle.describe_momentum()}"
+            )
         if decay is Decay.cosine:
             floor = peak * self.min_lr_ratio
             return f"{name} to {floor:.4g} ({self.min_lr_ratio:g} x peak) {end}"
@@ -312,25 +340,53 @@ class Schedule:
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
+    def momentum(self, step: int) -> float | None:
+        """The optimizer's momentum for optimizer step `step` where the schedule cycles it
+        (onecycle with --cycle-momentum), else None: the optimizer's own is left alone."""
+        if Decay(self.decay) is not Decay.onecycle or not self.cycle.cycle_momentum:
+            return None
+        return self.cycle.momentum(step, self.decay_steps or self.total_steps)
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: Schedule
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR driven by `schedule`; step it once per optimizer step (see module docstring)."""
 
-    # A plain function, not the bound method: LambdaLR then keeps it out of its state_dict, so
-    # checkpoints hold only numbers (last step, base LRs) and resume with whatever schedule is set.
-    def multiplier(step: int) -> float:
-        return schedule.multiplier(step)
+class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR at the schedule's multiplier that, where the schedule cycles the momentum,
+    sets it too at every step (the constructor's included) from the same step counter, as
+    OneCycleLR's cycle_momentum. Its state_dict holds numbers only (the last step, base LRs: no
+    function, no schedule), so checkpoints load weights-only and resume with the schedule set;
+    the momentum in use travels in the optimizer's state_dict (its param groups' betas)."""
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
+        # Plain functions, not bound methods: LambdaLR keeps them out of its state_dict.
+        def multiplier(step: int) -> float:
+            return schedule.multiplier(step)
+
+        self.momentum = schedule.momentum
+        if schedule.momentum(0) is not None:
+            require_momentum(optimizer)
+        super().__init__(optimizer, multiplier)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        momentum = self.momentum(self.last_epoch)
+        if momentum is not None:
+            set_momentum(self.optimizer, momentum)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        del state["momentum"]
+        return state
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule) -> ScheduledLR:
+    """The run's scheduler of `schedule`; step it once per optimizer step (module docstring)."""
+    return ScheduledLR(optimizer, schedule)
 
 
 @dataclass(frozen=True)
 class LRSchedule:
     """The run's scheduler, its length in optimizer steps, and where the peak LR came from."""
 
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: ScheduledLR
     total_steps: int
     description: str
 
@@ -368,7 +424,7 @@ def make_lr_schedule(
         total_steps = max_steps
     elif max_steps:
         total_steps = min(total_steps, max_steps)
-    warmup_steps = settings.run_warmup(total_steps)
+    warmup_steps = settings.run_warmup(total_steps, steps_per_epoch, plan.grad_accum_steps) or 0
     epoch_steps = max(1, steps_per_epoch // plan.grad_accum_steps)  # optimizer steps per epoch
     hold_steps = min(
         settings.hold_epochs * steps_per_epoch // plan.grad_accum_steps, total_steps - warmup_steps

@@ -34,10 +34,7 @@ from accel_common.lr import (
 from accel_common.onecycle import Anneal, OneCycle
 from accel_common.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
 from accel_common.run import Run, RunConfig, StartRequest, Tracking
-from accel_common.settings import (
-    Settings,
-    setting,
-)
+from accel_common.settings import Settings, setting
 from accel_common.speed import (
     DDP_STATIC_GRAPH_HELP,
     FUSED_OPTIMIZER_HELP,
@@ -126,6 +123,9 @@ class SharedSettings(Settings):
         "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
     )
     warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0)
+    warmup_epochs: int = setting(
+        0, "Epochs of linear warmup instead, of the run's own optimizer steps per epoch.", min=0
+    )
     warmup_start: float = setting(
         0.0,
         "Fraction of the peak LR that the warmup rises from, linearly (torch's LinearLR "
@@ -195,6 +195,18 @@ class SharedSettings(Settings):
         Anneal.cos,
         "With --schedule onecycle: rise and fall along a cosine (cos) or a line (linear), "
         "OneCycleLR's anneal_strategy.",
+    )
+    cycle_momentum: bool = setting(
+        False,
+        "With --schedule onecycle: cycle the optimizer's momentum (Adam's beta1, SGD's momentum) "
+        "from --max-momentum down to --base-momentum as the LR rises and back as it falls "
+        "(OneCycleLR's cycle_momentum, torch's default); else the optimizer's own is kept.",
+    )
+    base_momentum: float = setting(
+        0.85, "With --cycle-momentum: the momentum at the peak LR.", min=0.0, max=1.0
+    )
+    max_momentum: float = setting(
+        0.95, "With --cycle-momentum: the momentum at the first and last step.", min=0.0, max=1.0
     )
     weight_decay: float = setting(
         0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
@@ -329,13 +341,17 @@ class SharedSettings(Settings):
 
     @property
     def lr_settings(self) -> LRSettings:
-        """--lr, --ref-bs, --lr-scaling, --schedule, --warmup-steps and the decay's shape."""
+        """--lr, --ref-bs, --lr-scaling, --schedule, the warmup and the decay's shape."""
         return LRSettings(
             self.lr, self.ref_bs, self.lr_scaling, self.schedule, self.warmup_steps,
             self.min_lr_ratio, self.gamma, self.hold_epochs, self.decay_per_epoch,
             warmup_start=self.warmup_start, decay_steps=self.decay_steps,
             step_size=self.step_size, milestones=parse_milestones(self.milestones),
-            onecycle=OneCycle(self.pct_start, self.div_factor, self.final_div_factor, self.anneal),
+            onecycle=OneCycle(
+                self.pct_start, self.div_factor, self.final_div_factor, self.anneal,
+                self.cycle_momentum, self.base_momentum, self.max_momentum,
+            ),
+            warmup_epochs=self.warmup_epochs,
         )  # fmt: skip
 
     @property

@@ -7,7 +7,7 @@ points only. Sampling (DDPM or DDIM) turns random points into an implant that fi
     python recipes/train_pointcloud.py                                 # built-in example skulls
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/train_pointcloud.py \\
         --config recipes/pointcloud/configs/original.yaml --path datasets/SkullBreak/train.csv \\
-        --bs 64 --warmup-steps 3500                  # the original's sizes and hyper-parameters
+        --bs 64                                      # the original's sizes and hyper-parameters
     # plan: global 64, per device 8, accumulation 1, lr 0.0016
     python recipes/train_pointcloud.py evaluate --model runs/pointcloud/model --data DIR
     python recipes/train_pointcloud.py complete --model runs/pointcloud/model \\

@@ -345,6 +345,11 @@ def test_the_lr_line_names_onecycles_shape():
         "from 4e-05 (peak / 25) up along a cosine over the first 30% of the steps, then down "
         "to 4e-09 (peak / 25 / 10000) at the last step"
     )
+    cycled = LRSettings(1e-3, 64, decay=Decay.onecycle, onecycle=OneCycle(cycle_momentum=True))
+    assert cycled.describe(64).endswith(
+        "(peak / 25 / 10000) at the last step; momentum (Adam's beta1) from 0.95 down to 0.85 "
+        "at the peak LR and back"
+    )
 
 
 def test_a_onecycle_scheduler_resumed_from_its_state_continues_bit_equal():
@@ -369,3 +374,162 @@ def test_a_onecycle_scheduler_resumed_from_its_state_continues_bit_equal():
     first, state = run(17)
     assert state[1]["lr_lambdas"] == [None]
     assert first + run(23, state)[0] == unbroken
+
+
+def test_warmup_epochs_count_the_runs_own_steps_per_epoch(tmp_path, monkeypatch):
+    """--warmup-epochs 4 is pcdiff's LinearLR(total_iters=4) stepped per epoch whatever an epoch's
+    optimizer steps (5 on one process, 2 on more, or with accumulation): the same epochs rise,
+    where --warmup-steps would fix one size's count."""
+    monkeypatch.chdir(tmp_path)
+    lower = torch.optim.lr_scheduler
+
+    def pcdiff(optimizer):
+        linear = lower.LinearLR(optimizer, start_factor=0.01, total_iters=4)
+        constant = lower.ExponentialLR(optimizer, gamma=1.0)
+        return lower.SequentialLR(optimizer, [linear, constant], milestones=[4])
+
+    flags = {"warmup_epochs": 4, "warmup_start": 0.01, "decay_per_epoch": True}
+    for per in (5, 2):
+        expected = torch_lrs(pcdiff, per * 7, every=per)
+        used = recipe_lrs(tmp_path, {"schedule": "constant", **flags}, per, 7)
+        assert used == pytest.approx(expected, rel=1e-12)
+        assert used[4 * per - 1] < 1.0 == used[4 * per]  # the peak from the 5th epoch on
+
+
+def test_warmup_epochs_name_their_steps_once_the_data_is_read():
+    settings = LRSettings(1e-3, 8, decay=Decay.constant, warmup_epochs=500, warmup_start=0.01)
+    assert settings.run_warmup(10**6) is None  # a dry run: the data's steps per epoch unknown
+    assert settings.run_warmup(500) == 500  # --max-steps 500: warming up throughout
+    assert settings.run_warmup(10**6, steps_per_epoch=7) == 3500
+    assert settings.run_warmup(10**6, steps_per_epoch=56, grad_accum_steps=2) == 14000
+    assert settings.run_warmup(100, steps_per_epoch=56) == 100  # cut to the run's length
+    assert settings.describe(8).endswith(
+        "; 500 warmup epochs (x the data's optimizer steps per epoch) from 0.01 x peak, then "
+        "constant"
+    )
+    assert settings.describe(8, 3500).endswith(
+        "; 500 warmup epochs (3500 optimizer steps) from 0.01 x peak, then constant"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"warmup_steps": 100, "warmup_epochs": 5}, "--warmup-steps 100 and --warmup-epochs 5 "
+         "both set the warmup's length: give one (--warmup-epochs 0 to count steps, or "
+         "--warmup-steps 0 to count epochs"),
+        ({"schedule": "onecycle", "warmup_epochs": 5}, "--schedule onecycle takes no "
+         "--warmup-epochs 5:"),
+        ({"cycle_momentum": True}, "--cycle-momentum shapes another schedule than --schedule "
+         "cosine: drop it, or choose --schedule onecycle"),
+        ({"schedule": "onecycle", "base_momentum": 0.8}, "--base-momentum 0.8 is a bound of the "
+         "momentum that --cycle-momentum cycles: add --cycle-momentum, or drop it"),
+        ({"schedule": "onecycle", "cycle_momentum": True, "max_momentum": 1.0},
+         "--max-momentum must be in [0, 1), got 1"),
+    ],
+)  # fmt: skip
+def test_warmup_and_momentum_flags_that_do_not_go_together_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}") as refused:
+        SharedSettings.from_config(flags).validate()
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def momentum_of(optimizer: torch.optim.Optimizer) -> float:
+    group = optimizer.param_groups[0]
+    return group["betas"][0] if "betas" in group else group["momentum"]
+
+
+@pytest.mark.parametrize(
+    ("make", "flags"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1.0), {}),  # ComFormer's: torch's defaults
+        (lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.9),
+         {"base_momentum": 0.8, "max_momentum": 0.9, "anneal": "linear", "pct_start": 0.4}),
+    ],
+)  # fmt: skip
+def test_cycle_momentum_is_onecyclelrs_at_every_optimizer_step(tmp_path, monkeypatch, make,
+                                                              flags):  # fmt: skip
+    """--cycle-momentum sets Adam's beta1 (SGD's momentum) at every optimizer step as OneCycleLR's
+    cycle_momentum does on a twin optimizer: from --max-momentum down to --base-momentum at the
+    peak LR and back, beta2 untouched."""
+    monkeypatch.chdir(tmp_path)
+    per, epochs = 7, 5
+    twin = make([torch.nn.Parameter(torch.zeros(1))])
+    torch_args = {"anneal_strategy": flags.get("anneal", "cos"), "pct_start": 0.3} | {
+        k: v for k, v in flags.items() if k != "anneal"
+    }
+    cycle = torch.optim.lr_scheduler.OneCycleLR(
+        twin, max_lr=1.0, epochs=epochs, steps_per_epoch=per, **torch_args
+    )
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = SharedSettings.from_config(
+        {"lr": 1.0, "ref_bs": 2, "bs": 2, "epochs": epochs, "schedule": "onecycle"}
+        | {"cycle_momentum": True, **flags}
+    )
+    args.validate()
+    accelerator, plan = args.make_accelerator()
+    optimizer = make([torch.nn.Parameter(torch.zeros(1))])
+    schedule = args.make_lr_schedule(accelerator, optimizer, plan, per)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    used, expected = [], []
+    for _ in range(per * epochs):
+        used.append((optimizer.param_groups[0]["lr"], momentum_of(optimizer)))
+        expected.append((twin.param_groups[0]["lr"], momentum_of(twin)))
+        for o in (optimizer, twin):
+            o.step()
+        schedule.scheduler.step()
+        cycle.step()
+    for (lr, momentum), (torch_lr, torch_momentum) in zip(used, expected, strict=True):
+        assert momentum == pytest.approx(torch_momentum, rel=1e-12, abs=1e-12)
+        assert lr == pytest.approx(torch_lr, rel=1e-12, abs=1e-15)
+    momenta = [m for _, m in used]
+    assert max(momenta) == momenta[0] == flags.get("max_momentum", 0.95)
+    assert min(momenta) == pytest.approx(flags.get("base_momentum", 0.85), abs=1e-3)  # near R
+    if "betas" in optimizer.param_groups[0]:
+        assert optimizer.param_groups[0]["betas"][1] == 0.999
+    assert "momentum" in schedule.description  # the banner says so
+
+
+def test_cycle_momentum_on_an_optimizer_without_one_is_refused():
+    optimizer = torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = Schedule(total_steps=10, decay=Decay.onecycle, cycle=OneCycle(cycle_momentum=True))
+    with pytest.raises(ConfigError, match=r"^--cycle-momentum cycles the optimizer's momentum"):
+        build_scheduler(optimizer, schedule)
+
+
+def test_a_momentum_cycle_resumed_from_weights_only_state_continues_bit_equal(tmp_path):
+    """Resume mid-cycle: the scheduler's state (numbers only: it loads weights-only) and the
+    optimizer's (its betas) give a fresh run the LRs, beta1s and weights of an unbroken run."""
+    schedule = Schedule(
+        total_steps=30, decay=Decay.onecycle, cycle=OneCycle(0.25, cycle_momentum=True)
+    )
+
+    def run(steps, state=None):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(4))
+        optimizer = torch.optim.AdamW([param], lr=1e-2)
+        scheduler = build_scheduler(optimizer, schedule)
+        if state is not None:
+            param.data.copy_(state["param"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+        used = []
+        for _ in range(steps):
+            used.append((optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["betas"]))
+            target = torch.arange(4.0) * scheduler.last_epoch  # the step, resumed or not
+            (param - target).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        path = tmp_path / f"state{steps}.pt"
+        torch.save({"param": param.detach(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, path)  # fmt: skip
+        return used, param.detach().clone(), torch.load(path, weights_only=True)
+
+    unbroken, final, _ = run(30)
+    first, _, state = run(11)
+    assert "momentum" not in state["scheduler"] and state["scheduler"]["lr_lambdas"] == [None]
+    second, resumed, _ = run(19, state)
+    assert first + second == unbroken
+    assert torch.equal(resumed, final)
+    assert len({betas for _, betas in unbroken}) > 10  # beta1 moves in the run compared

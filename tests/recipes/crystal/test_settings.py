@@ -62,7 +62,8 @@ def test_the_original_preset_plans_its_size_and_writes_nothing(tmp_path, monkeyp
     assert plan["learning rate"].startswith("peak 0.001 (--lr 0.001 at --ref-bs 64, linear")
     assert plan["learning rate"].endswith(
         "onecycle from 4e-05 (peak / 25) up along a cosine over the first 30% of the steps, "
-        "then down to 4e-09 (peak / 25 / 10000) at the last step"
+        "then down to 4e-09 (peak / 25 / 10000) at the last step; momentum (Adam's beta1) from "
+        "0.95 down to 0.85 at the peak LR and back"
     )  # OneCycleLR(max_lr=1e-3, pct_start=0.3) at its defaults (train.py 278-287)
     assert plan["epochs"] == "500" and plan["mixed precision"] == "no"
     # the original touches no speed switch: torch's defaults (train.py 124-128, 267-269)

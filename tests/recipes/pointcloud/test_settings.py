@@ -29,9 +29,11 @@ def test_the_original_preset_plans_the_originals_run_and_writes_nothing(tmp_path
     assert plan["parameters"] == parameters() == "27648963"  # the original's PVCNN2
     assert plan["batch"] == "global batch 8 = 8 per device x 1 processes x 1 accumulation steps"
     assert plan["learning rate"].startswith("peak 0.0002 (--lr 0.0002 at --ref-bs 8, linear")
-    # its LinearLR warmup and ExponentialLR(gamma 1) step once per epoch (test_lr: the staircase)
+    # its LinearLR warmup and ExponentialLR(gamma 1) step once per epoch (test_lr: the staircase),
+    # its warmup 500 epochs of the run's steps (unknown here: the data is unread)
     assert plan["learning rate"].endswith(
-        "28000 warmup steps from 0.01 x peak, then constant per epoch"
+        "500 warmup epochs (x the data's optimizer steps per epoch) from 0.01 x peak, then "
+        "constant per epoch"
     )
     assert plan["epochs"] == "15000"
     assert plan["compile"] == "inductor (--compile)"  # as the original's torch.compile
