@@ -231,3 +231,10 @@ def test_convert_from_an_original_finds_the_recipe_that_converts_it(tmp_path, mo
     assert result.exit_code == 0 and back.read_text() == "original format"
     unknown = runner.invoke(app, ["convert", str(checkpoint), str(out), "--from", "nope"])
     assert "no recipe converts it; choose one of: zz-original" in unknown.output
+    # a converter written before --set existed: --set is refused naming it, in one line
+    refused = runner.invoke(
+        app, ["convert", str(checkpoint), str(tmp_path / "set"), "--from", "zz-original",
+              "--set", "width=3"],
+    )  # fmt: skip
+    assert refused.exit_code != 0 and len(refused.output.strip().splitlines()) == 1
+    assert "import_checkpoint(source) takes no settings" in refused.output

@@ -31,7 +31,7 @@ from accel_common.tools.doctor.comm import parse_sizes
 from accel_common.tools.doctor.report import run_doctor
 from accel_common.tools.example_data import make_data, workloads
 from accel_common.tools.launch import run as run_launch
-from accel_common.tools.originals import converter
+from accel_common.tools.originals import converter, import_from
 
 app = typer.Typer(
     add_completion=False,
@@ -263,7 +263,7 @@ def convert_to(
         extras = getattr(module, "export_files", None)
         files = extras(source) if extras else {}
         require_new_files([model_path.parent / name for name in files], force)
-        state, config = module.import_checkpoint(source, given or {})
+        state, config = import_from(module, source, given or {})
         metadata = {
             "recipe": recipe,
             "config": config,

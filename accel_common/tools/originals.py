@@ -8,7 +8,8 @@ the original (`ORIGINAL = "pcdiff"`) and defines
         the export's config (the settings, and derived values, its commands rebuild the model
         from); `given` is `--set NAME=VALUE`: the settings the checkpoint does not record, which
         it passes with what it assumed to accel_common.convert.settle_unrecorded (one line
-        naming them)
+        naming them). A converter with `import_checkpoint(source)` alone still converts; `--set`
+        is then refused naming it
     export_checkpoint(model_dir: Path, target: Path) -> Path
         this recipe's export as a file the original's code loads
     export_files(source: Path) -> dict[str, str]   (optional)
@@ -26,9 +27,12 @@ listing the names reads the files without importing any recipe.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from accel_common.errors import RecipeError
 
@@ -56,3 +60,16 @@ def converter(original: str) -> tuple[str, ModuleType]:
         )
     recipe = known[original]
     return recipe, importlib.import_module(f"recipes.{recipe}.convert")
+
+
+def import_from(module: ModuleType, source: Path, given: Mapping[str, str]) -> tuple[dict, Any]:
+    """`module.import_checkpoint` of `source`, passed `given` (--set) where it takes them."""
+    takes = len(inspect.signature(module.import_checkpoint).parameters) > 1
+    if takes:
+        return module.import_checkpoint(source, given)
+    if given:
+        raise RecipeError(
+            f"--set {', '.join(given)}: {module.__file__}'s import_checkpoint(source) takes no "
+            "settings; give it a second parameter, `given` (see accel_common/tools/originals.py)"
+        )
+    return module.import_checkpoint(source)
