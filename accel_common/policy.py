@@ -76,11 +76,11 @@ class EarlyStopping:
     def stopped(self, progress: TrainProgress, saves: SavePolicy) -> str:
         """The line that says why the run stopped early, and which model it exports."""
         unit = "evaluations" if saves.eval_every else "epochs"
-        at = progress.best_metrics
+        at = progress.best_metrics  # a checkpoint from before best_step was kept has none
+        step = f", step {at['best_step']}" if "best_step" in at else ""
         return (
             f"early stopping: {self.monitor} has not improved for {self.patience} {unit} (best "
-            f"{progress.best:.4g} at epoch {at['best_epoch']}, step {at['best_step']}); the "
-            "export is that model"
+            f"{progress.best:.4g} at epoch {at['best_epoch']}{step}); the export is that model"
         )
 
 
