@@ -417,26 +417,38 @@ def test_item_weighted_loss_is_exact_over_processes_and_accumulation(tmp_path):
     assert max_relative_difference(runs["exact-1"], runs["naive-1"]) <= 1e-5
 
 
-def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run, tmp_path):
-    """val_mae 2, then 3 with patience 1: the run stops after epoch 2 of 3, and the export
-    holds epoch 1's weights and metrics, not the last epoch's."""
-    values = iter([2.0, 3.0])
-    accelerator, model, optimizer, loop, _ = run(monitor="val_mae", patience=1)
-    weights_at = {}
-    for epoch in loop.epochs():
+def train_monitored(accelerator, model, optimizer, loop, values: list[float]) -> dict:
+    """Train, reporting `values` as val_mae at each evaluation (step evaluations, with the model,
+    and epoch ends) in turn: {step: the weights evaluated there}."""
+    values, weights_at = iter(values), {}
+
+    def evaluate() -> dict[str, float]:
+        weights_at[loop.step] = model.weight.detach().clone()
+        return {"val_mae": next(values)}
+
+    for _epoch in loop.epochs():
         for x, y in loop.batches():
             with accelerator.accumulate(model):
                 accelerator.backward((model(x / 1000) - y).pow(2).mean())
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(torch.zeros(()))
-        weights_at[epoch] = model.weight.detach().clone()
-        loop.end_epoch({"val_mae": next(values)}, model)
-    assert epoch == 2 and loop.done and loop.step == 10  # 5 optimizer steps an epoch
+            if loop.eval_due():
+                loop.log_eval(evaluate(), model)
+        loop.end_epoch(evaluate(), model)
+    return weights_at
+
+
+def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run, tmp_path):
+    """val_mae 2, then 3 with patience 1: the run stops after epoch 2 of 3, and the export
+    holds epoch 1's weights and metrics, not the last epoch's."""
+    accelerator, model, optimizer, loop, _ = run(monitor="val_mae", patience=1)
+    weights_at = train_monitored(accelerator, model, optimizer, loop, [2.0, 3.0])
+    assert loop.progress.epoch == 2 and loop.done and loop.step == 10  # 5 steps an epoch
     metrics = loop.finish(model)
     assert (metrics["val_mae"], metrics["best_epoch"]) == (2.0, 1)
     exported = exported_params(tmp_path)["weight"]
-    assert torch.equal(exported, weights_at[1]) and not torch.equal(exported, weights_at[2])
+    assert torch.equal(exported, weights_at[5]) and not torch.equal(exported, weights_at[10])
     # a resumed stopped run trains no more and exports the same best epoch again
     accelerator, model, optimizer, loop, _ = run(resume="latest", monitor="val_mae", patience=1)
     assert loop.done and (loop.progress.best, loop.progress.bad_epochs) == (2.0, 1)
@@ -444,7 +456,7 @@ def test_early_stopping_exports_the_best_epoch_and_a_resume_keeps_its_count(run,
         assert list(loop.batches()) == []
         loop.end_epoch({"val_mae": 9.0}, model)
     assert loop.finish(model)["best_epoch"] == 1
-    assert torch.equal(exported_params(tmp_path)["weight"], weights_at[1])
+    assert torch.equal(exported_params(tmp_path)["weight"], weights_at[5])
 
 
 def test_a_gain_below_min_delta_keeps_the_best_model_but_not_the_patience(run, tmp_path):
@@ -686,21 +698,8 @@ def test_a_step_evaluation_keeps_the_best_model_and_its_patience_stops_the_run(r
     epoch 1's end (step 5), 3 at step 6 with patience 1: the run stops right after step 6, in
     its epoch (the epoch-end evaluation that follows judges nothing again), and exports step 5's
     model, recorded as best_epoch 1, best_step 5."""
-    values = iter([2.0, 1.5, 3.0, 9.0])
     accelerator, model, optimizer, loop, _ = run(monitor="val_mae", patience=1, eval_every=3)
-    weights_at = {}
-    for _epoch in loop.epochs():
-        for x, y in loop.batches():
-            with accelerator.accumulate(model):
-                accelerator.backward((model(x / 1000) - y).pow(2).mean())
-                optimizer.step()
-                optimizer.zero_grad()
-            loop.record(torch.zeros(()))
-            if loop.eval_due():
-                weights_at[loop.step] = model.weight.detach().clone()
-                loop.log_eval({"val_mae": next(values)}, model)
-        weights_at[loop.step] = model.weight.detach().clone()
-        loop.end_epoch({"val_mae": next(values)}, model)
+    weights_at = train_monitored(accelerator, model, optimizer, loop, [2.0, 1.5, 3.0, 9.0])
     assert loop.done and loop.step == 6 and sorted(weights_at) == [3, 5, 6]
     metrics = loop.finish(model)
     assert (metrics["val_mae"], metrics["best_epoch"], metrics["best_step"]) == (1.5, 1, 5)
