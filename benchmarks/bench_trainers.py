@@ -180,12 +180,21 @@ TRAINERS = [
 RECIPES = {"pointcloud": pointcloud_recipe}
 
 
+def process_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment with `extra`, whose PYTHONPATH goes ahead of the inherited
+    one (on a GPU machine that one holds the unpacked wheels, `make gpu-pass WHEELS=`)."""
+    env = {**os.environ, **extra}
+    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], os.environ["PYTHONPATH"]])
+    return env
+
+
 def run_side(side: Side, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """`side` run to its end (or `timeout`), with what its wall time and logs give."""
     if side.missing:
         return {"ran": False, "why": f"missing here: {', '.join(side.missing)}"}
     side.cwd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **side.env}
+    env = process_env(side.env)
     log = side.cwd / f"{side.cwd.name}.out"
     started = time.perf_counter()
     try:

@@ -72,6 +72,17 @@ def test_a_module_its_trainer_imports_missing_here_is_reported_not_run(tmp_path,
     assert not (tmp_path / "w" / "w.out").exists()  # nothing was started
 
 
+def test_a_side_keeps_the_inherited_python_path_behind_its_own(tmp_path, monkeypatch):
+    """On the GPU machine PYTHONPATH holds the unpacked wheels (`make bench-gpu WHEELS=`): the
+    recipe's process replaced it with the project's folder and lost them."""
+    monkeypatch.setenv("PYTHONPATH", "/wheels")
+    side = bench_trainers.pointcloud_recipe(tmp_path, tmp_path, 3, smoke=True)
+    env = bench_trainers.process_env(side.env)
+    assert env["PYTHONPATH"] == os.pathsep.join([str(REPO), "/wheels"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert bench_trainers.process_env(side.env)["PYTHONPATH"] == str(REPO)
+
+
 def test_pcdiffs_step_lines_are_read_from_its_printed_log(tmp_path):
     lines = [
         "2026-11-27 15:34:07,026 : Dataset: 25 samples, 3 batches/epoch/rank",
