@@ -251,8 +251,10 @@ def compare(trainer: Trainer, args: argparse.Namespace) -> dict[str, Any]:
     entry: dict[str, Any] = {"workload": trainer.name, "source": trainer.variable}
     source = os.environ.get(trainer.variable, "")
     if trainer.name not in RECIPES or trainer.adapter is None:
-        given = f"{trainer.variable} given, " if source else ""
-        entry["why"] = f"not run: {given}this bench has no adapter for its trainer yet"
+        given = "given" if source else "not given"
+        entry["why"] = (
+            f"not run: {trainer.variable} {given}; this bench has no adapter for its trainer yet"
+        )
         return entry
     work = (args.work or args.out / "trainers") / trainer.name
     # both loaders draw their points with replacement: the file's count changes no step
