@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,9 +61,8 @@ class Trainer:
     """One original's trainer and the recipe that ports it. `adapter` is None where this bench
     cannot yet drive the original's trainer."""
 
-    name: str
+    name: str  # the recipe's workload (RECIPES)
     variable: str  # where its source is given
-    recipe: str
     adapter: Callable[..., Side] | None = None
 
 
@@ -172,10 +172,10 @@ def pointcloud_recipe(data: Path, work: Path, steps: int, smoke: bool) -> Side:
 
 
 TRAINERS = [
-    Trainer("pointcloud", "PCDIFF_SRC", "pointcloud", pcdiff_original),
-    Trainer("crystal", "COMFORMER_SRC", "crystal"),
-    Trainer("quality", "CROWDBT_SRC", "quality"),
-    Trainer("cricket", "CRICKET_SRC", "cricket"),
+    Trainer("pointcloud", "PCDIFF_SRC", pcdiff_original),
+    Trainer("crystal", "COMFORMER_SRC"),
+    Trainer("quality", "CROWDBT_SRC"),
+    Trainer("cricket", "CRICKET_SRC"),
 ]
 RECIPES = {"pointcloud": pointcloud_recipe}
 
@@ -197,13 +197,15 @@ def run_side(side: Side, steps: int, warmup: int, timeout: float) -> dict[str, A
     env = process_env(side.env)
     log = side.cwd / f"{side.cwd.name}.out"
     started = time.perf_counter()
-    try:
-        with log.open("w") as out:
-            done = subprocess.run(side.command, cwd=side.cwd, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
-        code = done.returncode
-    except subprocess.TimeoutExpired:
-        code = None
+    with log.open("w") as out:  # its own session: a timeout stops its data workers too
+        process = subprocess.Popen(side.command, cwd=side.cwd, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     wall = time.perf_counter() - started
     times = side.step_times(side.cwd)
     row: dict[str, Any] = {"ran": True, "wall_s": wall, "logged_steps": len(times)}

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,23 @@ def test_a_side_keeps_the_inherited_python_path_behind_its_own(tmp_path, monkeyp
     assert env["PYTHONPATH"] == os.pathsep.join([str(REPO), "/wheels"])
     monkeypatch.delenv("PYTHONPATH")
     assert bench_trainers.process_env(side.env)["PYTHONPATH"] == str(REPO)
+
+
+def test_a_process_past_its_timeout_is_stopped_with_its_children_and_said(tmp_path):
+    """pcdiff's trainer starts 24 data workers: a timeout that stopped only the trainer left
+    them running on the GPU machine."""
+    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+    child += "'import time; time.sleep(60)']); open('child', 'w').write(str(p.pid)); time.sleep(60)"
+    side = bench_trainers.Side([sys.executable, "-c", child], tmp_path / "run")
+    row = bench_trainers.run_side(side, 3, 1, timeout=3)
+    assert row["why"] == "timed out after 3 s, 0 of 3 steps logged" and row["wall_s"] < 20
+    stat = Path(f"/proc/{(tmp_path / 'run' / 'child').read_text()}/stat")
+    for _ in range(50):  # gone, or a zombie where nothing reaps orphans
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("its child outlived the timeout")
 
 
 def test_pcdiffs_step_lines_are_read_from_its_printed_log(tmp_path):
