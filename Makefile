@@ -48,6 +48,16 @@ SUITE_TIMEOUT ?= 270
 KERNELS_TIMEOUT ?= 60
 # pcdiff's pcdiff/ folder, for the comparison with its CUDA kernels (docs/gpu.md)
 PCDIFF_SRC ?=
+# the other originals' source, for `make bench-gpu`'s runs of their own trainers (none of these
+# has an adapter in benchmarks/bench_trainers.py yet: it lists them as not run)
+COMFORMER_SRC ?=
+CROWDBT_SRC ?=
+CRICKET_SRC ?=
+# `make bench-gpu`'s end-to-end part (the originals' trainers against the recipes' presets: a
+# recipe's process at most a third of it, an original's half, its CUDA kernel build and default
+# torch.compile among its warm-up) and where its data and runs go
+TRAINERS_TIMEOUT ?= 360
+TRAINERS_WORK ?= runs/trainers
 # `make gpu-pass` stops before anything on a machine whose nvidia-smi lists no GPU; 0 skips that
 # check (the CPU tests of the pass's own machinery)
 REQUIRE_GPU ?= 1
@@ -178,6 +188,13 @@ GPU_KERNELS = env $(GPU_ENV) PCDIFF_SRC=$(PCDIFF_SRC) $(GPU_PYTHON) -m pytest $(
 GPU_BENCH = env PCDIFF_SRC=$(PCDIFF_SRC) $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(GPU_OUT) \
   --docs docs/BENCHMARKS.md --budget $(shell expr $(BENCH_TIMEOUT) - 15) $(BENCH_ARGS)
 
+# each original's trainer and the recipe's, end to end, as processes (bench_trainers.py)
+GPU_TRAINERS = env PCDIFF_SRC=$(PCDIFF_SRC) COMFORMER_SRC=$(COMFORMER_SRC) \
+  CROWDBT_SRC=$(CROWDBT_SRC) CRICKET_SRC=$(CRICKET_SRC) $(GPU_PYTHON) benchmarks/bench_trainers.py \
+  --out $(GPU_OUT) --work $(TRAINERS_WORK) --docs docs/BENCHMARKS.md \
+  --timeout $(shell expr $(TRAINERS_TIMEOUT) / 3) \
+  --original-timeout $(shell expr $(TRAINERS_TIMEOUT) / 2) $(TRAINERS_ARGS)
+
 # $(call ran_tests,JUNIT_XML): true when pytest's report holds a test that ran (not skipped)
 ran_tests = $(PYTHON) -c 'import sys, xml.etree.ElementTree as T; r = T.parse(sys.argv[1]).getroot(); \
 	s = r if r.tag == "testsuite" else r.find("testsuite"); \
@@ -214,12 +231,15 @@ test-gpu: $(GPU_SETUP)
 	  $(call gpu_part,kernels,$(KERNELS_TIMEOUT),$(GPU_KERNELS),$(GPU_OUT)/gpu_kernels.xml);)
 
 # at the originals' sizes: training steps (fp32/bf16/fp16, compiled and not, the recipe's PVCNN2
-# against pcdiff's), the point ops one by one, the issue's targets (docs/gpu.md)
+# against pcdiff's), the point ops one by one, the issue's targets (docs/gpu.md); then the
+# originals' own trainers against the recipes' presets, end to end (TRAINERS_TIMEOUT)
 bench-gpu: BENCH_ARGS ?= --steps 5 --warmup 2
 bench-gpu: BENCH_TIMEOUT ?= 570
+bench-gpu: TRAINERS_ARGS ?= --steps 5 --warmup 2
 bench-gpu: $(GPU_SETUP)
-	rm -f $(GPU_OUT)/gpu_bench.*
-	$(call gpu_run,$(call gpu_part,bench,$(BENCH_TIMEOUT),$(GPU_BENCH));)
+	rm -f $(GPU_OUT)/gpu_bench.* $(GPU_OUT)/trainers_bench.*
+	$(call gpu_run,$(call gpu_part,bench,$(BENCH_TIMEOUT),$(GPU_BENCH)); \
+	  $(call gpu_part,trainers,$(TRAINERS_TIMEOUT),$(GPU_TRAINERS));)
 
 # the whole GPU pass in one command, at most 9 minutes on one H100: suite, benchmark (3 timed
 # steps after 1 warm-up one; the targets' steps first, the rest as its time allows), kernel

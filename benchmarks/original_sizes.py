@@ -280,6 +280,9 @@ def _cricket(smoke: bool) -> Workload:
     )
 
 
-def workloads(smoke: bool = False) -> list[Workload]:
-    """Every recipe with an original (the template has none); with `smoke`, at a small size."""
-    return [build(smoke) for build in (_pointcloud, _quality, _captioning, _crystal, _cricket)]
+def workloads(smoke: bool = False, only: str | None = None) -> list[Workload]:
+    """Every recipe with an original (the template has none), or the one named `only`; with
+    `smoke`, at a small size."""
+    builders = {"pointcloud": _pointcloud, "quality": _quality, "captioning": _captioning,
+                "crystal": _crystal, "cricket": _cricket}  # fmt: skip
+    return [build(smoke) for name, build in builders.items() if only in (None, name)]
