@@ -100,15 +100,16 @@ def test_the_template_shows_a_new_recipe_what_to_declare():
 
 
 def test_a_new_recipe_joins_the_generic_tests_with_no_test_edited(tmp_path):
-    """`accel-recipes new mymodel` in a copy of the project: collecting the kill-and-resume and
-    the FSDP tests gives a case of the copy, named by its file, beside the project's recipes."""
+    """`accel-recipes new mymodel` in a copy of the project: collecting the kill-and-resume, the
+    FSDP and the GPU suite's recipe tests gives a case of the copy, named by its file, beside the
+    project's recipes."""
     copy = tmp_path / "project"
     junk = shutil.ignore_patterns("__pycache__", "fixtures")
     for part in ("accel_common", "recipes", "tests"):
         shutil.copytree(REPO / part, copy / part, ignore=junk)
     shutil.copy(REPO / "pyproject.toml", copy)
     new_recipe(copy / "recipes", "mymodel")
-    tests = ["tests/test_resume.py", "tests/test_sharded.py"]
+    tests = ["tests/test_resume.py", "tests/test_sharded.py", "tests/gpu/test_recipes_on_gpu.py"]
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     env = {**recipe_env(tmp_path), "PYTHONPATH": str(copy)}
     result = subprocess.run(
@@ -119,6 +120,7 @@ def test_a_new_recipe_joins_the_generic_tests_with_no_test_edited(tmp_path):
     for test in (
         "tests/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run",
         "tests/test_sharded.py::test_every_recipe_under_fsdp_exports_what_it_exports_under_ddp",
+        "tests/gpu/test_recipes_on_gpu.py::test_the_gpu_export_loads_and_runs_on_the_cpu",
     ):
         assert {f"{test}[mymodel]", f"{test}[template]"} <= cases, result.stdout
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from accel_common.tools.check.recipe import discovered, find_recipe
 from tests.processes import (
     CAPTIONING,
     CAPTIONING_TINY,
@@ -42,14 +43,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # recipe -> (script, data fixture, its flags besides the tests' step counts). Sizes are the CPU
 # tests' small ones: the suite checks the GPU code paths; `make bench-gpu` measures the
-# originals' sizes.
-RECIPES = {
+# originals' sizes. Every other recipe there is (a new one) joins at the size it declares for
+# `accel-recipes check` (CHECK_ARGS on CHECK_DATA's example: the data fixture None).
+RECIPES: dict[str, tuple[Path, str | None, list[str]]] = {
     "template": (TEMPLATE, "template_data", ["--bs", "64", "--hidden", "256", "--depth", "3"]),
     "pointcloud": (POINTCLOUD, "pointcloud_data", [*POINTCLOUD_TINY, "--sample-steps", "4"]),
     "quality": (QUALITY, "quality_data", []),
     "captioning": (CAPTIONING, "captioning_data", CAPTIONING_TINY),
     "crystal": (CRYSTAL, "crystal_data", CRYSTAL_TINY),
     "cricket": (CRICKET, "cricket_data", [*CRICKET_TINY, "--sample-every", "8", "--bs", "16"]),
+}
+RECIPES |= {
+    name: (recipe.script, None, recipe.args)
+    for name in discovered()
+    if name not in RECIPES and (recipe := find_recipe(name))
 }
 
 

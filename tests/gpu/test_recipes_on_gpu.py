@@ -49,6 +49,7 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_common.checkpoint import list_checkpoints
+from accel_common.tools.check.recipe import find_recipe
 from tests.gpu.conftest import RECIPES
 from tests.processes import (
     BIN,
@@ -89,11 +90,18 @@ by_mode = pytest.mark.parametrize("mode", MODES)
 _runs: dict[tuple[str, str], Path] = {}  # (recipe, run name) -> output folder, per worker
 
 
+def recipe_data(recipe: str, request: pytest.FixtureRequest) -> Path:
+    """The recipe's data: its fixture's, or (a recipe not in RECIPES' sizes) its check example."""
+    data_fixture = RECIPES[recipe][1]
+    if data_fixture is None:
+        return request.getfixturevalue("check_example")(recipe)
+    return request.getfixturevalue(data_fixture)
+
+
 def recipe_args(
     recipe: str, request: pytest.FixtureRequest, out: Path, precision: str, mode: str = "default"
 ) -> list:
-    _script, data_fixture, flags = RECIPES[recipe]
-    data = request.getfixturevalue(data_fixture)
+    data, flags = recipe_data(recipe, request), RECIPES[recipe][2]
     return ["--data", str(data), "--output-dir", str(out), "--mixed-precision", precision,
             *COMMON, *MODES[mode], *flags]  # fmt: skip
 
@@ -213,6 +221,9 @@ def single_device_command(recipe: str, model: Path, data: Path, tmp: Path) -> li
     if recipe == "cricket":  # one match of the data set (cricket predicts per match)
         return ["predict", "--model", str(model), "--match", str(first_match(data)),
                 "--out", str(tmp / "predictions.csv")]  # fmt: skip
+    if RECIPES[recipe][1] is None:  # a recipe at its check's size: the command it declares
+        values = {"model": str(model), "data": str(data), "out": str(tmp / "out")}
+        return [word.format(**values) for word in find_recipe(recipe).command or []]
     return {
         "template": ["evaluate", "--model", str(model), "--data", str(data)],
         "pointcloud": ["evaluate", "--model", str(model), "--data", str(data),
@@ -232,8 +243,8 @@ def test_the_gpu_export_loads_and_runs_on_the_cpu(recipe, request, tmp_path_fact
     tensors = load_file(str(run / "model" / "model.safetensors"), device="cpu")
     assert not [k for k in tensors if k.startswith(("module.", "_orig_mod."))]
     assert all(t.device.type == "cpu" for t in tensors.values())
-    script, data_fixture, _ = RECIPES[recipe]
-    data = request.getfixturevalue(data_fixture)
+    script = RECIPES[recipe][0]
+    data = recipe_data(recipe, request)
     command = single_device_command(recipe, run / "model", data, tmp_path)
     env = {**recipe_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}  # as on a machine without a GPU
     result = subprocess.run(
