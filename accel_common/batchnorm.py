@@ -36,7 +36,11 @@ def global_sum(tensor: torch.Tensor) -> torch.Tensor:
 class GlobalBatchNorm(_BatchNorm):
     """BatchNorm of any dimension (channels in dim 1) with the global batch's statistics in
     training; evaluation uses the running statistics, as torch's. One process trains with the
-    same float64 formula, so 1 and N processes differ only by float32 sum order."""
+    same float64 formula, so 1 and N processes differ only by float32 sum order.
+    `synchronised = False` skips the all-reduce: each process normalises with its own rows'
+    statistics (in the same float64 formula), as plain DDP does."""
+
+    synchronised: bool = True
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -48,21 +52,16 @@ class GlobalBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]
         wide = x.to(torch.float64)
         count = torch.full((1,), float(x.numel() // x.shape[1]), dtype=wide.dtype, device=x.device)
-        totals = global_sum(torch.cat([count, wide.sum(dims), (wide * wide).sum(dims)]))
+        totals = torch.cat([count, wide.sum(dims), (wide * wide).sum(dims)])
+        totals = global_sum(totals) if self.synchronised else totals
         count, sums, squares = totals[:1], totals[1 : 1 + x.shape[1]], totals[1 + x.shape[1] :]
         mean = sums / count
         var = (squares / count - mean * mean).clamp(min=0)  # biased, as it normalises with
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
-                m = (
-                    self.momentum
-                    if self.momentum is not None
-                    else 1
-                    / float(
-                        self.num_batches_tracked  # type: ignore[arg-type]
-                    )
-                )
+                tracked = float(self.num_batches_tracked)  # type: ignore[arg-type]
+                m = self.momentum if self.momentum is not None else 1 / tracked
                 unbiased = var * count / (count - 1).clamp(min=1)
                 self.running_mean.mul_(1 - m).add_(m * mean.to(self.running_mean.dtype))
                 self.running_var.mul_(1 - m).add_(m * unbiased.to(self.running_var.dtype))  # type: ignore[union-attr]

@@ -44,10 +44,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.amp import is_autocast_available
+
+from accel_common.batchnorm import GlobalBatchNorm
 
 with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
     warnings.simplefilter("ignore", FutureWarning)
@@ -82,7 +83,7 @@ class RBFExpansion(nn.Module):
         return torch.exp(-self.gamma * (value.unsqueeze(1) - self.centers) ** 2)
 
 
-class BatchNorm(nn.BatchNorm1d):
+class BatchNorm(GlobalBatchNorm):
     """BatchNorm1d over the global batch. In training, the count and each channel's sum and sum
     of squares (accumulated in float64) are summed over the processes with one autograd-aware
     all-reduce (torch.distributed.nn), so every process normalises with the
@@ -101,52 +102,6 @@ class BatchNorm(nn.BatchNorm1d):
     `synchronised = False` (the recipe's --no-sync-batchnorm) skips the all-reduce: each process
     normalises with its own rows' statistics, as plain DDP does (and the original's `distributed`
     mode would): N processes then take other steps than one."""
-
-    synchronised: bool = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
-        wide = torch.float64  # torch's CPU batch norm accumulates its statistics in double too
-        # count, sums and sums of squares in ONE all-reduce (and one in backward): each
-        # collective is a point where every process waits for the slowest, once per BatchNorm
-        # layer per step (three before, two of them again in backward). E[x^2] - E[x]^2 in
-        # float64 loses ~1e-16 x mean^2 / var: far below float32's rounding.
-        wide_x = x.to(wide)
-        count = torch.full((1,), float(x.shape[0]), dtype=wide, device=x.device)
-        totals = self._all_reduce(torch.cat([count, wide_x.sum(0), (wide_x * wide_x).sum(0)]))
-        count, sums, squares = totals[:1], totals[1 : 1 + x.shape[1]], totals[1 + x.shape[1] :]
-        mean = sums / count
-        var = (squares / count - mean * mean).clamp(min=0)  # biased, as it normalises with
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                m = self.momentum
-                unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - m).add_(m * mean.to(self.running_mean.dtype))
-                self.running_var.mul_(1 - m).add_(m * unbiased.to(self.running_var.dtype))
-        # normalised in float32 at least (a bf16 input under autocast too, as torch's kernels do)
-        compute = torch.promote_types(x.dtype, torch.float32)
-        out = (x.to(compute) - mean.to(compute)) * torch.rsqrt(var + self.eps).to(compute)
-        if self.affine:
-            out = out * self.weight + self.bias
-        return out.to(x.dtype)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the processes, differentiable; the tensor itself in one process (or
-        when not synchronised)."""
-        if not (
-            self.synchronised
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-        ):
-            return tensor
-        with warnings.catch_warnings():  # its deprecation names a private replacement
-            warnings.simplefilter("ignore", FutureWarning)
-            from torch.distributed.nn.functional import all_reduce
-
-            return all_reduce(tensor)
 
 
 def widened(tensor: torch.Tensor) -> torch.Tensor:
