@@ -26,12 +26,12 @@ with the edge vector's spherical harmonics (l = 0, 1, 2; weights per edge from a
 edge's RBF features; mean over each atom's edges, 64x0e -> 64x0e + 8x1o + 8x2e -> 64x0e),
 BatchNorm, a projection back and a skip connection (5,583,809 parameters, 116 tensors).
 
-Every BatchNorm is, by default, `BatchNorm`: torch's BatchNorm1d, whose training statistics are
-summed in float64 and are those of the whole global batch when several processes train (see its
-docstring), so that 1 and N processes take the same steps; `batchnorm="torch"` (the presets) builds
-the original's plain BatchNorm1d instead (`BATCHNORMS`), whose step is the original's bit for bit.
-The original runs `att_layers` 0..3 by index (its forward needs exactly 4); here `layers`
-convolutions run in order, the edge update after the first: the same at 4.
+Every BatchNorm is, by default, `BatchNorm` (accel_common's GlobalBatchNorm), whose training
+statistics are summed in float64 and are those of the whole global batch when several processes
+train (see its docstring), so that 1 and N processes take the same steps; `batchnorm="torch"` (the
+presets) builds the original's plain BatchNorm1d instead (`BATCHNORMS`), whose step is the
+original's bit for bit. The original runs `att_layers` 0..3 by index (its forward needs exactly 4);
+here `layers` convolutions run in order, the edge update after the first: the same at 4.
 """
 
 from __future__ import annotations
