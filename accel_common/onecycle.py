@@ -57,8 +57,8 @@ class OneCycle:
             if not value > 0 or not math.isfinite(value):
                 raise ConfigError(f"{flag} must be a positive number, got {value:g}")
         for flag, value, default in (
-            ("--base-momentum", self.base_momentum, 0.85),
-            ("--max-momentum", self.max_momentum, 0.95),
+            ("--base-momentum", self.base_momentum, OneCycle.base_momentum),
+            ("--max-momentum", self.max_momentum, OneCycle.max_momentum),
         ):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{flag} must be in [0, 1), got {value:g}")
