@@ -429,7 +429,7 @@ class TrainLoop:
         not."""
         monitor = self.stopping.monitor
         if model is None or monitor not in metrics:
-            raise TypeError(f"TrainLoop: end_epoch needs the model and a '{monitor}' metric")
+            raise TypeError(f"TrainLoop: end_epoch/log_eval need the model, a '{monitor}' metric")
         # the main process's value decides for all: no process can stop alone
         value = float(broadcast_object_list([metrics[monitor]])[0])
         epoch, step = self._epoch_number, self.step
