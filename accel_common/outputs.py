@@ -12,6 +12,8 @@ stays (it fails before the work), and the move into place is the real guarantee:
 - `new_file` / `place_file`: a result is written to a private name beside it, then hard-linked
   to its name (`os.link` fails with EEXIST, atomically, when the name is taken);
   `exclusive_outputs(False)` lets a command's --force replace instead.
+- `replacing_file` / `write_output`: a run's own file in its folder is written under a private
+  name and renamed over its name, so a link planted there is replaced, never written through.
 - `new_folder`: a data set is written to a private folder beside it, then renamed to its name
   (`os.rename` fails when the name is a non-empty folder; an empty one is replaced).
 """
@@ -204,6 +206,29 @@ def taken(target: Path, flag: str) -> DataError:
         f"{named}: another process wrote it meanwhile; its file is kept as written (nothing was "
         f"overwritten): choose another {flag or 'output'} and run again"
     )
+
+
+@contextlib.contextmanager
+def replacing_file(target: Path) -> Iterator[Path]:
+    """Yield a private path beside `target` to write to; once written, it is renamed over
+    `target`. A link planted at `target` is replaced, never written through (nothing outside
+    the folder is touched), a reader never sees half a file, and a failed write leaves nothing
+    behind."""
+    partial = partial_path(target)
+    try:
+        yield partial
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_output(target: Path, data: bytes | str) -> None:
+    """Write `data` (text as UTF-8) to `target` through `replacing_file`. The private file is
+    created exclusively, without following links, so a name planted there is refused."""
+    with replacing_file(Path(target)) as partial:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(partial, flags, 0o666), "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
 
 
 @contextlib.contextmanager
