@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from accel_common.batching import BatchPlan
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.launch_guard import require_writable_folder
-from accel_common.outputs import partial_path, place_file
+from accel_common.outputs import disk_full, partial_path, place_file, write_failure
 from accel_common.parameters import parameter_counts
 from accel_common.ties import missing_tie
 
@@ -48,19 +48,6 @@ WRITE_ADVICE = {
 FULL_BELOW = 64 * 2**20
 # what torch.save's C++ writer says when it cannot open or write its file (it keeps no errno)
 TORCH_WRITE_FAILURE = r"inline_container|PytorchStreamWriter|cannot be opened|Parent directory"
-
-
-def disk_full(err: OSError) -> bool:
-    return err.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def write_failure(err: OSError) -> str:
-    """'no space left on device' (or the quota, or the system's own words for another error)."""
-    if err.errno == errno.ENOSPC:
-        return "no space left on device"
-    if err.errno == errno.EDQUOT:
-        return "disk quota exceeded"
-    return f"could not write ({err.strerror or err})"
 
 
 def as_write_error(err: Exception, folder: Path) -> OSError | None:

@@ -25,19 +25,27 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
 import socket
+import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, TextIO
 
 from accel_common.errors import CheckpointError, DataError
+from accel_common.lock_holder import alive, describe_holder
 
 LOCK_FILE = ".lock"
+# errors of a write that failed for want of room (a full disk, a quota, a file size limit)
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # errors of os.link on a filesystem without hard links (some FUSE, SMB and FAT mounts)
 NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV})
 # the lock files this process holds (kept open: closing one would release its lock)
@@ -81,17 +89,21 @@ def hold_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
 
 def lock_folder(output_dir: Path) -> str | None:
     """Take the lock on `output_dir` for this process's life: None, or why it cannot (another
-    process holds it). Taking it again in the process that holds it is a no-op."""
+    process holds it, or OUTPUT/.lock is not a lock file a run may write: a link, a folder, a
+    FIFO, a device, another user's file). Taking it again in the process that holds it is a
+    no-op."""
     output_dir.mkdir(parents=True, exist_ok=True)
     path = (output_dir / LOCK_FILE).absolute()
     held = _held.get(path)
     if held is not None and _same_file(held, path):
         return None
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open_output(path, os.O_RDWR)
+    if isinstance(fd, str):
+        return fd
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _holder(fd)
+        holder = describe_holder(fd)
         os.close(fd)
         return (
             f"{output_dir} is in use by another run ({holder}): wait for it to finish, or "
@@ -114,6 +126,90 @@ def lock_folder(output_dir: Path) -> str | None:
     return None
 
 
+_REMOVE_IT = "remove it (or choose another --output-dir) and run again"
+
+
+def unfit_output(path: Path, within: Path | None = None) -> str | None:
+    """Why a run must not write `path` (a link, a folder, a FIFO, a device, another user's
+    file, a file with other names; or under a link inside `within`, its output folder), or
+    None: it is missing or fit. The main process asks before training, so that every process
+    is refused alike."""
+    folders = Path(path).parents if within is not None else ()
+    for folder in folders:
+        if folder == within:
+            break
+        if folder.is_symlink():
+            return (
+                f"{folder} is a symbolic link (to {os.readlink(folder)}): a run never writes "
+                f"through a link; {_REMOVE_IT}"
+            )
+    try:
+        return _unfit(path, os.lstat(path))
+    except FileNotFoundError:
+        return None
+
+
+def append_file(path: Path) -> TextIO:
+    """`path` opened to append lines to (created if missing, line-buffered), never through a
+    link nor into a FIFO or device: a CheckpointError naming it otherwise."""
+    fd = _open_output(path, os.O_WRONLY | os.O_APPEND)
+    if isinstance(fd, str):
+        raise CheckpointError(fd)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", buffering=1)
+
+
+def _open_output(path: Path, flags: int) -> int | str:
+    """A descriptor of `path` opened with `flags` (created if missing), or why a run must not
+    write it. Looked at first, so that a FIFO or a device is never opened; then opened without
+    following a link or waiting on a FIFO, against one put there meanwhile."""
+    if refusal := unfit_output(path):
+        return refusal
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{path} is a symbolic link: a run never writes through a link; {_REMOVE_IT}"
+        return f"{path}: cannot open it ({err.strerror}): {_REMOVE_IT}"
+    if refusal := _unfit(path, os.fstat(fd)):
+        os.close(fd)
+    return refusal or fd
+
+
+def _unfit(path: Path, st: os.stat_result) -> str | None:
+    """Why `path` (its lstat or fstat `st`) is no file a run may truncate or append to, or None:
+    only a regular file with no other name, owned by this user or by its folder's owner."""
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            return (
+                f"{path} is a symbolic link (to {os.readlink(path)}): a run never writes through "
+                f"a link; {_REMOVE_IT}"
+            )
+        return f"{path} is a symbolic link: a run never writes through a link; {_REMOVE_IT}"
+    kind = stat.S_IFMT(st.st_mode)
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+    kinds |= {stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+    if kind in kinds:
+        return f"{path} is {kinds[kind]}, not a file a run writes: {_REMOVE_IT}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file: {_REMOVE_IT}"
+    if st.st_uid not in (os.geteuid(), _owner(path.parent)):
+        return f"{path} belongs to another user (uid {st.st_uid}): {_REMOVE_IT}"
+    if st.st_nlink > 1:
+        return (
+            f"{path} has {st.st_nlink - 1} other name(s) (hard links): a run never writes "
+            f"into a file shared with another path; {_REMOVE_IT}"
+        )
+    return None
+
+
+def _owner(folder: Path) -> int:
+    try:
+        return os.stat(folder).st_uid
+    except OSError:
+        return os.geteuid()
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         return os.path.samestat(os.fstat(fd), os.stat(path))
@@ -128,28 +224,6 @@ def _this_process() -> dict[str, object]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
     }
-
-
-def _holder(fd: int, wait_s: float = 2.0) -> str:
-    """'pid 1234 on host h, started ..., command ...', read from the lock file; the holder
-    writes it just after taking the lock, so an empty file is read again for a moment."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0).decode() or "null")
-        except (ValueError, UnicodeDecodeError):
-            holder = None
-        if isinstance(holder, dict) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if not isinstance(holder, dict):
-        return "its process did not record itself"
-    command = str(holder.get("command", ""))
-    command = command if len(command) <= 100 else command[:97] + "..."
-    return (
-        f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
-        f"{command}"
-    )
 
 
 # --------------------------------------------------------------------------- files and folders
@@ -170,8 +244,16 @@ def partial_path(target: Path) -> Path:
     """A private name beside `target` to write it under: unique to this process and call, with
     `target`'s suffix (np.save and image writers choose their format by it)."""
     target = Path(target)
-    token = f"{os.getpid()}-{secrets.token_hex(3)}"
-    return target.with_name(f".{target.stem}.partial-{token}{target.suffix}")
+    return target.with_name(f".{target.stem}.partial-{_token()}{target.suffix}")
+
+
+def _token() -> str:
+    """HOST-PID-RANDOM: whose a partial is, so that `sweep_partials` can tell a dead writer's."""
+    return f"{_host()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _host() -> str:
+    return re.sub(r"[^\w.]", "_", socket.gethostname())[:40] or "host"
 
 
 def place_file(partial: Path, target: Path, flag: str = "") -> None:
@@ -214,6 +296,7 @@ def replacing_file(target: Path) -> Iterator[Path]:
     `target`. A link planted at `target` is replaced, never written through (nothing outside
     the folder is touched), a reader never sees half a file, and a failed write leaves nothing
     behind."""
+    sweep_partials(target)
     partial = partial_path(target)
     try:
         yield partial
@@ -234,13 +317,21 @@ def write_output(target: Path, data: bytes | str) -> None:
 @contextlib.contextmanager
 def new_file(target: Path, flag: str = "--out") -> Iterator[Path]:
     """Yield a private path to write `target`'s contents to; once written, it becomes `target`,
-    never replacing a file another process wrote there meanwhile. A failed write leaves
-    nothing behind."""
+    never replacing a file another process wrote there meanwhile. A failed write (a full disk:
+    one line), SIGTERM or Ctrl-C leaves nothing behind; what a SIGKILLed writer left is swept
+    by the next."""
+    target = Path(target)
+    sweep_partials(target)
     partial = partial_path(target)
     try:
-        yield partial
+        with _removed_on_stop(target):
+            yield partial
         with exclusive_outputs():
-            place_file(partial, Path(target), flag)
+            place_file(partial, target, flag)
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        raise unwritten(target, flag, err) from None
     finally:
         partial.unlink(missing_ok=True)
 
@@ -249,13 +340,15 @@ def new_file(target: Path, flag: str = "--out") -> Iterator[Path]:
 def new_folder(target: Path, flag: str = "DIR") -> Iterator[Path]:
     """Yield a private folder beside `target` to fill; once filled, it is renamed to `target`
     (replacing `target` only if that is an empty folder), never mixing with what another process
-    wrote there meanwhile. A failed write leaves nothing behind."""
+    wrote there meanwhile. A failed write leaves nothing behind, as in `new_file`."""
     target = Path(target)
     if target.is_symlink():  # rename would replace the link, not fill the folder it names
         target = target.resolve()
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}-{secrets.token_hex(3)}")
+    sweep_partials(target)
+    partial = partial_path(target)
     try:
-        yield partial
+        with _removed_on_stop(target):
+            yield partial
         try:
             os.rename(partial, target)
         except OSError as err:
@@ -267,5 +360,83 @@ def new_folder(target: Path, flag: str = "DIR") -> Iterator[Path]:
                 f"{flag} {target}: another process wrote into it meanwhile; what it wrote is kept "
                 "(nothing was mixed in): choose another folder and run again"
             ) from None
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        raise unwritten(target, flag, err) from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- failed writes
+
+
+def disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failure(err: OSError) -> str:
+    """'no space left on device' (or the quota, or the system's own words for another error)."""
+    if err.errno == errno.ENOSPC:
+        return "no space left on device"
+    if err.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    return f"could not write ({err.strerror or err})"
+
+
+def unwritten(target: Path, flag: str, err: OSError, left: str = "nothing was left") -> DataError:
+    """The one line for a write of `target` (named by `flag`) that failed with `err`."""
+    advice = "free space on that disk" if disk_full(err) else "check that its disk is writable"
+    return DataError(
+        f"{flag} {target}: {write_failure(err)} while writing it; {left}: {advice} (or choose "
+        f"another {flag}) and run again"
+    )
+
+
+@contextlib.contextmanager
+def _removed_on_stop(target: Path) -> Iterator[None]:
+    """While `target` is written, SIGTERM or SIGINT ends the command in one line, by SystemExit,
+    so the callers' cleanup removes the partial (the default action would leave it, or print a
+    traceback). A signal the process ignores (a background job's SIGINT) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        print(f"stopped by {name}: {target} was not written (nothing was left)", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def sweep_partials(target: Path) -> None:
+    """Remove what killed writers of `target` left beside it (a SIGKILL leaves no chance to
+    clean up): the partials of processes of this host that have ended. A live writer's, or
+    another host's (a shared filesystem), is left alone."""
+    target = Path(target)
+    stem, suffix = (target.stem, target.suffix) if target.suffix else (target.name, "")
+    token = r"(?P<host>[\w.]+)-(?P<pid>\d+)-[0-9a-f]{6}"
+    pattern = re.compile(re.escape(f".{stem}.partial-") + token + re.escape(suffix))
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in names:
+        found = pattern.fullmatch(name)
+        if found is None or found["host"] != _host() or alive(int(found["pid"])):
+            continue
+        stale = target.parent / name
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(stale).st_mode):
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink()  # a link itself, never what it names

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accel_common.errors import RecipeError
-from accel_common.outputs import new_folder
+from accel_common.outputs import WRITE_ERRNOS, new_folder, unwritten
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -55,7 +55,12 @@ def make_data(workload: str, out_dir: Path, *, force: bool = False, **options: o
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise RecipeError(f"{out_dir} exists and is not empty; pass --force to write into it")
     if force:  # asked to write into what is there
-        return write_dataset(out_dir, **options)
+        try:
+            return write_dataset(out_dir, **options)
+        except OSError as err:
+            if err.errno not in WRITE_ERRNOS:
+                raise
+            raise unwritten(out_dir, "DIR", err, "the files written so far are in it") from None
     # written whole beside it, then moved into place: never mixed with another process's set
     with new_folder(out_dir, "DIR") as partial:
         write_dataset(partial, **options)
