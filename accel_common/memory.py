@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from accel_common.errors import ConfigError
+from accel_common.outputs import write_output
 from accel_common.run import describe_differences
 
 MEMORY_DIR = Path("runs/memory")
@@ -53,9 +54,7 @@ class MemoryFit:
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)
+        write_output(path, json.dumps(asdict(self), indent=2))  # never through a link
         return path
 
 

@@ -19,9 +19,11 @@ import accelerate.utils
 import torch
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+from accelerate.utils import broadcast_object_list
 
 from accel_common.console import format_metrics, progress_bar, say
-from accel_common.errors import ConfigError
+from accel_common.errors import CheckpointError, ConfigError
+from accel_common.outputs import append_file, unfit_output
 from accel_common.throughput import StepFlops, device_peak, mfu
 
 METRICS_FILE = "metrics.jsonl"
@@ -73,7 +75,7 @@ class JSONLTracker(GeneralTracker):
 
     def start(self) -> None:  # called by init_trackers, on the main process only
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
+        self._file = append_file(self.path)  # never through a link planted there
 
     @property
     def tracker(self) -> Any:
@@ -123,6 +125,14 @@ def start_tracking(
                 accelerator,
                 "wandb: no credentials found, logging offline; upload later with `wandb sync`",
             )
+    # the log refused on every process, before training, where the main process would refuse it
+    refusal: list[str | None] = [None]
+    if accelerator.is_main_process:
+        refusal = [unfit_output(Path(output_dir) / "logs" / METRICS_FILE, Path(output_dir))]
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list(refusal)
+    if refusal[0] is not None:
+        raise CheckpointError(refusal[0])
     flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
     accelerator.init_trackers(
         project_name=project,

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from accel_common.data.paths import require_regular
+from accel_common.outputs import partial_path
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
@@ -52,7 +53,7 @@ def code_digest(source: str | Path) -> str:
 def save_whole(table: datasets.Dataset, folder: Path, files: dict[str, str] | None = None) -> None:
     """Save `table`, and text `files` beside it, as `folder` through a temporary folder renamed
     into place: whole or absent, even if two runs build it at once (the first one kept)."""
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    partial = partial_path(folder)  # unguessable: no link planted there is written through
     table.save_to_disk(str(partial))
     for name, text in (files or {}).items():
         (partial / name).write_text(text)

@@ -9,6 +9,7 @@ opens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 from accel_common.data.paths import file_kind, not_regular
 from accel_common.errors import CheckpointError, DataError
+from accel_common.outputs import write_output
 
 # what a fingerprint of the files read starts with; earlier versions fingerprinted the whole
 # --data folder ("sha256:") or its names and sizes (unprefixed): neither compares with this one
@@ -155,13 +157,9 @@ def _read_hash_cache(cache_file: Path | None) -> dict[str, list]:
 def _write_hash_cache(cache_file: Path, entries: dict[str, list]) -> None:
     """Replace the cache whole (a temporary file renamed); a cache that cannot be written is
     only a slower next start."""
-    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-    try:
+    with contextlib.suppress(OSError):  # a private name renamed over it, never through a link
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, cache_file)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        write_output(cache_file, json.dumps(entries))
 
 
 def data_hash_cache() -> Path:
