@@ -12,22 +12,24 @@ anything, and reads no pickle with code in it. Only the loop uses it.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
 from accel_common.batching import BatchPlan
 from accel_common.checkpoint_files import (
     MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_KEY,
+    PROGRESS_FILE,
     check_dcp_folders,
     check_deepspeed_files,
     checkpoint_files,
@@ -35,8 +37,8 @@ from accel_common.checkpoint_files import (
     detail_of,
     first_unloadable,
     load_state_file,
-    read_manifest,
     read_rng_state,
+    require_manifest,
     set_rng_state,
     verify_files,
     write_manifest,
@@ -49,48 +51,12 @@ from accel_common.export import (
     strict_json,
     write_failure,
 )
+from accel_common.progress import TrainProgress, first_difference, progress_problem
 from accel_common.ties import recording_ties
 
 CHECKPOINTS = "checkpoints"
-PROGRESS_FILE = "progress.json"
 PROCESS_STATE = "process_state_{}.pt"  # a process's own extra state (the loader's fetch RNG)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-@dataclass
-class TrainProgress:
-    """Where a run is: enough to resume at the exact sample, with any number of processes."""
-
-    step: int = 0
-    epoch: int = 0
-    samples_in_epoch: int = 0
-    skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped after an overflow
-    nonfinite_skipped: int = 0  # --on-nonfinite skip: steps skipped on every process
-    # early stopping (TrainLoop's `monitor`): the best value so far, the metrics of the epoch
-    # that reached it, epochs since, and whether the run stopped for want of improvement
-    best: float | None = None
-    best_metrics: dict[str, float] = field(default_factory=dict)
-    bad_epochs: int = 0
-    stopped: bool = False
-    # seconds spent training (in loop.batches()) up to this point, over every launch of the run
-    train_seconds: float = 0.0
-    # the logged loss means' running sums, every process's (StepLogger.state); None in a
-    # checkpoint saved before they were stored
-    loss_sums: dict[str, Any] | None = None
-    # the FLOPs of an optimizer step, all processes', counted on the run's first (StepFlops): a
-    # resumed run does not count again, which would round its next step differently
-    flops_per_step: float | None = None
-
-    def batches_to_skip(self, plan: BatchPlan) -> int:
-        """Per-process micro-batches of the current epoch that were already trained on."""
-        per_round = plan.per_device_batch_size * plan.num_processes
-        if self.samples_in_epoch % per_round:
-            raise CheckpointError(
-                f"the checkpoint stopped {self.samples_in_epoch} samples into epoch {self.epoch},"
-                f" which is not a whole number of {per_round}-sample rounds with this launch's "
-                f"batch plan ({plan.describe()}); resume with the original number of processes"
-            )
-        return self.samples_in_epoch // per_round
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -111,7 +77,7 @@ def list_checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        complete = match and (path / PROGRESS_FILE).is_file()
+        complete = match and not path.is_symlink() and (path / PROGRESS_FILE).is_file()
         if complete and (run_id is None or checkpoint_run(path).get("id") == run_id):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
@@ -122,17 +88,55 @@ def checkpoint_run(path: Path) -> dict[str, Any]:
     identities (or unreadable: loading it reports that)."""
     try:
         return json.loads((Path(path) / PROGRESS_FILE).read_text()).get("run") or {}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return {}
 
 
-def remove_unfinished_saves(accelerator: Accelerator, output_dir: Path) -> None:
-    """Delete `step_N.tmp` folders left by a crash during a save (main process; collective)."""
+def remove_unfinished_saves(
+    accelerator: Accelerator, output_dir: Path, *, refuse_unexpected: bool = False
+) -> None:
+    """Delete `step_N.tmp` folders left by a crash during a save (main process; collective); a
+    link of that name is removed itself, never followed (a save would write through it). With
+    `refuse_unexpected`, first refuse a `step_N` no save wrote (`unexpected_checkpoint`)."""
     root = Path(output_dir) / CHECKPOINTS
+    found = [None]
+    if accelerator.is_main_process and refuse_unexpected:
+        found = [unexpected_checkpoint(output_dir)]
+    if refuse_unexpected and accelerator.num_processes > 1:
+        found = broadcast_object_list(found)
+    if found[0] is not None:
+        raise CheckpointError(found[0])
     if accelerator.is_main_process and root.is_dir():
         for leftover in root.glob("step_*.tmp"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.is_symlink() or not leftover.is_dir():
+                leftover.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(leftover, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def unexpected_checkpoint(output_dir: Path) -> str | None:
+    """Why a `step_N` entry of OUTPUT/checkpoints is none a save wrote (a link, a file, a folder
+    without progress.json), or None. A save renames its folder into place only when complete,
+    so such an entry was put there by hand or by an interrupted copy: resuming past it, pruning
+    it or saving over it would lose or misread it, so a run refuses it before training."""
+    root = Path(output_dir) / CHECKPOINTS
+    entries = sorted(root.iterdir()) if root.is_dir() and not root.is_symlink() else []
+    for path in (p for p in entries if _STEP_DIR.match(p.name)):
+        if path.is_symlink():
+            what = f"a symbolic link to {path.resolve()}"
+        elif not path.is_dir():
+            what = "not a folder"
+        elif not (path / PROGRESS_FILE).is_file():
+            what = f"an incomplete checkpoint (no {PROGRESS_FILE}: an interrupted copy?)"
+        else:
+            continue
+        return (
+            f"{path} is {what}; a run writes every step_N folder itself, renamed into place "
+            f"only when complete, so it neither resumes from, prunes nor saves over this one: "
+            f"move it out of {root} (or resume a copy of the run elsewhere), then run again"
+        )
+    return None
 
 
 def save_checkpoint(
@@ -155,7 +159,12 @@ def save_checkpoint(
     final = checkpoint_dir(output_dir, progress.step)
     tmp = final.with_name(final.name + ".tmp")
     # on every process, before anything is written: a value JSON cannot hold stops them all
-    record = {"progress": asdict(progress), "batch_plan": plan.as_dict(), "run": run}
+    record = {
+        "progress": asdict(progress),
+        "batch_plan": plan.as_dict(),
+        "run": run,
+        MANIFEST_KEY: MANIFEST_FORMAT,  # a resume missing the manifest knows it was removed
+    }
     text = strict_json(record, final / PROGRESS_FILE)
     remove_unfinished_saves(accelerator, output_dir)
     try:
@@ -166,8 +175,10 @@ def save_checkpoint(
         accelerator.wait_for_everyone()  # every rank's RNG file is in place
         if accelerator.is_main_process:
             (tmp / PROGRESS_FILE).write_text(text)
-            write_manifest(tmp, {k: v for k, v in json.loads(text).items() if k != "run"})
-            if final.exists():
+            write_manifest(tmp, {k: json.loads(text)[k] for k in ("progress", "batch_plan")})
+            if final.is_symlink():  # the link itself goes, not what it names
+                final.unlink()
+            elif final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
     except (OSError, RuntimeError, SafetensorError) as raw:  # torch.save's full disk: RuntimeError
@@ -202,13 +213,20 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume)
+    root = Path(output_dir) / CHECKPOINTS
+    if path.name.endswith(".tmp") and _STEP_DIR.match(path.name.removesuffix(".tmp")):
+        raise CheckpointError(
+            f"--resume {resume}: an unfinished save (a crash during the save left it; saves are "
+            f"renamed to step_N only when complete), kept as it is; resume a complete step_N "
+            f"folder under {root}, e.g. --resume latest"
+        )
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such checkpoint folder")
     if not (path / PROGRESS_FILE).is_file():
         raise CheckpointError(
             f"--resume {resume}: {PROGRESS_FILE} is missing, so this save never completed "
-            f"(or is not a checkpoint of this project); pick another folder under "
-            f"{Path(output_dir) / CHECKPOINTS} or use --resume latest"
+            f"(or is not a checkpoint of this project); resume a complete step_N folder (those "
+            f"under {root}: `ls {root}/*/{PROGRESS_FILE}`)"
         )
     return path
 
@@ -219,19 +237,23 @@ def load_checkpoint(
     plan: BatchPlan,
     *,
     accept: Callable[[Path, TrainProgress, int, dict[str, Any]], None] | None = None,
+    allow_unverified: bool = False,
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scheduler, scaler and RNG from `path`; return its progress and
     its run record ({"id", "identity"}).
 
-    Before anything is loaded: the files must be the ones the save wrote (manifest.json), and the
-    progress record must hold together (`check_progress`). `accept(path, progress, saved global
+    Before anything is loaded: the files must be the ones the save wrote (manifest.json; a
+    checkpoint without one only with `allow_unverified`), and the progress record must hold
+    together (`check_progress`). `accept(path, progress, saved global
     batch, run record)` then refuses a checkpoint of another run (accel_common.run.RunCheck).
     Refused too: a position this launch's plan cannot reach, tensors whose shapes do not fit the
     model, and any pickle that asks for more than tensors and numbers (nothing in it runs).
     """
     failure = None
     try:
-        progress, run, rng = _checked_before_loading(accelerator, path, plan, accept)
+        progress, run, rng = _checked_before_loading(
+            accelerator, path, plan, accept, allow_unverified
+        )
     except RecipeError as err:  # every process refuses, not only the one that found it
         failure = err
     refusals = gather_object([None if failure is None else str(failure)])
@@ -263,25 +285,29 @@ def _checked_before_loading(
     path: Path,
     plan: BatchPlan,
     accept: Callable[[Path, TrainProgress, int, dict[str, Any]], None] | None,
+    allow_unverified: bool,
 ) -> tuple[TrainProgress, dict[str, Any], dict[str, Any] | None]:
     """Everything `load_checkpoint` checks before it loads: progress, run record, RNG state."""
     checkpoint_files(path)  # regular files only: a FIFO would block its reader
-    manifest = read_manifest(path)
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())
         progress = TrainProgress(**record["progress"])
         saved_plan = BatchPlan(**{k: int(v) for k, v in record["batch_plan"].items()})
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path / PROGRESS_FILE} is unreadable: {err}") from err
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise CheckpointError(
+            f"{path / PROGRESS_FILE} is unreadable ({detail_of(err)}); resume from an earlier "
+            "step_N folder"
+        ) from None
+    manifest = require_manifest(
+        path,
+        record,
+        allow_unverified=allow_unverified,
+        use="resume",
+        warn=accelerator.is_main_process,
+    )
     check_progress(path, progress, saved_plan, manifest)  # names an edited field
     if manifest is not None:  # the main process hashes; the others check names and sizes
         verify_files(path, manifest, hashes=accelerator.is_main_process)
-    elif accelerator.is_main_process:
-        print(
-            f"warning: {path} was saved before checkpoints carried a {MANIFEST_FILE}, so its "
-            "files cannot be verified against the save; resuming as it is",
-            flush=True,
-        )
     run = record.get("run") or {}
     if accept is not None:
         accept(path, progress, saved_plan.global_batch_size, run)
@@ -335,9 +361,6 @@ def check_layout(accelerator: Accelerator, path: Path) -> None:
     )
 
 
-_COUNTS = ("step", "epoch", "samples_in_epoch", "skipped_steps", "nonfinite_skipped", "bad_epochs")
-
-
 def check_progress(
     path: Path, progress: TrainProgress, saved: BatchPlan, manifest: dict[str, Any] | None
 ) -> None:
@@ -362,79 +385,6 @@ def check_progress(
             f"{where}: {problem}; the file was edited or damaged: resume from an earlier step_N "
             "folder"
         )
-
-
-def first_difference(now: Any, was: Any, name: str = "") -> tuple[str, Any, Any] | None:
-    """The first entry where two JSON records differ: (dotted name, value now, value then)."""
-    if isinstance(now, dict) and isinstance(was, dict):
-        for key in [*now, *(k for k in was if k not in now)]:
-            found = first_difference(now.get(key), was.get(key), f"{name}.{key}".lstrip("."))
-            if found is not None:
-                return found
-        return None
-    if isinstance(now, list) and isinstance(was, list) and len(now) == len(was):
-        for index, (a, b) in enumerate(zip(now, was, strict=True)):
-            if (found := first_difference(a, b, f"{name}[{index}]")) is not None:
-                return found
-        return None
-    same = now == was or (now != now and was != was)  # NaN read back from JSON equals itself
-    return None if same and type(now) is type(was) else (name.removeprefix("progress."), now, was)
-
-
-def progress_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
-    """What in a progress record cannot come from a save with batch plan `saved`, or None."""
-    plan = (saved.per_device_batch_size, saved.num_processes, saved.grad_accum_steps)
-    if min(plan) < 1 or math.prod(plan) != saved.global_batch_size:
-        return f"batch_plan {saved.as_dict()} is no batch plan"
-    for name in _COUNTS:
-        value = getattr(progress, name)
-        if type(value) is not int or value < 0:
-            return f"{name} is {value!r}, not a whole number >= 0"
-    if progress.skipped_steps > progress.step or progress.nonfinite_skipped > progress.step:
-        return "more skipped steps than steps"
-    numbers = {"train_seconds": progress.train_seconds, "best": progress.best}
-    numbers["flops_per_step"] = progress.flops_per_step
-    numbers.update({f"best_metrics.{k}": v for k, v in progress.best_metrics.items()})
-    for name, value in numbers.items():
-        if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
-            return f"{name} is {value!r}, not a finite number"
-    if progress.train_seconds < 0 or type(progress.stopped) is not bool:
-        return "train_seconds is negative" if progress.train_seconds < 0 else "stopped is no bool"
-    per_round = saved.per_device_batch_size * saved.num_processes
-    if progress.samples_in_epoch % per_round:
-        return (
-            f"samples_in_epoch {progress.samples_in_epoch} is not a whole number of the saved "
-            f"plan's {per_round}-sample rounds ({saved.describe()})"
-        )
-    if progress.samples_in_epoch > progress.step * saved.global_batch_size:
-        return (
-            f"samples_in_epoch {progress.samples_in_epoch} is more than the "
-            f"{progress.step * saved.global_batch_size} samples of {progress.step} steps"
-        )
-    return loss_sums_problem(progress.loss_sums, saved.num_processes)
-
-
-def loss_sums_problem(saved: Any, processes: int) -> str | None:
-    """The loss sums hold a finite sum and a whole, non-negative count per saved process."""
-    if saved is None:
-        return None  # saved before they were stored: the loop marks its means partial
-    try:
-        for part in ("window", "epoch"):
-            sums, counts = saved[part]["sums"], saved[part]["counts"]
-            if len(sums) != processes or len(counts) != processes:
-                return f"loss_sums.{part} hold {len(sums)} sums for {processes} processes"
-            for value in sums:
-                if type(value) not in (int, float) or not math.isfinite(value):
-                    return f"loss_sums.{part}.sums holds {value!r}, not a finite number"
-            for value in counts:  # a share after a resume on another process count: a float
-                if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-                    return f"loss_sums.{part}.counts holds {value!r}, not a finite number >= 0"
-        last = saved["last_epoch"]
-    except (KeyError, TypeError) as err:
-        return f"loss_sums is malformed ({type(err).__name__}: {err})"
-    if last is not None and (type(last) not in (int, float) or not math.isfinite(last)):
-        return f"loss_sums.last_epoch is {last!r}, not a finite number"
-    return None
 
 
 def check_schedulers(accelerator: Accelerator, path: Path, step: int) -> None:

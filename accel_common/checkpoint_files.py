@@ -19,9 +19,13 @@ import hashlib
 import io
 import json
 import pickle
+import pickletools
 import random
 import re
 import stat
+import sys
+import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,15 @@ from accel_common.errors import CheckpointError
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
+PROGRESS_FILE = "progress.json"
+# progress.json's record of the manifest its save wrote: a checkpoint that has this and no
+# manifest.json lost it after the save (an older one never had one)
+MANIFEST_KEY = "manifest_format"
+ALLOW_UNVERIFIED_HELP = (
+    "Use a checkpoint that has no manifest.json (saved before checkpoints carried one, or it was "
+    "removed) although nothing checks that its files are the ones its save wrote. Without it "
+    "such a checkpoint is refused."
+)
 
 # What Accelerate's RNG files hold beyond tensors and plain containers: numpy's generator state
 # (an ndarray of uint32). Nothing here can call anything but numpy's array reconstruction.
@@ -100,12 +113,43 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
             int(entry["size"]), str(entry["sha256"])
         if not isinstance(manifest["progress"], dict):
             raise TypeError("'progress' is no record")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointError(
             f"{path} is unreadable or was edited ({type(err).__name__}: {err}); resume from an "
             "earlier step_N folder"
         ) from None
     return manifest
+
+
+def require_manifest(
+    folder: Path, record: Any, *, allow_unverified: bool, use: str, warn: bool = True
+) -> dict[str, Any] | None:
+    """The manifest of checkpoint `folder`; without one, a refusal naming what is not checked,
+    unless `allow_unverified` (then None, and with `warn` one warning line). `record`: its
+    progress.json's record, which says whether its save wrote a manifest; `use`: "resume" or
+    "convert"."""
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        return manifest
+    if isinstance(record, dict) and record.get(MANIFEST_KEY) is not None:
+        why = (
+            f"{folder / MANIFEST_FILE} is missing, though {PROGRESS_FILE} says its save wrote "
+            "one (it was removed)"
+        )
+    else:
+        why = (
+            f"{folder} has no {MANIFEST_FILE} (saved before checkpoints carried one, or it was "
+            "removed)"
+        )
+    unchecked = "that no file was changed, added or truncated since the save is not checked"
+    if not allow_unverified:
+        raise CheckpointError(
+            f"{why}: {unchecked}, so it was not used; copy it again from where it was saved, or "
+            f"{use} it with --allow-unverified if you trust it"
+        )
+    if warn:
+        print(f"warning: {why}; --allow-unverified: {unchecked}", file=sys.stderr, flush=True)
+    return None
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], *, hashes: bool = True) -> None:
@@ -144,27 +188,83 @@ def load_state_file(
 ) -> Any:
     """A torch.save'd state read weights-only, with numpy's RNG state (and `allow`) the only
     additions: a pickle that asks for anything else (a `__reduce__` payload) is refused naming
-    the file, unloaded."""
+    the file and the object, unloaded."""
     label = name or path
     if isinstance(path, Path) and not path.is_file():
         raise CheckpointError(
             f"{label} is missing or not a regular file; resume from an earlier step_N folder"
         )
+    allowed = STATE_GLOBALS + (allow or [])
     try:
-        with torch.serialization.safe_globals(STATE_GLOBALS + (allow or [])):
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on a pickle protocol it did not write
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch's zip reader and unpickler raise many types
-        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
-        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
+        refused = refused_global(err, path, allowed)
+        if refused:
             raise CheckpointError(
-                f"{label} holds a pickled {refused.group(1)}, which is no part of a checkpoint's "
-                "state; it was not unpickled (that could run code): resume from a checkpoint "
-                "you trust"
+                f"{label} holds a pickled {refused}, which is no part of a checkpoint's state; it "
+                "was not unpickled (that could run code): resume from a checkpoint you trust"
             ) from None
         raise CheckpointError(
-            f"{label} is corrupt or truncated ({detail_of(err)}); resume from an earlier step_N "
-            "folder"
+            f"{label} is corrupt or truncated ({torch_load_detail(err)}); resume from an earlier "
+            "step_N folder"
         ) from None
+
+
+def refused_global(err: BaseException, source: Path | io.BytesIO, allowed: list[Any]) -> str | None:
+    """The object (module.name) a pickle asked for that the weights-only reader refused: named by
+    torch's error, else read from the pickle's opcodes (never run) as the first global that is
+    not allowed; None when it asked for none (the file is damaged)."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    named = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if named:
+        return named.group(1)
+    data = source.getvalue() if isinstance(source, io.BytesIO) else _read_bytes(source)
+    if zipfile.is_zipfile(io.BytesIO(data)):  # torch.save's archive: its pickle is data.pkl
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            data = archive.read(pickles[0]) if pickles else b""
+    known = {f"{g.__module__}.{g.__qualname__}" for g in allowed}
+    known |= set(getattr(torch._weights_only_unpickler, "_get_allowed_globals", dict)())
+    return next((name for name in pickle_globals(data) if name not in known), None)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global (module.name) a pickle's opcodes ask for, read with pickletools (nothing is
+    run); as many as parse before a damaged byte."""
+    found, strings = [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(".".join(strings[-2:]))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # pickletools raises ValueError and others on a damaged stream
+        pass
+    return found
+
+
+def torch_load_detail(err: BaseException) -> str:
+    """What went wrong in a weights-only `torch.load`, without torch's advice to retry with
+    `weights_only=False` (the one thing to never do with an untrusted checkpoint)."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:")[1].strip().splitlines()
+        return f"{type(err).__name__}: {reason[0] if reason else 'not a weights-only pickle'}"
+    if "weights_only" in text:
+        return f"{type(err).__name__}: not a weights-only pickle"
+    return detail_of(err)
 
 
 def first_unloadable(folder: Path) -> CheckpointError | None:

@@ -5,9 +5,9 @@ objects: what `accel-recipes convert` and a recipe's `--weights` read.
 
 from __future__ import annotations
 
+import json
 import math
-import pickle
-import re
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,11 +17,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from accel_common.checkpoint_files import (
+    MANIFEST_FILE,
+    PROGRESS_FILE,
+    refused_global,
+    require_manifest,
+    torch_load_detail,
+    verify_files,
+)
 from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
 from accel_common.errors import CheckpointError, RecipeError
 from accel_common.export import UNNAMED_RECIPE, require_export_target, write_export
 from accel_common.outputs import exclusive_outputs
-from accel_common.ties import restore_ties, saved_ties
+from accel_common.ties import TIES_FILE, restore_ties, saved_ties
 
 # Wrappers that training scripts put around a state dict, outermost first.
 STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
@@ -108,15 +116,16 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
     try:
         obj = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
+        refused = refused_global(err, source, [])
+        if refused:
             raise CheckpointError(
-                f"{source} holds pickled Python objects beyond tensors, and loading it would run "
+                f"{source} holds a pickled {refused} beyond tensors, and loading it could run "
                 "arbitrary code, so it was not loaded. If you trust it, re-save only the weights: "
                 "torch.save(model.state_dict(), 'weights.pt')"
-            ) from err
+            ) from None
         raise CheckpointError(
-            f"{source} is corrupt, truncated or not a PyTorch file: {err}"
-        ) from err
+            f"{source} is corrupt, truncated or not a PyTorch file ({torch_load_detail(err)})"
+        ) from None
     return unwrap_state_dict(obj, str(source))
 
 
@@ -147,10 +156,10 @@ def load_original_checkpoint(source: Path, original: str, state_key: str) -> Any
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises whatever its unpickler or zip reader met
-        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
-        if isinstance(err, pickle.UnpicklingError) and refused:  # torch names the object
+        refused = refused_global(err, source, [])
+        if refused:
             raise CheckpointError(
-                f"{source}: holds a pickled {refused.group(1)} object, which is not unpickled "
+                f"{source}: holds a pickled {refused} object, which is not unpickled "
                 "here (weights_only: unpickling can run code). If you trust the file, save the "
                 f"weights alone and convert that: torch.save({{'{state_key}': torch.load("
                 f"'{source}', weights_only=False)['{state_key}']}}, 'weights.pth')"
@@ -182,16 +191,41 @@ def convert_checkpoint(
     recipe: str = UNNAMED_RECIPE,
     model_index: int = 0,
     force: bool = False,
+    allow_unverified: bool = False,
 ) -> Path:
     """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
     is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json).
-    Without `force`, never over a file, even one another process wrote after the check."""
+    Without `force`, never over a file, even one another process wrote after the check. A
+    checkpoint folder this project saved is read only as its manifest vouches for it
+    (`require_vouched`)."""
     require_export_target(target, force)
+    require_vouched(Path(source), allow_unverified)
     # the tied names a save_state file lacks (safetensors keeps one of them), restored
     state = restore_ties(read_state_dict(source, model_index), saved_ties(source, model_index))
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
     with exclusive_outputs(not force):
         return write_export(state, target, metadata)
+
+
+def require_vouched(source: Path, allow_unverified: bool) -> None:
+    """A checkpoint folder this project saved (one holding progress.json, manifest.json or
+    tied.json), or one of its files, is converted only if its manifest lists every file it holds
+    as saved: a tied.json added afterwards would export tensors the model does not have. One
+    without a manifest is refused unless `allow_unverified`. Other tools' folders carry no
+    manifest, and nothing of ours is read from them."""
+    folder = source if source.is_dir() else source.parent
+    if (folder / DCP_METADATA).is_file():  # FSDP's sharded model folder inside a checkpoint
+        folder = folder.parent
+    ours = (MANIFEST_FILE, PROGRESS_FILE, TIES_FILE)
+    if not any(os.path.lexists(folder / name) for name in ours):
+        return
+    try:
+        record = json.loads((folder / PROGRESS_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        record = None  # no record: the manifest decides
+    manifest = require_manifest(folder, record, allow_unverified=allow_unverified, use="convert")
+    if manifest is not None:
+        verify_files(folder, manifest)
 
 
 def parse_given(pairs: list[str]) -> dict[str, str]:

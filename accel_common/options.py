@@ -6,7 +6,7 @@ build a run's objects from them. accel_common.command.train_command makes them f
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 import accel_common.accelerator
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
 from accel_common.batchnorm import sync_batchnorm
+from accel_common.checkpoint_files import ALLOW_UNVERIFIED_HELP
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
 from accel_common.errors import ConfigError
@@ -296,6 +297,7 @@ class SharedSettings(Settings):
         "it would overwrite them.",
         adjustable=True,
     )
+    allow_unverified: bool = setting(False, ALLOW_UNVERIFIED_HELP, adjustable=True)
     report_to: str = setting(
         "none",
         "Trackers besides metrics.jsonl, comma-separated: any that Accelerate supports ("
@@ -361,8 +363,8 @@ class SharedSettings(Settings):
 
     @property
     def start_request(self) -> StartRequest:
-        """--resume, --overwrite, --overwrite-later."""
-        return StartRequest(self.resume, self.overwrite, self.overwrite_later)
+        """--resume and the flags that go with it."""
+        return StartRequest(**{f.name: getattr(self, f.name) for f in fields(StartRequest)})
 
     def make_accelerator(
         self, kwargs_handlers: Iterable[KwargsHandler] = ()

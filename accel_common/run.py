@@ -59,7 +59,7 @@ from accel_common.speed import speed_lines
 from accel_common.tracking import METRICS_FILE, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
-LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later"})
+LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later", "allow_unverified"})
 BEST_DIR = "best"  # the best epoch's export, with a `monitor`
 DATA_KEY = "data_fingerprint"  # the run identity's entry for the data's contents
 # what a run's identity holds besides its settings (the others are named as their flags)
@@ -68,11 +68,12 @@ NOT_FLAGS = frozenset({"recipe", "global_batch_size", DATA_KEY})
 
 @dataclass(frozen=True)
 class StartRequest:
-    """How this launch starts (--resume, --overwrite, --overwrite-later); never in the identity."""
+    """How this launch starts (--resume and the flags that go with it); never in the identity."""
 
     resume: str | None = None
     overwrite: bool = False
     overwrite_later: bool = False
+    allow_unverified: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Run:
         self.output_dir, self.identity = Path(output_dir), identity
         self.total_steps = schedule.total_steps
         self.data_digests = data_digests  # each data file's digest, by name (None: too many)
-        self.id, self.progress = "", TrainProgress()
+        self.id, self.progress = "", TrainProgress(epoch_steps=[])
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
         self.resumed_state: dict[str, Any] | None = None  # this process's, from the checkpoint
@@ -239,23 +240,25 @@ class Run:
                 "--overwrite-later goes with --resume CHECKPOINT (an older step of the run); "
                 "without --resume there is nothing to train on from"
             )
-        remove_unfinished_saves(self.accelerator, self.output_dir)
         restart = launcher_restart()
         if restart and (resume is None or list_checkpoints(self.output_dir)):
             # the first start claimed the folder (and moved an old run aside on --overwrite)
             say(self.accelerator, f"{restart}: continuing from the newest complete checkpoint")
             resume, overwrite = "latest", False
-        path = resolve_resume(resume, self.output_dir)
+        path = resolve_resume(resume, self.output_dir)  # before a named step_N.tmp is removed
+        unexpected = resume is not None or not overwrite  # --overwrite alone moves all aside
+        remove_unfinished_saves(self.accelerator, self.output_dir, refuse_unexpected=unexpected)
         if path is None:
             self._claim_output_dir(resume, overwrite)
             self.id = broadcast_object_list([uuid.uuid4().hex[:12]])[0]
             values = self.config.values
             split_rng_streams(self.accelerator, values.get("seed", 0), values.get(ONE_STREAM))
             return
-        check = RunCheck(
-            self.plan, self.identity, self.config, self.total_steps, data_dir, self.data_digests
+        mine = (self.plan, self.identity, self.config, self.total_steps, data_dir)
+        check = RunCheck(*mine, self.data_digests)
+        progress, run = load_checkpoint(
+            self.accelerator, path, self.plan, accept=check, allow_unverified=start.allow_unverified
         )
-        progress, run = load_checkpoint(self.accelerator, path, self.plan, accept=check)
         self.resumed_state = read_process_state(path, self.accelerator.process_index)
         self._make_way_for(path, progress.step, resume, start.overwrite_later)
         noted = self.config.adjustable - LAUNCH_SETTINGS

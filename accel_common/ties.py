@@ -80,10 +80,10 @@ def saved_ties(source: Path, model_index: int = 0) -> list[list[str]]:
         groups = json.loads(path.read_text())["models"].get(str(model_index), [])
         if not all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in groups):
             raise ValueError("a tie is not a list of names")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointError(
-            f"{path} is unreadable ({err}); it names the tied weights of {source.name}: copy the "
-            "folder again from where it was saved"
+            f"{path} is unreadable ({type(err).__name__}: {str(err)[:200]}); it names the tied "
+            f"weights of {source.name}: copy the folder again from where it was saved"
         ) from None
     return groups
 

@@ -86,7 +86,7 @@ def test_a_payload_in_any_file_runs_nothing_and_the_refusal_names_the_file(
         if manifest == "removed":
             (copy / MANIFEST_FILE).unlink()
         with pytest.raises(CheckpointError) as refused:
-            load_checkpoint(accelerator, copy, PLAN)
+            load_checkpoint(accelerator, copy, PLAN, allow_unverified=manifest == "removed")
         assert not marker.exists(), f"{name}: the payload ran"
         assert str(copy / name) in str(refused.value), str(refused.value)
         assert "\n" not in str(refused.value)
@@ -169,7 +169,7 @@ def test_a_payload_in_a_sharded_index_stops_the_resume_before_anything_loads(tmp
     marker = tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(CheckpointError, match=re.escape(str(folder / ".metadata"))):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     assert not marker.exists()
 
 
@@ -178,7 +178,7 @@ def test_a_sharded_checkpoint_resumed_without_sharding_is_named_as_such(tmp_path
     (path / MANIFEST_FILE).unlink()
     dcp_folder(path)
     with pytest.raises(CheckpointError) as refused:
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     message = str(refused.value)
     assert f"{path} is an intact FSDP-sharded checkpoint" in message
     assert f"accel-recipes convert {path} OUT" in message
@@ -194,23 +194,23 @@ def test_an_rng_state_the_safe_loader_cannot_read_stops_the_resume(tmp_path, acc
     import fractions
 
     path = saved_checkpoint(accelerator, tmp_path / "run")
-    (path / MANIFEST_FILE).unlink()  # as a checkpoint saved before manifests
+    (path / MANIFEST_FILE).unlink()  # unverified: the loaders refuse
     rng = path / "random_states_0.pkl"
     intact = rng.read_bytes()
     rng.write_bytes(intact[:20])
     with pytest.raises(CheckpointError, match=r"random_states_0\.pkl is corrupt or truncated"):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     torch.save({"random_state": fractions.Fraction(1, 3)}, rng)
     with pytest.raises(CheckpointError, match=r"random_states_0\.pkl holds a pickled"):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     torch.save({"step": 0}, rng)
     with pytest.raises(CheckpointError, match=r"random_states_0\.pkl lacks random_state"):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     rng.unlink()
     with pytest.raises(CheckpointError, match=r"random_states_0\.pkl is missing"):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     rng.write_bytes(intact)
-    load_checkpoint(accelerator, path, PLAN)
+    load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
 
 
 def test_the_rng_state_is_restored_exactly(tmp_path, accelerator):
@@ -296,7 +296,7 @@ def test_an_edited_progress_record_is_refused_naming_the_field(
     if manifest == "removed":
         (path / MANIFEST_FILE).unlink()
     with pytest.raises(CheckpointError) as refused:
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=manifest == "removed")
     message = str(refused.value)
     assert str(path / "progress.json") in message
     assert re.search(field, message), message
@@ -311,17 +311,36 @@ def test_a_step_edited_with_its_folder_is_caught_by_the_scheduler(tmp_path, acce
     edit_progress(path, lambda p: p.update(step=25))
     moved = path.rename(path.with_name("step_25"))
     with pytest.raises(CheckpointError, match=r"custom_checkpoint_0\.pkl: the LR scheduler is at"):
-        load_checkpoint(accelerator, moved, PLAN)
+        load_checkpoint(accelerator, moved, PLAN, allow_unverified=True)
 
 
-def test_a_checkpoint_saved_before_manifests_resumes_with_one_warning(
-    tmp_path, accelerator, capsys
+@pytest.mark.parametrize("saved", ["with a manifest", "before manifests"])
+def test_a_checkpoint_without_its_manifest_resumes_only_when_allowed(
+    tmp_path, accelerator, capsys, saved
 ):
+    """Deleting manifest.json no longer turns verification off: refused in one line that says
+    what is not checked (and, where progress.json says the save wrote one, that it was
+    removed), unless --allow-unverified, which resumes with one warning."""
     path = saved_checkpoint(accelerator, tmp_path / "run")
     (path / MANIFEST_FILE).unlink()
-    progress, _ = load_checkpoint(accelerator, path, PLAN)
+    if saved == "before manifests":  # progress.json as versions before manifests wrote it
+        record = json.loads((path / "progress.json").read_text())
+        del record["manifest_format"]
+        (path / "progress.json").write_text(json.dumps(record))
+    why = {
+        "with a manifest": f"{path / MANIFEST_FILE} is missing, though progress.json says its "
+        "save wrote one (it was removed)",
+        "before manifests": f"{path} has no {MANIFEST_FILE} (saved before checkpoints carried "
+        "one, or it was removed)",
+    }[saved]
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(accelerator, path, PLAN)
+    message = str(refused.value)
+    assert message.startswith(why) and "\n" not in message, message
+    assert "--allow-unverified" in message and "is not checked" in message
+    progress, _ = load_checkpoint(accelerator, path, PLAN, allow_unverified=True)
     assert progress.step == STEP
-    assert capsys.readouterr().out.count(f"saved before checkpoints carried a {MANIFEST_FILE}") == 1
+    assert capsys.readouterr().err.count(f"warning: {why}; --allow-unverified") == 1
 
 
 def test_the_manifest_benchmark_runs_and_writes_its_section(tmp_path):
@@ -357,9 +376,8 @@ def test_a_payload_in_one_ranks_file_stops_every_rank_and_runs_nothing(tmp_path)
     (path / "random_states_1.pkl").write_bytes(payload_bytes(marker))
     (path / MANIFEST_FILE).unlink()
     args[-1] = "16"
-    result = run_recipe(
-        [*args, "--output-dir", "run", "--resume", "latest"], cwd=tmp_path, nproc=2, check=False
-    )
+    resume = ["--output-dir", "run", "--resume", "latest", "--allow-unverified"]
+    result = run_recipe([*args, *resume], cwd=tmp_path, nproc=2, check=False)
     assert result.returncode != 0
     assert not marker.exists()
     output = result.stdout + result.stderr
@@ -375,6 +393,6 @@ def test_a_fifo_in_a_checkpoint_is_named_as_one_without_reading_it(tmp_path, acc
     os.mkfifo(path / "optimizer.bin")
     with pytest.raises(CheckpointError, match=r"optimizer\.bin is a FIFO \(named pipe\)"):
         load_checkpoint(accelerator, path, PLAN)
-    (path / MANIFEST_FILE).unlink()  # an older checkpoint: refused all the same, never opened
+    (path / MANIFEST_FILE).unlink()  # unverified: refused all the same, never opened
     with pytest.raises(CheckpointError, match=r"optimizer\.bin is a FIFO \(named pipe\)"):
-        load_checkpoint(accelerator, path, PLAN)
+        load_checkpoint(accelerator, path, PLAN, allow_unverified=True)

@@ -61,6 +61,7 @@ def run(tmp_path):
         config: dict | None = None,
         overwrite: bool = False,
         overwrite_later: bool = False,
+        allow_unverified: bool = False,
         log_every: int = 1,
         eval_every: int = 0,
         epochs: int = 3,
@@ -85,7 +86,7 @@ def run(tmp_path):
         loop = open_loop(
             accelerator, plan, loader, schedule, RunConfig(
                 "toy", config or {"lr": 1e-3}, adjustable=frozenset({"lr"})
-            ), out, StartRequest(resume, overwrite, overwrite_later),
+            ), out, StartRequest(resume, overwrite, overwrite_later, allow_unverified),
             SavePolicy(log_every, save_every, 10, eval_every),
             **loop_options,
         )  # fmt: skip
@@ -231,7 +232,10 @@ def test_an_epoch_resumed_at_its_end_reports_its_training_loss(run, tmp_path, ca
 
     forget_loss_sums(tmp_path / "checkpoints" / "step_5")
     accelerator, model, optimizer, loop, _ = run(
-        resume=str(tmp_path / "checkpoints" / "step_5"), save_every=5, overwrite_later=True
+        resume=str(tmp_path / "checkpoints" / "step_5"),
+        save_every=5,
+        overwrite_later=True,
+        allow_unverified=True,
     )
     train(accelerator, model, optimizer, loop)
     printed = capsys.readouterr().out
@@ -240,11 +244,13 @@ def test_an_epoch_resumed_at_its_end_reports_its_training_loss(run, tmp_path, ca
 
 
 def forget_loss_sums(checkpoint: Path) -> None:
-    """Make `checkpoint` look like one saved before the running loss sums were stored."""
+    """Make `checkpoint` look like one saved before the running loss sums were stored (and so
+    before manifests and the record of each epoch's steps): it resumes --allow-unverified."""
     record = json.loads((checkpoint / "progress.json").read_text())
-    del record["progress"]["loss_sums"]
+    del record["progress"]["loss_sums"], record["progress"]["epoch_steps"]
+    del record["manifest_format"]
     (checkpoint / "progress.json").write_text(json.dumps(record))
-    (checkpoint / "manifest.json").unlink()  # which was before manifests too
+    (checkpoint / "manifest.json").unlink()
 
 
 @pytest.mark.parametrize(
@@ -301,7 +307,9 @@ def test_a_checkpoint_without_loss_sums_resumes_and_marks_its_means_partial(run,
     forget_loss_sums(tmp_path / "checkpoints" / "step_8")
     (tmp_path / "logs" / "metrics.jsonl").unlink()
     capsys.readouterr()
-    accelerator, model, optimizer, loop, _ = run(resume="latest", log_every=3)
+    accelerator, model, optimizer, loop, _ = run(
+        resume="latest", log_every=3, allow_unverified=True
+    )
     train(accelerator, model, optimizer, loop)
     metrics = loop.finish(model)
     printed = capsys.readouterr().out

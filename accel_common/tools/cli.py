@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
+from accel_common.checkpoint_files import ALLOW_UNVERIFIED_HELP
 from accel_common.convert import convert_checkpoint, parse_given
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.export import (
@@ -209,6 +210,7 @@ def convert(
         "note --from prints names them and what it assumed), e.g. --set dropout=0.159. Repeat "
         "for several.",
     ),
+    allow_unverified: bool = typer.Option(False, help=ALLOW_UNVERIFIED_HELP),
 ) -> None:
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
@@ -230,7 +232,7 @@ def convert(
     with exclusive_outputs(not force):  # checked before the work, and again at each move
         convert_to(
             source, output, recipe, model_index, force, (from_original, to_original),
-            parse_given(given),
+            parse_given(given), allow_unverified,
         )  # fmt: skip
 
 
@@ -242,6 +244,7 @@ def convert_to(
     force: bool,
     originals: tuple[str | None, str | None],
     given: dict[str, str] | None = None,
+    allow_unverified: bool = False,
 ) -> None:
     """`convert`'s work, once its flags are known to go together."""
     from_original, to_original = originals
@@ -276,8 +279,9 @@ def convert_to(
             console.print(f"wrote {path.parent / name}")
     else:
         path = convert_checkpoint(
-            source, output, recipe=recipe, model_index=model_index, force=force
-        )
+            source, output, recipe=recipe, model_index=model_index, force=force,
+            allow_unverified=allow_unverified,
+        )  # fmt: skip
     console.print(f"wrote {path} and {path.with_suffix('.json')}")
 
 

@@ -1,0 +1,275 @@
+"""A checkpoint folder vouches for itself, round five: a forged position that its own arithmetic
+contradicts, a `step_N` no save wrote (a link, an empty folder), an unfinished save named by
+--resume, a file the manifest does not list (convert as well as resume), nested JSON and pickled
+payloads: each refused in one line before anything trains or is exported, nothing the user
+named deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel_common.checkpoint import TrainProgress, load_checkpoint, save_checkpoint
+from accel_common.checkpoint_files import MANIFEST_FILE, load_state_file
+from accel_common.convert import convert_checkpoint
+from accel_common.errors import CheckpointError
+from accel_common.progress import position_problem
+from tests.test_checkpoint import Net
+from tests.test_checkpoint_safety import PLAN, Payload
+from tests.test_loop import run, train  # noqa: F401 (run: a fixture)
+
+
+def forge(checkpoint: Path, edit) -> None:
+    """Edit progress.json's progress record and rewrite its manifest to match, as an attacker
+    who knows the format would: only the record's own arithmetic can tell."""
+    progress_file = checkpoint / "progress.json"
+    record = json.loads(progress_file.read_text())
+    edit(record["progress"])
+    progress_file.write_text(json.dumps(record))
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    manifest["progress"]["progress"] = record["progress"]
+    data = progress_file.read_bytes()
+    manifest["files"]["progress.json"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+# ------------------------------------------------------------------- the position's arithmetic
+
+
+def test_a_run_records_each_epochs_steps(run, tmp_path):  # noqa: F811
+    """5 optimizer steps an epoch (the fixture's toy run): the record at step 8 says one finished
+    epoch of 5 steps and 3 steps' samples into the second."""
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    record = json.loads((tmp_path / "checkpoints" / "step_8" / "progress.json").read_text())
+    progress = record["progress"]
+    assert (progress["epoch"], progress["samples_in_epoch"]) == (1, 12)
+    assert progress["epoch_steps"] == [[5, 1]]
+    assert record["manifest_format"] == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"samples_in_epoch": 0}, "samples_in_epoch is 0 at step 8"),  # replays 3 steps' data
+        ({"samples_in_epoch": 16}, "samples_in_epoch is 16 at step 8"),  # skips one step's
+        ({"epoch": 0, "epoch_steps": []}, "samples_in_epoch is 12 at step 8"),
+        ({"epoch": 2}, "epoch is 2, while epoch_steps records 1 finished epochs"),
+        ({"epoch_steps": [[3, 1]]}, "samples_in_epoch is 12 at step 8"),
+        ({"epoch_steps": [[5, 0]]}, "epoch_steps is"),
+        ({"epoch_steps": "5"}, "epoch_steps is"),
+    ],
+)
+def test_a_forged_position_is_refused_naming_the_field(run, tmp_path, edit, field):  # noqa: F811
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    checkpoint = tmp_path / "checkpoints" / "step_8"
+    forge(checkpoint, lambda progress: progress.update(edit))
+    with pytest.raises(CheckpointError) as refused:
+        run(resume=str(checkpoint), overwrite_later=True)
+    message = str(refused.value)
+    assert message.startswith(f"{checkpoint / 'progress.json'}: {field}"), message
+    assert "\n" not in message
+
+
+def test_a_position_past_the_end_of_its_epoch_is_refused_before_training(run, tmp_path):  # noqa: F811
+    """epoch 0 at step 8 with 8 steps' samples: its arithmetic holds, but epoch 0 has 5 steps
+    (10 micro-batches): resuming would start epoch 1 early, so the loop refuses it."""
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    checkpoint = tmp_path / "checkpoints" / "step_8"
+    forge(checkpoint, lambda p: p.update(epoch=0, epoch_steps=[], samples_in_epoch=32))
+    accelerator, model, optimizer, loop, _ = run(resume=str(checkpoint), overwrite_later=True)
+    with pytest.raises(CheckpointError, match=r"samples_in_epoch 32 is past the end of epoch 0"):
+        train(accelerator, model, optimizer, loop)
+
+
+def test_finish_epoch_codes_the_epochs_steps_by_runs():
+    progress = TrainProgress(epoch_steps=[])
+    for samples in (40, 40, 36, 40):  # a global batch of 8: 5, 5, 5 (a last partial), 5 steps
+        progress.samples_in_epoch = samples
+        progress.step += -(-samples // 8)
+        progress.finish_epoch(8)
+    assert progress.epoch_steps == [[5, 4]] and progress.epoch == 4
+    progress.samples_in_epoch = 16
+    progress.step += 2
+    progress.finish_epoch(8)
+    assert progress.epoch_steps == [[5, 4], [2, 1]]
+    assert position_problem(progress, PLAN) is None
+    assert TrainProgress(step=3, samples_in_epoch=0).epoch_steps is None  # not recorded: no check
+
+
+# ------------------------------------------------------------------- step folders no save wrote
+
+
+def test_resume_of_an_unfinished_save_keeps_it(run, tmp_path):  # noqa: F811
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    unfinished = tmp_path / "checkpoints" / "step_16.tmp"
+    shutil.copytree(tmp_path / "checkpoints" / "step_8", unfinished)
+    with pytest.raises(CheckpointError, match=r"step_16\.tmp: an unfinished save .* kept as it is"):
+        run(resume=str(unfinished))
+    assert (unfinished / "progress.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["empty folder", "folder without progress.json", "file"])
+def test_a_step_folder_no_save_wrote_is_refused_and_kept(run, tmp_path, kind):  # noqa: F811
+    """An empty step_20/ used to be passed over by --resume latest (which then advised
+    --resume latest) and deleted by the run's save at step 20."""
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    odd = tmp_path / "checkpoints" / "step_20"
+    if kind == "file":
+        odd.write_text("kept")
+    else:
+        odd.mkdir()
+        if kind != "empty folder":
+            (odd / "model.safetensors").write_text("kept")
+    for resume in ("latest", None):  # a fresh run into the folder too
+        with pytest.raises(CheckpointError) as refused:
+            run(resume=resume)
+        message = str(refused.value)
+        assert message.startswith(f"{odd} is "), message
+        assert "move it out of" in message and "--resume latest" not in message
+    assert odd.exists()
+
+
+def test_a_linked_step_folder_is_refused_before_training_and_its_target_kept(run, tmp_path):  # noqa: F811
+    """A step_N that is a symbolic link: training used to finish, then pruning crashed on it
+    (rmtree on a link), leaving the previous run's export in model/."""
+    accelerator, model, optimizer, loop, _ = run(out=tmp_path / "out")
+    train(accelerator, model, optimizer, loop)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "out" / "checkpoints" / "step_8", elsewhere)
+    link = tmp_path / "out" / "checkpoints" / "step_2"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(CheckpointError, match=rf"^{link} is a symbolic link to {elsewhere}"):
+        run(resume="latest", out=tmp_path / "out")
+    assert link.is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+def test_a_linked_unfinished_save_is_removed_without_following_it(run, tmp_path):  # noqa: F811
+    """A step_N.tmp link: the next save would write through it into the folder it names."""
+    accelerator, model, optimizer, loop, _ = run(out=tmp_path / "out", save_every=0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("kept")
+    link = tmp_path / "out" / "checkpoints" / "step_4.tmp"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(elsewhere, target_is_directory=True)
+    accelerator, model, optimizer, loop, _ = run(out=tmp_path / "out", resume="latest")
+    train(accelerator, model, optimizer, loop)
+    assert not link.is_symlink()
+    assert [p.name for p in elsewhere.iterdir()] == ["mine.txt"]
+
+
+# ------------------------------------------------------------------- files the manifest vouches for
+
+
+def saved_folder(accelerator, root: Path) -> Path:
+    accelerator.prepare(Net())
+    return save_checkpoint(accelerator, root, TrainProgress(step=1), plan=PLAN)
+
+
+def test_convert_refuses_a_file_the_manifest_does_not_list(tmp_path, accelerator):
+    """The fault-injection case: a tied.json added after the save made convert export a tensor
+    the model does not have, exit 0."""
+    path = saved_folder(accelerator, tmp_path / "run")
+    tied = {"models": {"0": [["net.0.bias", "bogus.weight"]]}}
+    (path / "tied.json").write_text(json.dumps(tied))
+    for source in (path, path / "model.safetensors"):
+        with pytest.raises(CheckpointError) as refused:
+            convert_checkpoint(source, tmp_path / "out")
+        assert str(refused.value).startswith(f"{path / 'tied.json'} is not one of the files")
+    with pytest.raises(CheckpointError, match=r"tied\.json is not one of the files"):
+        load_checkpoint(accelerator, path, PLAN)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_checkpoint_without_its_manifest_unless_allowed(tmp_path, accelerator):
+    path = saved_folder(accelerator, tmp_path / "run")
+    (path / MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"manifest\.json is missing, though progress\.json"):
+        convert_checkpoint(path, tmp_path / "out")
+    converted = convert_checkpoint(path, tmp_path / "out", allow_unverified=True)
+    assert set(load_file(str(converted))) == set(Net().state_dict())
+
+
+def test_convert_checks_the_hashes_of_a_checkpoint(tmp_path, accelerator):
+    path = saved_folder(accelerator, tmp_path / "run")
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight: same size
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is corrupt or was changed"):
+        convert_checkpoint(path, tmp_path / "out")
+
+
+def test_a_foreign_accelerate_folder_converts_without_a_manifest(tmp_path):
+    """Another tool's save_state folder has no manifest, and nothing of ours: converted as is."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    torch.save(Net().state_dict(), folder / "pytorch_model.bin")
+    converted = convert_checkpoint(folder, tmp_path / "out")
+    assert set(load_file(str(converted))) == set(Net().state_dict())
+
+
+@pytest.mark.parametrize("name", [MANIFEST_FILE, "progress.json", "tied.json"])
+def test_deeply_nested_json_is_one_line(tmp_path, accelerator, name):
+    path = saved_folder(accelerator, tmp_path / "run")
+    (path / name).write_text("[" * 200_000 + "]" * 200_000)
+    if name == "tied.json":
+        (path / MANIFEST_FILE).unlink()  # as unverified: the reader itself must not crash
+        with pytest.raises(CheckpointError, match=r"tied\.json is unreadable \(RecursionError"):
+            convert_checkpoint(path, tmp_path / "out", allow_unverified=True)
+        return
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(accelerator, path, PLAN)
+    assert str(refused.value).startswith(str(path / name)), str(refused.value)
+    assert "RecursionError" in str(refused.value)
+
+
+# ------------------------------------------------------------------- pickled payloads
+
+
+@pytest.mark.parametrize("name", ["random_states_0.pkl", "custom_checkpoint_0.pkl", "p.pt"])
+def test_a_plain_pickle_payload_is_named_and_torchs_advice_never_printed(tmp_path, name):
+    """A pickle.dump'ed payload (not torch.save's archive) used to be "corrupt or truncated",
+    quoting torch's advice to retry with weights_only=False."""
+    marker = tmp_path / "ran"
+    (tmp_path / name).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError) as refused:
+        load_state_file(tmp_path / name)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / name} holds a pickled tests.test_checkpoint_safety.")
+    assert "weights_only" not in message and "likely succeed" not in message
+    assert not marker.exists()
+
+
+def test_a_damaged_pickle_never_quotes_torchs_advice(tmp_path):
+    (tmp_path / "state.pkl").write_bytes(pickle.dumps({"a": 1}, protocol=4)[:-3])
+    with pytest.raises(CheckpointError) as refused:
+        load_state_file(tmp_path / "state.pkl")
+    message = str(refused.value)
+    assert "is corrupt or truncated" in message
+    assert "weights_only" not in message and "likely succeed" not in message
+
+
+def test_convert_names_the_global_of_a_plain_pickle(tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / "weights.pt").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"holds a pickled tests\.test_checkpoint_safety\."):
+        convert_checkpoint(tmp_path / "weights.pt", tmp_path / "out")
+    assert not marker.exists() and not os.path.exists(tmp_path / "out")
