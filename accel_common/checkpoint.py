@@ -51,6 +51,7 @@ from accel_common.export import (
     strict_json,
     write_failure,
 )
+from accel_common.outputs import write_output
 from accel_common.progress import TrainProgress, first_difference, progress_problem
 from accel_common.ties import recording_ties
 
@@ -174,7 +175,7 @@ def save_checkpoint(
             torch.save(process_state, tmp / PROCESS_STATE.format(accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank's RNG file is in place
         if accelerator.is_main_process:
-            (tmp / PROGRESS_FILE).write_text(text)
+            write_output(tmp / PROGRESS_FILE, text)  # never through a link planted there
             write_manifest(tmp, {k: json.loads(text)[k] for k in ("progress", "batch_plan")})
             if final.is_symlink():  # the link itself goes, not what it names
                 final.unlink()

@@ -38,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from accel_common.data.paths import file_kind
 from accel_common.dcp_reader import DCP_METADATA, read_dcp_metadata
 from accel_common.errors import CheckpointError
+from accel_common.outputs import write_output
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -94,7 +95,7 @@ def write_manifest(folder: Path, progress_record: dict[str, Any]) -> None:
         for path in checkpoint_files(folder)
     }
     manifest = {"format": MANIFEST_FORMAT, "files": files, "progress": progress_record}
-    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, allow_nan=False))
+    write_output(folder / MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

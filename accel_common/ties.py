@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator
 
 from accel_common.errors import CheckpointError
+from accel_common.outputs import write_output
 
 TIES_FILE = "tied.json"
 _MODEL_FILE = re.compile(r"^model(?:_(\d+))?\.safetensors$")
@@ -49,7 +50,7 @@ def _drop_and_record(accelerator: Accelerator, weights: list[dict[str, Any]], fo
                     del state[name]
             record[str(index)] = groups
     if record and accelerator.is_main_process:
-        (Path(folder) / TIES_FILE).write_text(json.dumps({"models": record}, indent=1))
+        write_output(Path(folder) / TIES_FILE, json.dumps({"models": record}, indent=1))
 
 
 @contextlib.contextmanager
