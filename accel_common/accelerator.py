@@ -22,6 +22,7 @@ from accelerate.utils import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     KwargsHandler,
+    parse_flag_from_env,
     set_seed,
 )
 
@@ -71,7 +72,9 @@ def make_accelerator(
     """
     if dist_timeout < 0:
         raise ConfigError(f"--dist-timeout {dist_timeout}: give seconds, or 0 for the default")
-    cpu = cpu or not torch.accelerator.is_available()
+    # ACCELERATE_USE_CPU=true (1cpu.yaml's launcher, `accel-recipes launch` with a CPU config):
+    # the Accelerator would read it after this PartialState chose the GPU, and refuse
+    cpu = cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
     require_requested_devices(cpu)  # before the output folder is created
     require_writable_output_dir(Path(output_dir))
     kwargs_handlers = list(kwargs_handlers)

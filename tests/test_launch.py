@@ -16,7 +16,7 @@ import pytest
 
 from accel_common.checkpoint import list_checkpoints
 from accel_common.errors import EXIT_PREEMPTED
-from accel_common.tools.launch import Condensed, condense
+from accel_common.tools.launch import Condensed, closing_line, condense
 from tests.processes import ACCELERATE_LAUNCH, BIN, CPU_2PROC, TEMPLATE, free_port, recipe_env
 
 # what `accelerate launch` printed when rank 0 refused --lr nan (shortened)
@@ -86,6 +86,71 @@ def test_output_without_a_worker_error_passes_through_whole():
     text = "Traceback (most recent call last):\n  launcher crashed\n"
     *shown, summary = condense(text.splitlines(keepends=True))
     assert "".join(shown) == text and summary.exit_code is None
+
+
+# what `accelerate launch` printed when it refused its own arguments (shortened)
+LAUNCHERS_OWN_ERROR = """\
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File ".venv/lib/python3.11/site-packages/accelerate/commands/launch.py", line 1419, in main
+    launch_command(args)
+ValueError: You need to use at least 2 processes to use `--multi_gpu`.
+"""
+# a worker's own traceback: the cause, shown whole
+WORKERS_TRACEBACK = """\
+Traceback (most recent call last):
+  File "/home/me/train_unconditional.py", line 5, in <module>
+    raise ValueError("boom")
+ValueError: boom
+"""
+
+
+def test_the_launchers_own_traceback_becomes_one_line_naming_its_error():
+    *shown, summary = condense(LAUNCHERS_OWN_ERROR.splitlines(keepends=True))
+    assert shown == []
+    line, code = closing_line(summary, 1, [], "accelerate")
+    assert (line, code) == (
+        "the launcher itself failed: ValueError: You need to use at least 2 processes to use "
+        "`--multi_gpu`.; exit code 1",
+        1,
+    )
+
+
+def test_a_workers_traceback_is_shown_and_named_in_the_closing_line():
+    launchers_report = ONE_PROCESS_STDERR.split("\n", 1)[1]  # without the `error:` line
+    *shown, summary = condense((WORKERS_TRACEBACK + launchers_report).splitlines(True))
+    assert "".join(shown) == WORKERS_TRACEBACK
+    assert closing_line(summary, 1, [], "accelerate") == (
+        "the worker failed with exit code 2 (its last line: ValueError: boom)",
+        2,
+    )
+
+
+def test_a_worker_killed_by_a_signal_leaves_with_128_plus_the_signal():
+    killed = ONE_PROCESS_STDERR.split("\n", 1)[1]  # no message: what the OOM killer leaves
+    killed = killed.replace("returned non-zero exit status 2", "died with <Signals.SIGKILL: 9>")
+    *_, summary = condense(killed.splitlines(keepends=True))
+    line, code = closing_line(summary, 1, [], "accelerate")
+    assert code == 137 and line.startswith("the worker was killed by SIGKILL")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("config", ["1cpu.yaml", "cpu_2proc.yaml"])
+def test_a_worker_that_fails_without_an_error_line_is_still_one_closing_line(tmp_path, config):
+    """A Typer usage error (a box, no `error:` line): before, the launcher's traceback followed
+    it and the exit code was the launcher's 1."""
+    command = [str(BIN / "accel-recipes"), "launch", "--", *ACCELERATE_LAUNCH]
+    command += ["--config_file", str(CPU_2PROC.with_name(config))]
+    command += ["--main_process_port", str(free_port()), str(TEMPLATE), "--no-such-flag"]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=recipe_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    for launchers in ("Traceback", "CalledProcessError", "ChildFailedError", "torch/distributed"):
+        assert launchers not in result.stderr
+    (closing,) = [line for line in result.stderr.splitlines() if line.startswith("launcher:")]
+    assert result.stderr.splitlines()[-1] == closing
+    assert "with exit code 2 (its last line: No such option: --no-such-flag)" in closing
 
 
 @pytest.mark.dist

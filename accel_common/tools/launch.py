@@ -34,7 +34,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,21 @@ EXIT_CODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
 # `accelerate launch` with one process runs the worker itself and reports its failure as a
 # traceback ending in this line
 ONE_PROCESS_EXIT = re.compile(
-    r"^subprocess\.CalledProcessError: .* returned non-zero exit status (\d+)\."
+    r"^subprocess\.CalledProcessError: .* (?:returned non-zero exit status (\d+)|died with "
+    r"<Signals\.\w+: (\d+)>)\."
 )
+# torch elastic's lines that belong to a failure report (not progress, such as a restart)
+ELASTIC_FAILURE = re.compile(ELASTIC_LOG.pattern + r".*(closing signal|failed \(exitcode)")
+TRACEBACK = "Traceback (most recent call last):"
+# a traceback's last line, the exception (frames are indented; chained ones are announced)
+EXCEPTION_LINE = re.compile(r"^(?!Traceback|During handling|The above exception)[^\s]")
+# a frame of the launcher's own code: the traceback is its failure report, not a worker's
+LAUNCHER_FRAME = re.compile(
+    r'^\s*File ".*(accelerate/commands/|torch/distributed/(run\.py|launcher/)|'
+    r'bin/(accelerate|accelerate-launch|torchrun)")'
+)
+PENDING_LIMIT = 500  # lines a traceback is held for before it is shown as a worker's
+BOX = " \t\r\n│┃╭╮╰╯─━"  # a rich error box around a worker's message (Typer's usage errors)
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")  # Ctrl-C, SLURM: the launcher decides
 EXAMPLE = (
     "accel-recipes launch -- accelerate launch --config_file accelerate_configs/cpu_2proc.yaml "
@@ -64,50 +77,101 @@ EXAMPLE = (
 
 @dataclass
 class Condensed:
-    """What the filter kept: the lines to show and the failed rank's exit code, if reported."""
+    """What the filter kept: the lines to show and the failed rank's exit code, if reported;
+    the launcher's own error (its exception line) and the workers' last line, to name a cause
+    no `error:` line named."""
 
     lines: list[str]
     rank: int | None = None
     exit_code: int | None = None
     preempted: bool = False
     one_process: bool = False
+    reported: bool = False  # a worker printed `error: ...`
+    launcher_error: str | None = None
+    last_output: str | None = None
 
 
 def condense(
     stderr: Iterable[str], full: bool = False, stopping: Callable[[], bool] = lambda: False
-) -> Iterable[str | Condensed]:
+) -> Iterator[str | Condensed]:
     """Yield the launcher's stderr lines to show as they come, then a Condensed summary.
 
-    Once a worker has printed `error...`, or once `stopping()` (a stop signal was passed on), the
-    launcher's log lines and its failure report are held back; the report's root-cause block
-    gives the rank and exit code to report instead (a one-process launch: its traceback's last
-    line). `full` shows every line and still reads the
-    report.
+    Once a worker has printed `error...`, once `stopping()` (a stop signal was passed on), or once
+    the launcher's own traceback begins, the launcher's log lines and its failure report are held
+    back; the report's root-cause block gives the rank and exit code to report instead (a
+    one-process launch: its traceback's last line). A traceback is held until its frames show
+    whose it is: a worker's (a script that raised) is shown whole, the launcher's is not. `full`
+    shows every line and still reads the report.
     """
-    summary = Condensed(lines=[])
-    worker_failed, in_root_cause = False, False
+    reader = _Reader(Condensed(lines=[]), full, stopping)
     for line in stderr:
+        yield from reader.take(line)
+    yield from reader.flush()
+    yield reader.summary
+
+
+@dataclass
+class _Reader:
+    """condense's state: what has happened so far in the launcher's stderr."""
+
+    summary: Condensed
+    full: bool
+    stopping: Callable[[], bool]
+    worker_failed: bool = False
+    in_root_cause: bool = False
+    report: bool = False  # the launcher's own traceback has begun: everything after is its
+    pending: list[str] | None = None  # a traceback whose frames have not yet said whose it is
+
+    def take(self, line: str) -> Iterator[str]:
+        if self.pending is not None:
+            self.pending.append(line)
+            if EXCEPTION_LINE.match(line) or len(self.pending) > PENDING_LIMIT:
+                block, self.pending = self.pending, None
+                if any(LAUNCHER_FRAME.match(held) for held in block):
+                    self.report = True
+                    self.summary.launcher_error = line.strip()
+                yield from self.flush(block)
+        elif line.startswith(TRACEBACK) and not self.report:
+            self.pending = [line]
+        else:
+            yield from self.show(line)
+
+    def flush(self, block: list[str] | None = None) -> Iterator[str]:
+        block, self.pending = (block if block is not None else self.pending or []), None
+        for line in block:
+            yield from self.show(line)
+
+    def show(self, line: str) -> Iterator[str]:
+        summary = self.summary
         if WORKER_ERROR.match(line) or PREEMPTED.match(line):
-            worker_failed = True
+            self.worker_failed = True
+            summary.reported = summary.reported or bool(WORKER_ERROR.match(line))
             summary.preempted = summary.preempted or bool(PREEMPTED.match(line))
             yield line
-            continue
-        held = worker_failed or stopping()
-        if full or not held:
+            return
+        held = self.worker_failed or self.report or self.stopping()
+        failure_log = bool(ELASTIC_FAILURE.match(line))  # part of a report, not progress
+        if self.full or not (held or failure_log):
             yield line
-        if not held or ELASTIC_LOG.match(line):
-            continue
-        in_root_cause = in_root_cause or line.strip() == ROOT_CAUSE
-        if in_root_cause and (found := RANK.match(line)):
+        if not (held or failure_log):
+            if not ELASTIC_LOG.match(line) and (text := line.strip(BOX)):
+                summary.last_output = text
+            return
+        if ELASTIC_LOG.match(line):
+            if not held and not self.full:  # shown at the end unless a report replaces it
+                summary.lines.append(line)
+            return
+        self.in_root_cause = self.in_root_cause or line.strip() == ROOT_CAUSE
+        if self.in_root_cause and (found := RANK.match(line)):
             summary.rank = int(found.group(1))
-        if in_root_cause and (found := EXIT_CODE.match(line)):
+        if self.in_root_cause and (found := EXIT_CODE.match(line)):
             summary.exit_code = int(found.group(1))
         if found := ONE_PROCESS_EXIT.match(line):
-            summary.rank, summary.exit_code = 0, int(found.group(1))
+            code = found.group(1) or f"-{found.group(2)}"  # "died with <Signals.SIGKILL: 9>"
+            summary.rank, summary.exit_code = 0, int(code)
             summary.one_process = True
-        if not full:
+        if not self.full:
             summary.lines.append(line)
-    yield summary
 
 
 def accelerate_launch_args(command: Sequence[str]) -> list[str] | None:
@@ -144,18 +208,19 @@ def accelerate_config(args: list[str]) -> tuple[Any, Path | None, str]:
     return parsed, None, ""
 
 
-def preflight(command: Sequence[str]) -> None:
+def preflight(command: Sequence[str]) -> dict[str, Any]:
     """Refuse, before anything starts, an `accelerate launch` that would die with a traceback:
     its config missing or not valid YAML, or DeepSpeed asked for and not installed. The checks
-    and their wording are the doctor's (`accel-recipes doctor --config-file`)."""
+    and their wording are the doctor's (`accel-recipes doctor --config-file`). Returns the
+    config the launch will use ({}: none, or not an `accelerate launch`)."""
     args = accelerate_launch_args(command)
     if args is None:
-        return
+        return {}
     from accel_common.tools.doctor.config import load_config, missing_deepspeed  # torch: here
 
     parsed, path, flag = accelerate_config(args)
     if parsed is None:
-        return
+        return {}
     config = load_config(path, flag) if path is not None else {}
     others = ("multi_gpu", "use_fsdp", "tpu", "use_megatron_lm")
     if parsed.use_deepspeed:
@@ -166,6 +231,17 @@ def preflight(command: Sequence[str]) -> None:
         name = path.name if path is not None else ""
     if wants and (problem := missing_deepspeed(name)) is not None:
         raise RecipeError(f"{problem.message}: {problem.advice}")
+    return config
+
+
+def cpu_environment(config: dict[str, Any]) -> dict[str, str]:
+    """ACCELERATE_USE_CPU=true for a config that asks for the CPU (`use_cpu: true`).
+
+    `accelerate launch` exports it on its one-process path only; the N workers it starts for
+    cpu_2proc.yaml (MULTI_GPU + use_cpu, through torchrun) are not told, so an `Accelerator()`
+    there without cpu=True finds no GPU and runs alone: N separate one-process jobs. No key of
+    the config file can make the launcher pass it on; the recipes pass cpu=True themselves."""
+    return {"ACCELERATE_USE_CPU": "true"} if config.get("use_cpu") is True else {}
 
 
 def start(command: Sequence[str], **options: Any) -> subprocess.Popen:
@@ -189,8 +265,8 @@ def run(command: Sequence[str]) -> int:
 
     Stop signals that reach this process (SIGINT, SIGTERM, SIGUSR1) are passed to the launcher,
     also those that arrive while it starts; once it has exited, the previous handlers return."""
-    preflight(command)
-    env = {"PET_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **os.environ}
+    config = preflight(command)
+    env = {"PET_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **os.environ, **cpu_environment(config)}
     full = os.environ.get("ACCEL_RECIPES_FULL_REPORT") == "1"
     launcher: subprocess.Popen | None = None
     received: list[int] = []
@@ -216,29 +292,56 @@ def run(command: Sequence[str]) -> int:
     finally:
         for name, handler in previous.items():  # None: a handler not set from Python
             signal.signal(getattr(signal, name), signal.SIG_DFL if handler is None else handler)
+    if code == 0:
+        sys.stderr.writelines(summary.lines)  # held, and no failure report replaced them
+        return code
+    line, code = closing_line(summary, code, received, command[0])
     hint = "" if full else " (ACCEL_RECIPES_FULL_REPORT=1 shows the launcher's full report)"
-    if code != 0 and summary.preempted:
-        sys.stderr.write(
-            f"launcher: preempted, the checkpoint is saved; exit code {EXIT_PREEMPTED}: requeue "
-            f"the job to continue{hint}\n"
-        )
-        return EXIT_PREEMPTED
-    if code != 0 and summary.one_process and summary.exit_code:
-        sys.stderr.write(f"launcher: the worker failed with exit code {summary.exit_code}{hint}\n")
-        return summary.exit_code
-    if code != 0 and summary.exit_code is not None and summary.exit_code > 0:
-        sys.stderr.write(
-            f"launcher: rank {summary.rank} failed first, with exit code {summary.exit_code}; the "
-            f"others were stopped{hint}\n"
-        )
-        return summary.exit_code
-    if code != 0 and received:  # stopped before the workers could save: while they started
-        name, stopped = signal.Signals(received[0]).name, 128 + received[0]
-        sys.stderr.write(
-            f"launcher: stopped by {name} before any worker reported a saved checkpoint (a "
-            f"signal while they start is not caught); exit code {stopped}: relaunch with "
-            f"--resume latest to continue from the newest complete checkpoint{hint}\n"
-        )
-        return stopped
-    sys.stderr.writelines(summary.lines)  # not a worker's reported error: show everything
+    sys.stderr.write(f"launcher: {line}{hint}\n")
     return code
+
+
+def closing_line(
+    summary: Condensed, code: int, received: Sequence[int], launcher: str
+) -> tuple[str, int]:
+    """The one line that replaces a failed launch's report, and the exit code to leave with:
+    the failed worker's (128 + N for a signal N), or the launcher's where no worker failed."""
+    failed = summary.exit_code
+    said = summary.reported or summary.last_output is None
+    cause = "" if said else f" (its last line: {summary.last_output})"
+    who = "the worker" if summary.one_process else f"rank {summary.rank}"
+    if summary.preempted:
+        return (
+            f"preempted, the checkpoint is saved; exit code {EXIT_PREEMPTED}: requeue the job to "
+            "continue",
+            EXIT_PREEMPTED,
+        )
+    if failed is not None and failed > 0:
+        others = "" if summary.one_process else "; the others were stopped"
+        first = "failed" if summary.one_process else "failed first,"
+        return f"{who} {first} with exit code {failed}{cause}{others}", failed
+    if received:  # stopped before the workers could save: while they started
+        name, stopped = signal.Signals(received[0]).name, 128 + received[0]
+        return (
+            f"stopped by {name} before any worker reported a saved checkpoint (a signal while "
+            f"they start is not caught); exit code {stopped}: relaunch with --resume latest to "
+            "continue from the newest complete checkpoint",
+            stopped,
+        )
+    if failed is not None and failed < 0:
+        name = signal_name(-failed)
+        memory = " (SIGKILL without a message: most often the out-of-memory killer)"
+        memory = memory if name == "SIGKILL" else ""
+        return f"{who} was killed by {name}{memory}; exit code {128 - failed}", 128 - failed
+    if summary.launcher_error is not None:
+        return f"the launcher itself failed: {summary.launcher_error}; exit code {code}", code
+    sys.stderr.writelines(summary.lines)  # held lines no report explained: show them
+    return f"{launcher} exited with code {code}{cause}", code
+
+
+def signal_name(number: int) -> str:
+    """SIGKILL for 9; `signal 99` for a number no signal has."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
