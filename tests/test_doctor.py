@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -27,7 +28,7 @@ NO_GPU = not torch.cuda.is_available()
 # everything the doctor judges; each test sets only what it is about
 LAUNCH_VARS = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
-    "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "ACCELERATE_USE_CPU",
 )  # fmt: skip
 
 
@@ -197,6 +198,64 @@ def test_an_unknown_config_file_is_a_clear_error(tmp_path: Path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     bad = runner.invoke(app, ["doctor", "--config-file", str(tmp_path / "list.yaml")])
     assert bad.exit_code == 2 and "not an accelerate config" in bad.output
+
+
+def test_a_folder_given_as_the_config_file_is_named_a_folder_with_the_yaml_inside(tmp_path):
+    (tmp_path / "configs").mkdir()
+    for name in ("b.yaml", "a.yaml", "notes.txt"):
+        (tmp_path / "configs" / name).write_text("num_processes: 1\n")
+    result = runner.invoke(app, ["doctor", "--config-file", str(tmp_path / "configs")])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"error: --config-file {tmp_path / 'configs'}: a folder, not a config file; give the YAML "
+        f"file inside it: {tmp_path / 'configs' / 'a.yaml'}, {tmp_path / 'configs' / 'b.yaml'}"
+    ]
+    empty = runner.invoke(app, ["doctor", "--config-file", str(tmp_path)])
+    assert empty.exit_code == 2 and len(empty.stderr.splitlines()) == 1
+    assert f"--config-file {tmp_path}: a folder with no .yaml file in it" in empty.stderr
+    assert CPU_CONFIG in empty.stderr
+
+
+def test_a_python_tag_in_the_config_is_a_blocker_naming_the_bare_launchers_traceback(tmp_path):
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("num_processes: !!python/object/apply:os.getpid []\n")
+    result, report = doctor("--config-file", str(tagged))
+    assert result.exit_code == 1
+    (problem,) = [p for p in report["problems"] if "tagged.yaml" in p["message"]]
+    assert problem["severity"] == "blocker"
+    assert "python/object/apply:os.getpid' at line 1" in problem["message"]
+    assert "a bare `accelerate launch` stops on it with a traceback" in problem["message"]
+    assert "remove the tag" in problem["advice"] and "accel-recipes launch --" in problem["advice"]
+
+
+def test_a_deepspeed_config_without_deepspeed_names_the_bare_launchers_traceback(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else find_spec(name, *a),
+    )
+    _, report = doctor("--config-file", str(CONFIGS / "deepspeed_zero2_8gpu.yaml"))
+    (problem,) = [p for p in report["problems"] if "needs DeepSpeed" in p["message"]]
+    assert problem["severity"] == "blocker"
+    assert "a bare `accelerate launch` stops with an ImportError traceback" in problem["message"]
+    assert "pip install deepspeed" in problem["advice"]
+    assert "accel-recipes launch -- accelerate launch" in problem["advice"]
+
+
+def test_a_multi_process_cpu_config_warns_that_own_scripts_need_accelerate_use_cpu():
+    config = str(CONFIGS / CPU_CONFIG)
+    result, report = doctor("--config-file", config)
+    assert result.exit_code == 0
+    warning = messages(report, "warning")
+    assert f"{CPU_CONFIG}: a bare `accelerate launch` starts 2 workers without telling" in warning
+    assert "2 separate one-process jobs" in warning
+    (advice,) = [p["advice"] for p in report["problems"] if CPU_CONFIG in p["message"]]
+    assert f"accel-recipes launch -- accelerate launch --config_file {config}" in advice
+    _, report = doctor("--config-file", config, ACCELERATE_USE_CPU="true")
+    assert CPU_CONFIG not in messages(report, "warning")
+    _, report = doctor("--config-file", str(CONFIGS / "1cpu.yaml"))  # its launcher tells it
+    assert "1cpu.yaml" not in messages(report, "warning")
 
 
 @pytest.mark.dist

@@ -54,16 +54,40 @@ def yaml_error(err: yaml.YAMLError) -> str:
     return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
 
 
+class TaggedConfig(RecipeError):
+    """A config with a tag that builds an object (`!!python/...`): Accelerate's own reading of it
+    (yaml.safe_load) stops with a traceback before any of our code runs. `tag` says where."""
+
+    def __init__(self, message: str, tag: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
 def load_config(path: Path, flag: str = "--config-file") -> dict[str, Any]:
     """The accelerate config at `path`; a missing or malformed file is a user error (exit 2).
     `flag` is how the caller's user named it (`accelerate launch` spells it --config_file)."""
+    shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+        if inside:
+            raise RecipeError(
+                f"{flag} {path}: a folder, not a config file; give the YAML file inside it: "
+                f"{', '.join(str(path / name) for name in inside)}"
+            )
+        raise RecipeError(
+            f"{flag} {path}: a folder with no .yaml file in it; give an accelerate config file, "
+            f"e.g. one of {CONFIG_DIR.name}/: {shipped}"
+        )
     if not path.is_file():
-        shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
         raise RecipeError(
             f"{flag} {path}: no such file; the configs in {CONFIG_DIR.name}/ are: {shipped}"
         )
     try:
         config = yaml.safe_load(path.read_text())
+    except yaml.constructor.ConstructorError as err:
+        mark, tag = err.problem_mark, str(err.problem).split("tag ")[-1]
+        where = f"{tag} at line {mark.line + 1}" if mark is not None else tag
+        raise TaggedConfig(f"{flag} {path}: {yaml_error(err)}", where) from None
     except yaml.YAMLError as err:
         raise RecipeError(f"{flag} {path}: {yaml_error(err)}") from None
     except UnicodeDecodeError:
@@ -122,6 +146,25 @@ def missing_deepspeed(name: str) -> Problem | None:
         f"{name} needs DeepSpeed, which is not installed",
         "`pip install deepspeed` on every GPU machine",
     )
+
+
+def read_config(path: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """The doctor's reading of --config-file: a tag that builds an object is a blocker in the
+    report (a bare `accelerate launch` shows a traceback for it, our launcher one line); any other
+    unreadable file stays one error line (load_config)."""
+    try:
+        return load_config(path), []
+    except TaggedConfig as err:
+        return None, [
+            Problem(
+                "blocker",
+                f"{path.name} holds a tag that builds an object ({err.tag}): a bare "
+                "`accelerate launch` stops on it with a traceback (yaml's ConstructorError; "
+                "nothing in the file is run)",
+                "remove the tag, an accelerate config holds plain values only; `accel-recipes "
+                "launch -- accelerate launch ...` refuses such a file in one line",
+            )
+        ]
 
 
 def check_config(
@@ -189,7 +232,29 @@ def check_config(
     if kind in ("FSDP", "DEEPSPEED") and (use_cpu or gpus == 0):  # what the run refuses
         problems.append(Problem("blocker", *sharding_refusal(kind, unsharded_type(per_machine))))
     if kind == "DEEPSPEED" and (missing := missing_deepspeed(path.name)) is not None:
-        problems.append(missing)
+        problems.append(
+            replace(
+                missing,
+                message=f"{missing.message}: a bare `accelerate launch` stops with an ImportError "
+                "traceback",
+                advice=f"{missing.advice}; `accel-recipes launch -- accelerate launch ...` says "
+                "so in one line before anything starts",
+            )
+        )
+    torchrun = kind not in ("NO", "MULTI_CPU")  # the launcher path that starts N workers
+    if use_cpu and torchrun and per_machine > 1 and not env_flag(env.get("ACCELERATE_USE_CPU")):
+        problems.append(
+            Problem(
+                "warning",
+                f"{path.name}: a bare `accelerate launch` starts {per_machine} workers without "
+                "telling them use_cpu, so a script of your own whose Accelerator() lacks "
+                f"cpu=True runs as {per_machine} separate one-process jobs (the recipes pass it "
+                "themselves)",
+                "launch your script with `accel-recipes launch -- accelerate launch "
+                f"--config_file {path} ...` (it sets ACCELERATE_USE_CPU=true), or export "
+                "ACCELERATE_USE_CPU=true",
+            )
+        )
     if config.get("mixed_precision") == "bf16" and gpus and not torch.cuda.is_bf16_supported():
         problems.append(
             Problem(
@@ -210,6 +275,11 @@ def check_config(
             )
         )
     return summary, problems
+
+
+def env_flag(value: str | None) -> bool:
+    """An environment variable set to a truth value, as Accelerate reads it (str_to_bool)."""
+    return str(value).lower() in ("y", "yes", "t", "true", "on", "1")
 
 
 def recommend(gpus: int, mps: bool, batch: BatchRequest) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from accel_common.tools.doctor.base import DoctorOptions
 from accel_common.tools.doctor.comm import comm_section
-from accel_common.tools.doctor.config import check_config, load_config, recommend
+from accel_common.tools.doctor.config import check_config, read_config, recommend
 from accel_common.tools.doctor.machine import (
     check_environment,
     devices,
@@ -35,13 +35,14 @@ EXIT_BLOCKER = 1
 def collect(opts: DoctorOptions) -> dict[str, Any]:
     """Everything the report shows, as plain data (what --json prints)."""
     env = dict(os.environ)
-    config = load_config(opts.config_file) if opts.config_file else None
+    config, problems = read_config(opts.config_file) if opts.config_file else (None, [])
     machine = devices()
     gpus = len(machine["cuda"])
     nics = interfaces()
     ipv4 = [a for nic in nics if nic["name"] != "lo" for a in nic["ipv4"]]
     addr, port, source = resolve_endpoint(opts, config, env)
-    port_status, problems = check_port(addr, port)
+    port_status, found = check_port(addr, port)
+    problems += found
     port_status["source"] = source
     problems += check_interfaces(env, [nic["name"] for nic in nics])
     problems += check_environment(env, gpus, physical_nvidia_gpus(), config is not None)
