@@ -7,8 +7,15 @@ exit 1, so a user sees the cause buried above a wall of launcher text and a scri
 every kind of failure. Nothing inside the worker can change what the launcher prints; this
 wrapper runs the launcher, passes its output through until a worker has reported an error, then
 replaces the launcher's report by one line naming the rank that failed first, and exits with
-that rank's exit code. `ACCEL_RECIPES_FULL_REPORT=1` passes everything through unchanged (the
-exit code and the closing line stay the same).
+that rank's exit code. A worker that fails without an `error:` line (a usage box, an exception)
+or is killed by a signal ends the same way, its last line or the signal named; a traceback is
+held until its frames say whether it is a worker's (shown) or the launcher's (replaced, and where
+the launcher failed by itself, its exception named). `ACCEL_RECIPES_FULL_REPORT=1` passes
+everything through unchanged (the exit code and the closing line stay the same).
+
+A config with `use_cpu: true` gets ACCELERATE_USE_CPU=true in the launcher's environment
+(`cpu_environment`): Accelerate does not pass it on to its multi-process workers, so a script
+other than ours (its Accelerator() without cpu=True) would run there as N one-process jobs.
 
 Before it starts anything, an `accelerate launch` command's config is read as Accelerate would
 read it: a missing or malformed YAML file, a value Accelerate would fail on after starting
