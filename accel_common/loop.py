@@ -217,7 +217,7 @@ class TrainLoop:
                 if done:
                     break  # the epoch stays unfinished: the final checkpoint records where
             else:
-                self.progress.finish_epoch(self.plan.global_batch_size)
+                self.progress.finish_epoch()
         finally:
             self.log.flops.pause()  # a body that raised: stop counting
             self._count_time()

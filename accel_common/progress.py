@@ -41,10 +41,12 @@ class TrainProgress:
     # checkpoint saved before it was recorded
     epoch_steps: list[list[int]] | None = None
 
-    def finish_epoch(self, global_batch_size: int) -> None:
-        """The epoch's last micro-batch is done: count its optimizer steps, start the next."""
+    def finish_epoch(self) -> None:
+        """The epoch's last micro-batch is done: record its optimizer steps, start the next. They
+        are counted, not derived from its samples: a loader whose end does not close an
+        accumulation window carries its last micro-batches into the next epoch's first step."""
         if self.epoch_steps is not None:
-            steps = -(-self.samples_in_epoch // global_batch_size)  # a last partial window too
+            steps = self.step - sum(n * epochs for n, epochs in self.epoch_steps)
             if self.epoch_steps and self.epoch_steps[-1][0] == steps:
                 self.epoch_steps[-1][1] += 1
             else:
@@ -132,14 +134,17 @@ def progress_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
 
 def position_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
     """The position's own arithmetic: the finished epochs' steps (`epoch_steps`) number `epoch`
-    epochs, and with this epoch's samples in whole global batches they add up to `step`. A
-    record that does not (samples_in_epoch 0 at step 20 of epoch 0) would replay or skip data."""
+    epochs, and with this epoch's samples in global batches, rounded up (a step's window may
+    begin in the epoch before), they add up to `step`. A record that does not (samples_in_epoch
+    0 at step 20 of epoch 0) would replay or skip data."""
     runs = progress.epoch_steps
     if runs is None:
         return None  # saved before it was recorded
     pairs = isinstance(runs, list) and all(isinstance(r, list) and len(r) == 2 for r in runs)
-    if not pairs or any(type(v) is not int or v < 1 for r in runs for v in r):
-        return f"epoch_steps is {runs!r}, not a list of [steps, epochs] pairs of whole numbers >= 1"
+    if not pairs or any(type(v) is not int or v < 0 for r in runs for v in r):
+        return f"epoch_steps is {runs!r}, not a list of [steps, epochs] pairs of whole numbers"
+    if any(epochs == 0 for _, epochs in runs):
+        return f"epoch_steps is {runs!r}: a run of 0 epochs"
     finished = sum(epochs for _, epochs in runs)
     if finished != progress.epoch:
         return f"epoch is {progress.epoch}, while epoch_steps records {finished} finished epochs"

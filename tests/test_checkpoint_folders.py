@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_common.batching import plan_batch
 from accel_common.checkpoint import TrainProgress, load_checkpoint, save_checkpoint
 from accel_common.checkpoint_files import MANIFEST_FILE, load_state_file
 from accel_common.convert import convert_checkpoint
@@ -95,18 +96,21 @@ def test_a_position_past_the_end_of_its_epoch_is_refused_before_training(run, tm
         train(accelerator, model, optimizer, loop)
 
 
-def test_finish_epoch_codes_the_epochs_steps_by_runs():
-    progress = TrainProgress(epoch_steps=[])
-    for samples in (40, 40, 36, 40):  # a global batch of 8: 5, 5, 5 (a last partial), 5 steps
-        progress.samples_in_epoch = samples
-        progress.step += -(-samples // 8)
-        progress.finish_epoch(8)
-    assert progress.epoch_steps == [[5, 4]] and progress.epoch == 4
-    progress.samples_in_epoch = 16
-    progress.step += 2
-    progress.finish_epoch(8)
-    assert progress.epoch_steps == [[5, 4], [2, 1]]
-    assert position_problem(progress, PLAN) is None
+def test_finish_epoch_records_the_steps_each_epoch_took():
+    """Counted, not derived from the samples: a loader whose end closes no accumulation window
+    (windows of 3 micro-batches of 2 samples, 16 micro-batches an epoch) carries a micro-batch
+    into the next epoch, whose first step comes one micro-batch early."""
+    plan = plan_batch(1, per_device_batch_size=2, grad_accum_steps=3)
+    progress, micro = TrainProgress(epoch_steps=[]), 0
+    for _ in range(3):
+        for _ in range(16):
+            micro += 1
+            progress.samples_in_epoch += 2
+            if micro % 3 == 0:  # a step: where a save records the position
+                progress.step += 1
+                assert position_problem(progress, plan) is None, progress
+        progress.finish_epoch()
+    assert progress.epoch_steps == [[5, 2], [6, 1]] and progress.epoch == 3
     assert TrainProgress(step=3, samples_in_epoch=0).epoch_steps is None  # not recorded: no check
 
 
@@ -273,3 +277,21 @@ def test_convert_names_the_global_of_a_plain_pickle(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds a pickled tests\.test_checkpoint_safety\."):
         convert_checkpoint(tmp_path / "weights.pt", tmp_path / "out")
     assert not marker.exists() and not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "model", "best", "logs"])
+def test_a_linked_folder_in_the_output_dir_is_refused_before_training(run, tmp_path, name):  # noqa: F811
+    """OUTPUT/model linked to a folder elsewhere: the export would replace the files there, a
+    linked checkpoints/ would be saved into and pruned. A run writes only inside OUTPUT."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_text("theirs")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(CheckpointError) as refused:
+        run(out=out)
+    message = str(refused.value)
+    assert message.startswith(f"{out / name} is a symbolic link (to {elsewhere})"), message
+    assert [p.name for p in elsewhere.iterdir()] == ["model.safetensors"]
+    assert (elsewhere / "model.safetensors").read_text() == "theirs"
