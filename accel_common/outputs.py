@@ -80,7 +80,7 @@ def hold_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
 
     refusal: list[str | None] = [None]
     if accelerator.is_main_process:
-        refusal = [lock_folder(Path(output_dir))]
+        refusal = [lock_folder(Path(output_dir)) or linked_entry(Path(output_dir))]
     if accelerator.num_processes > 1:
         refusal = broadcast_object_list(refusal)
     if refusal[0] is not None:
@@ -127,6 +127,19 @@ def lock_folder(output_dir: Path) -> str | None:
 
 
 _REMOVE_IT = "remove it (or choose another --output-dir) and run again"
+
+
+def linked_entry(output_dir: Path) -> str | None:
+    """Why a run must not write into `output_dir`: an entry in it is a link (checkpoints/,
+    model/, logs/, ...), through which its saves, exports and pruning would reach a folder
+    elsewhere; or None."""
+    for entry in sorted(output_dir.iterdir()):
+        if entry.is_symlink():
+            return (
+                f"{entry} is a symbolic link (to {os.readlink(entry)}): a run writes only inside "
+                f"its --output-dir, never through a link; {_REMOVE_IT} (its target is untouched)"
+            )
+    return None
 
 
 def unfit_output(path: Path, within: Path | None = None) -> str | None:
