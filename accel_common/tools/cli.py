@@ -372,9 +372,12 @@ def launch(ctx: typer.Context) -> None:
 
     accel-recipes launch -- accelerate launch --config_file CONFIG recipes/train_X.py [flags]
 
-    Output passes through; once a worker reports `error: ...`, the launcher's own 40-line report
-    becomes one line naming the rank that failed first, and the exit code is that worker's (2:
-    bad input, 3: a collective failed, 4: launcher gone) instead of the launcher's 1. SIGTERM and
+    Output passes through; a failed launch ends in one line: the rank that failed first and its
+    exit code (2: bad input, 3: a collective failed, 4: launcher gone; 128+N: killed by signal N)
+    with its `error: ...` or last line, instead of the launcher's 40-line report and its exit
+    code 1 (a worker's own traceback is shown). Under a config with `use_cpu: true` it sets
+    ACCELERATE_USE_CPU=true, so that any Accelerate script, not only a recipe, runs as one
+    multi-process job on the CPU (a bare `accelerate launch` does not tell its workers). SIGTERM and
     SIGUSR1 reach the workers, which save the step in progress: exit code 75 (preempted, requeue
     me). The Makefile's launch targets and the SLURM scripts use it; ACCEL_RECIPES_FULL_REPORT=1
     shows everything (with the same exit code). Before anything starts, a missing or malformed
