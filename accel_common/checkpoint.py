@@ -12,6 +12,7 @@ anything, and reads no pickle with code in it. Only the loop uses it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -122,7 +123,9 @@ def unexpected_checkpoint(output_dir: Path) -> str | None:
     so such an entry was put there by hand or by an interrupted copy: resuming past it, pruning
     it or saving over it would lose or misread it, so a run refuses it before training."""
     root = Path(output_dir) / CHECKPOINTS
-    entries = sorted(root.iterdir()) if root.is_dir() and not root.is_symlink() else []
+    if os.path.lexists(root) and (root.is_symlink() or not root.is_dir()):
+        return f"{root} is not a folder; a run keeps its checkpoints there: move it away"
+    entries = sorted(root.iterdir()) if root.is_dir() else []
     for path in (p for p in entries if _STEP_DIR.match(p.name)):
         if path.is_symlink():
             what = f"a symbolic link to {path.resolve()}"
@@ -292,7 +295,8 @@ def _checked_before_loading(
     checkpoint_files(path)  # regular files only: a FIFO would block its reader
     try:
         record = json.loads((path / PROGRESS_FILE).read_text())
-        progress = TrainProgress(**record["progress"])
+        # a record from before they were stored: None, which its arithmetic check passes over
+        progress = TrainProgress(**{"epoch_samples": None, **record["progress"]})
         saved_plan = BatchPlan(**{k: int(v) for k, v in record["batch_plan"].items()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointError(
@@ -306,7 +310,7 @@ def _checked_before_loading(
         use="resume",
         warn=accelerator.is_main_process,
     )
-    check_progress(path, progress, saved_plan, manifest)  # names an edited field
+    check_progress(path, progress, saved_plan, manifest, MANIFEST_KEY in record)
     if manifest is not None:  # the main process hashes; the others check names and sizes
         verify_files(path, manifest, hashes=accelerator.is_main_process)
     run = record.get("run") or {}
@@ -363,11 +367,17 @@ def check_layout(accelerator: Accelerator, path: Path) -> None:
 
 
 def check_progress(
-    path: Path, progress: TrainProgress, saved: BatchPlan, manifest: dict[str, Any] | None
+    path: Path,
+    progress: TrainProgress,
+    saved: BatchPlan,
+    manifest: dict[str, Any] | None,
+    current: bool,
 ) -> None:
     """The progress record holds together, or it was edited or damaged: refused naming the
     field. Its fields equal the manifest's copy; counts are whole and not negative; sums are
-    finite; the step is the folder's; the position is whole rounds of the saved batch plan."""
+    finite; the step is the folder's; the position is whole rounds of the saved batch plan and
+    its own arithmetic holds. `current`: the record says its save wrote a manifest, so it was
+    written by a version that records every field checked here (none may be missing)."""
     where = path / PROGRESS_FILE
     if manifest is not None:
         now = {"progress": asdict(progress), "batch_plan": saved.as_dict()}
@@ -379,6 +389,8 @@ def check_progress(
                 "was edited or damaged: resume from an earlier step_N folder"
             )
     problem = progress_problem(progress, saved)
+    if problem is None and current and progress.epoch_samples is None:
+        problem = "epoch_samples is missing, though this save recorded it (manifest_format)"
     if problem is None and _STEP_DIR.match(path.name) and checkpoint_step(path) != progress.step:
         problem = f"step is {progress.step} in the folder of step {checkpoint_step(path)}"
     if problem is not None:

@@ -108,10 +108,13 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        if manifest["format"] != MANIFEST_FORMAT or not isinstance(files, dict):
+        if manifest["format"] != MANIFEST_FORMAT:
             raise ValueError(f"unknown format {manifest.get('format')!r}")
-        for entry in files.values():
-            int(entry["size"]), str(entry["sha256"])
+        if not isinstance(files, dict):
+            raise TypeError("'files' is no record of files")
+        for name, entry in files.items():
+            if type(entry["size"]) is not int or not isinstance(entry["sha256"], str):
+                raise TypeError(f"the entry of {name} is no size and SHA-256")
         if not isinstance(manifest["progress"], dict):
             raise TypeError("'progress' is no record")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,13 @@ from safetensors.torch import load_file
 from accel_common.checkpoint_files import (
     MANIFEST_FILE,
     PROGRESS_FILE,
+    checkpoint_files,
     refused_global,
     require_manifest,
     torch_load_detail,
     verify_files,
 )
+from accel_common.data.paths import what_is
 from accel_common.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
 from accel_common.errors import CheckpointError, RecipeError
 from accel_common.export import UNNAMED_RECIPE, require_export_target, write_export
@@ -96,6 +99,11 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
     source = Path(source)
     if not source.exists():
         raise CheckpointError(f"{source}: no such file or folder")
+    if not source.is_dir() and not source.is_file():
+        raise CheckpointError(
+            f"{source} is {what_is(source, source.stat().st_mode)}, not a checkpoint file or "
+            "folder; nothing was read from it"
+        )
     if source.is_dir() and not (source / DCP_METADATA).is_file():
         source = _accelerate_folder_weights(source, model_index)
     if source.is_dir():
@@ -114,7 +122,9 @@ def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tenso
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{source} is corrupt or truncated: {err}") from err
     try:
-        obj = torch.load(source, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on a pickle protocol it did not write
+            obj = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
         refused = refused_global(err, source, [])
         if refused:
@@ -154,7 +164,9 @@ def load_original_checkpoint(source: Path, original: str, state_key: str) -> Any
             f"or a pickle; this file starts with neither); give {expected}"
         )
     try:
-        return torch.load(source, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on a pickle protocol it did not write
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises whatever its unpickler or zip reader met
         refused = refused_global(err, source, [])
         if refused:
@@ -199,6 +211,11 @@ def convert_checkpoint(
     checkpoint folder this project saved is read only as its manifest vouches for it
     (`require_vouched`)."""
     require_export_target(target, force)
+    if Path(source).is_dir() and Path(target).resolve().is_relative_to(Path(source).resolve()):
+        raise CheckpointError(
+            f"{target} is inside the checkpoint {source}, which would then hold a file its save "
+            "did not write: convert to a path outside it"
+        )
     require_vouched(Path(source), allow_unverified)
     # the tied names a save_state file lacks (safetensors keeps one of them), restored
     state = restore_ties(read_state_dict(source, model_index), saved_ties(source, model_index))
@@ -219,6 +236,7 @@ def require_vouched(source: Path, allow_unverified: bool) -> None:
     ours = (MANIFEST_FILE, PROGRESS_FILE, TIES_FILE)
     if not any(os.path.lexists(folder / name) for name in ours):
         return
+    checkpoint_files(folder)  # regular files only: a FIFO or /dev/zero would never end
     try:
         record = json.loads((folder / PROGRESS_FILE).read_text())
     except (OSError, ValueError, RecursionError):

@@ -202,8 +202,8 @@ class TrainLoop:
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
         batches = self.loader
-        if self.progress.samples_in_epoch:  # resumed mid-epoch: skip what was already trained on
-            skip = self.progress.batches_to_skip(self.plan, self.loader)
+        skip = self.progress.batches_to_skip(self.plan, self.loader)  # checks it against the data
+        if skip:  # resumed mid-epoch: skip what was already trained on
             if isinstance(dataset, FetchRngLog):  # the batch fetched ahead of the save, exactly
                 dataset.resume_at(skip, self.run.resumed_state)
             batches = self.accelerator.skip_first_batches(self.loader, skip)
@@ -217,7 +217,7 @@ class TrainLoop:
                 if done:
                     break  # the epoch stays unfinished: the final checkpoint records where
             else:
-                self.progress.finish_epoch()
+                self.progress.finish_epoch(self.plan)
         finally:
             self.log.flops.pause()  # a body that raised: stop counting
             self._count_time()

@@ -36,26 +36,26 @@ class TrainProgress:
     # the FLOPs of an optimizer step, all processes', counted on the run's first (StepFlops): a
     # resumed run does not count again, which would round its next step differently
     flops_per_step: float | None = None
-    # optimizer steps of each finished epoch, run-length coded ([[steps, epochs], ...]), so that
-    # the position's arithmetic can be checked on its own (`position_problem`); None in a
-    # checkpoint saved before it was recorded
-    epoch_steps: list[list[int]] | None = None
+    # each finished epoch's samples (every process's micro-batches of `per_round` samples),
+    # run-length coded as [[samples, per_round, epochs], ...]: with them the position's
+    # arithmetic is checked on its own and against the data (`position_problem`,
+    # `data_problem`); None in a checkpoint saved before they were recorded
+    epoch_samples: list[list[int]] | None = field(default_factory=list)
 
-    def finish_epoch(self) -> None:
-        """The epoch's last micro-batch is done: record its optimizer steps, start the next. They
-        are counted, not derived from its samples: a loader whose end does not close an
-        accumulation window carries its last micro-batches into the next epoch's first step."""
-        if self.epoch_steps is not None:
-            steps = self.step - sum(n * epochs for n, epochs in self.epoch_steps)
-            if self.epoch_steps and self.epoch_steps[-1][0] == steps:
-                self.epoch_steps[-1][1] += 1
+    def finish_epoch(self, plan: BatchPlan) -> None:
+        """The epoch's last micro-batch is done: record its samples, start the next epoch."""
+        per_round = plan.per_device_batch_size * plan.num_processes
+        if self.epoch_samples is not None:
+            last = self.epoch_samples[-1] if self.epoch_samples else None
+            if last is not None and last[:2] == [self.samples_in_epoch, per_round]:
+                last[2] += 1
             else:
-                self.epoch_steps.append([steps, 1])
+                self.epoch_samples.append([self.samples_in_epoch, per_round, 1])
         self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
     def batches_to_skip(self, plan: BatchPlan, loader: Any = None) -> int:
         """Per-process micro-batches of the current epoch that were already trained on; with the
-        `loader` (of a known length), refused past the epoch's end."""
+        `loader` (of a known length), the record is checked against the data first."""
         per_round = plan.per_device_batch_size * plan.num_processes
         if self.samples_in_epoch % per_round:
             raise CheckpointError(
@@ -63,18 +63,37 @@ class TrainProgress:
                 f" which is not a whole number of {per_round}-sample rounds with this launch's "
                 f"batch plan ({plan.describe()}); resume with the original number of processes"
             )
-        skip = self.samples_in_epoch // per_round
         try:
-            epoch_rounds = len(loader) if loader is not None else None
+            rounds = len(loader) if loader is not None else None
         except TypeError:  # an iterable dataset's loader: no length to check against
-            epoch_rounds = None
-        if epoch_rounds is not None and skip > epoch_rounds:  # it would start the next epoch
+            rounds = None
+        problem = self.data_problem(rounds * per_round, per_round) if rounds is not None else None
+        if problem is not None:
             raise CheckpointError(
-                f"the checkpoint's samples_in_epoch {self.samples_in_epoch} is past the end of "
-                f"epoch {self.epoch} ({epoch_rounds} rounds of {per_round} samples): its record "
-                "was edited or damaged; resume from an earlier step_N folder"
+                f"the checkpoint's {problem}: its record was edited or damaged (or the data "
+                "changed); resume from an earlier step_N folder"
             )
-        return skip
+        return self.samples_in_epoch // per_round
+
+    def data_problem(self, epoch_size: int, per_round: int) -> str | None:
+        """What in the position no pass over this data could reach, where an epoch is
+        `epoch_size` samples in rounds of `per_round`: an epoch recorded at another size (one
+        run with another number of processes pads it by less than a round either way), or a
+        position past the epoch's end."""
+        if self.samples_in_epoch > epoch_size:  # it would start the next epoch early
+            return (
+                f"samples_in_epoch {self.samples_in_epoch} is past the end of epoch {self.epoch} "
+                f"({epoch_size} samples)"
+            )
+        for samples, saved_round, _ in self.epoch_samples or []:
+            same = samples == epoch_size if saved_round == per_round else None
+            if same is False or abs(samples - epoch_size) >= saved_round + per_round:
+                return (
+                    f"epoch_samples records an epoch of {samples} samples in rounds of "
+                    f"{saved_round}, while an epoch of this data is {epoch_size} in rounds of "
+                    f"{per_round}"
+                )
+        return None
 
 
 _COUNTS = ("step", "epoch", "samples_in_epoch", "skipped_steps", "nonfinite_skipped", "bad_epochs")
@@ -133,29 +152,30 @@ def progress_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
 
 
 def position_problem(progress: TrainProgress, saved: BatchPlan) -> str | None:
-    """The position's own arithmetic: the finished epochs' steps (`epoch_steps`) number `epoch`
-    epochs, and with this epoch's samples in global batches, rounded up (a step's window may
-    begin in the epoch before), they add up to `step`. A record that does not (samples_in_epoch
-    0 at step 20 of epoch 0) would replay or skip data."""
-    runs = progress.epoch_steps
+    """The position's own arithmetic: every optimizer step takes one global batch (windows of
+    micro-batches carry across epoch ends, never closed early), so the finished epochs'
+    samples (`epoch_samples`, numbering `epoch` epochs) and this epoch's make `step` global
+    batches; only a run stopped early at an epoch's end may hold a partial window more. A record
+    that does not (samples_in_epoch 0 at step 20) would replay or skip data."""
+    runs = progress.epoch_samples
     if runs is None:
-        return None  # saved before it was recorded
-    pairs = isinstance(runs, list) and all(isinstance(r, list) and len(r) == 2 for r in runs)
-    if not pairs or any(type(v) is not int or v < 0 for r in runs for v in r):
-        return f"epoch_steps is {runs!r}, not a list of [steps, epochs] pairs of whole numbers"
-    if any(epochs == 0 for _, epochs in runs):
-        return f"epoch_steps is {runs!r}: a run of 0 epochs"
-    finished = sum(epochs for _, epochs in runs)
+        return None  # saved before they were recorded (check_progress: and before manifests)
+    shapes = isinstance(runs, list) and all(isinstance(r, list) and len(r) == 3 for r in runs)
+    if not shapes or any(type(v) is not int or v < 0 for r in runs for v in r):
+        return f"epoch_samples is {runs!r}, not a list of [samples, per_round, epochs] counts"
+    if any(n < 1 or per_round < 1 or samples % per_round for samples, per_round, n in runs):
+        return f"epoch_samples is {runs!r}: an entry of no epochs or not in whole rounds"
+    finished = sum(n for _, _, n in runs)
     if finished != progress.epoch:
-        return f"epoch is {progress.epoch}, while epoch_steps records {finished} finished epochs"
-    before = sum(steps * epochs for steps, epochs in runs)
-    into = -(-progress.samples_in_epoch // saved.global_batch_size)
-    if before + into != progress.step:
+        return f"epoch is {progress.epoch}, while epoch_samples records {finished} finished epochs"
+    seen = sum(samples * n for samples, _, n in runs) + progress.samples_in_epoch
+    window = seen - progress.step * saved.global_batch_size
+    if window != 0 and not (progress.stopped and 0 < window < saved.global_batch_size):
         return (
-            f"samples_in_epoch is {progress.samples_in_epoch} at step {progress.step}: "
-            f"{into} steps of the saved plan's global batch {saved.global_batch_size} into epoch "
-            f"{progress.epoch}, after the {before} steps of the finished epochs (epoch_steps), "
-            f"make step {before + into}"
+            f"samples_in_epoch is {progress.samples_in_epoch} at step {progress.step}: with the "
+            f"finished epochs' (epoch_samples) that makes {seen} samples, where {progress.step} "
+            f"steps of the saved plan's global batch {saved.global_batch_size} take "
+            f"{progress.step * saved.global_batch_size}"
         )
     return None
 

@@ -119,7 +119,7 @@ class Run:
         self.output_dir, self.identity = Path(output_dir), identity
         self.total_steps = schedule.total_steps
         self.data_digests = data_digests  # each data file's digest, by name (None: too many)
-        self.id, self.progress = "", TrainProgress(epoch_steps=[])
+        self.id, self.progress = "", TrainProgress()
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
         self.resumed_state: dict[str, Any] | None = None  # this process's, from the checkpoint

@@ -34,6 +34,12 @@ from accel_common.export import (
 )
 
 
+def at_step(step: int) -> TrainProgress:
+    """A position `step` optimizer steps into the first epoch, at the tests' global batch of 8
+    (as the position's arithmetic requires: a step takes one global batch)."""
+    return TrainProgress(step=step, samples_in_epoch=8 * step)
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -214,7 +220,7 @@ def test_crash_during_save_keeps_previous_checkpoint_loadable(tmp_path, accelera
     with pytest.raises(
         CheckpointError, match=r"could not write \(disk full\) while saving step_10"
     ):
-        save_checkpoint(accelerator, tmp_path, TrainProgress(step=10), plan=plan)
+        save_checkpoint(accelerator, tmp_path, at_step(10), plan=plan)
     monkeypatch.undo()
 
     assert list_checkpoints(tmp_path) == [good]
@@ -228,7 +234,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, accelerator):
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
     for step in (1, 2, 3, 4):
-        save_checkpoint(accelerator, tmp_path, TrainProgress(step=step), plan=plan, keep_last=2)
+        save_checkpoint(accelerator, tmp_path, at_step(step), plan=plan, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"]
 
 
@@ -243,12 +249,10 @@ def test_ordered_dict_state_dicts_convert():
 def test_pruning_keeps_other_runs_checkpoints(tmp_path, accelerator):
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
-    theirs = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=640), plan=plan, run={"id": "old"}
-    )
+    theirs = save_checkpoint(accelerator, tmp_path, at_step(640), plan=plan, run={"id": "old"})
     for step in (100, 200, 300):
         save_checkpoint(
-            accelerator, tmp_path, TrainProgress(step=step), plan=plan, keep_last=2,
+            accelerator, tmp_path, at_step(step), plan=plan, keep_last=2,
             run={"id": "new"},
         )  # fmt: skip
     assert [p.name for p in list_checkpoints(tmp_path, "new")] == ["step_200", "step_300"]
@@ -261,7 +265,7 @@ def test_leftover_unfinished_saves_are_removed_by_the_next_save(tmp_path, accele
     leftover = tmp_path / "checkpoints" / "step_7.tmp"
     leftover.mkdir(parents=True)
     (leftover / "model.safetensors").write_bytes(b"\0" * 10)
-    save_checkpoint(accelerator, tmp_path, TrainProgress(step=9), plan=plan)
+    save_checkpoint(accelerator, tmp_path, at_step(9), plan=plan)
     assert not leftover.exists()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_9"]
 
@@ -274,7 +278,7 @@ def test_a_checkpoint_whose_shapes_do_not_fit_names_the_weight(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     saver = Accelerator(cpu=True)
     saver.prepare(torch.nn.Linear(4, 3))
-    path = save_checkpoint(saver, tmp_path, TrainProgress(step=1), plan=plan)
+    path = save_checkpoint(saver, tmp_path, at_step(1), plan=plan)
     AcceleratorState._reset_state(reset_partial_state=True)
     loader = Accelerator(cpu=True)
     loader.prepare(torch.nn.Linear(4, 5))
@@ -420,11 +424,11 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(
     where torch.save or safetensors filled the disk (their errors are no OSError)."""
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
-    good = save_checkpoint(accelerator, tmp_path, TrainProgress(step=5), plan=plan)
+    good = save_checkpoint(accelerator, tmp_path, at_step(5), plan=plan)
     no_space = filling_the_disk(FULL_DISK_ERRORS[writer], monkeypatch)
     monkeypatch.setattr(accelerator, "save_state", no_space)
     with pytest.raises(CheckpointError) as error:
-        save_checkpoint(accelerator, tmp_path, TrainProgress(step=10), plan=plan)
+        save_checkpoint(accelerator, tmp_path, at_step(10), plan=plan)
     assert str(error.value).startswith(
         f"no space left on device while saving step_10; the last complete checkpoint is {good}"
     )

@@ -23,7 +23,7 @@ from accel_common.checkpoint_files import MANIFEST_FILE, load_state_file
 from accel_common.convert import convert_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.progress import position_problem
-from tests.test_checkpoint import Net
+from tests.test_checkpoint import Net, at_step
 from tests.test_checkpoint_safety import PLAN, Payload
 from tests.test_loop import run, train  # noqa: F401 (run: a fixture)
 
@@ -48,15 +48,15 @@ def forge(checkpoint: Path, edit) -> None:
 # ------------------------------------------------------------------- the position's arithmetic
 
 
-def test_a_run_records_each_epochs_steps(run, tmp_path):  # noqa: F811
-    """5 optimizer steps an epoch (the fixture's toy run): the record at step 8 says one finished
-    epoch of 5 steps and 3 steps' samples into the second."""
+def test_a_run_records_each_epochs_samples(run, tmp_path):  # noqa: F811
+    """The fixture's toy run: epochs of 10 micro-batches of 2 samples, 2 per optimizer step. The
+    record at step 8 says one finished epoch of 20 samples and 12 samples into the second."""
     accelerator, model, optimizer, loop, _ = run()
     train(accelerator, model, optimizer, loop)
     record = json.loads((tmp_path / "checkpoints" / "step_8" / "progress.json").read_text())
     progress = record["progress"]
     assert (progress["epoch"], progress["samples_in_epoch"]) == (1, 12)
-    assert progress["epoch_steps"] == [[5, 1]]
+    assert progress["epoch_samples"] == [[20, 2, 1]]
     assert record["manifest_format"] == 1
 
 
@@ -65,11 +65,13 @@ def test_a_run_records_each_epochs_steps(run, tmp_path):  # noqa: F811
     [
         ({"samples_in_epoch": 0}, "samples_in_epoch is 0 at step 8"),  # replays 3 steps' data
         ({"samples_in_epoch": 16}, "samples_in_epoch is 16 at step 8"),  # skips one step's
-        ({"epoch": 0, "epoch_steps": []}, "samples_in_epoch is 12 at step 8"),
-        ({"epoch": 2}, "epoch is 2, while epoch_steps records 1 finished epochs"),
-        ({"epoch_steps": [[3, 1]]}, "samples_in_epoch is 12 at step 8"),
-        ({"epoch_steps": [[5, 0]]}, "epoch_steps is"),
-        ({"epoch_steps": "5"}, "epoch_steps is"),
+        ({"epoch": 0, "epoch_samples": []}, "samples_in_epoch is 12 at step 8"),
+        ({"epoch_samples": [[16, 2, 1]]}, "samples_in_epoch is 12 at step 8"),
+        ({"epoch": 2}, "epoch is 2, while epoch_samples records 1 finished epochs"),
+        ({"epoch_samples": None}, "epoch_samples is missing, though this save recorded it"),
+        ({"epoch_samples": [[20, 2, 0]]}, "epoch_samples is"),
+        ({"epoch_samples": [[21, 2, 1]]}, "epoch_samples is"),  # not whole rounds
+        ({"epoch_samples": "5"}, "epoch_samples is"),
     ],
 )
 def test_a_forged_position_is_refused_naming_the_field(run, tmp_path, edit, field):  # noqa: F811
@@ -84,34 +86,49 @@ def test_a_forged_position_is_refused_naming_the_field(run, tmp_path, edit, fiel
     assert "\n" not in message
 
 
-def test_a_position_past_the_end_of_its_epoch_is_refused_before_training(run, tmp_path):  # noqa: F811
-    """epoch 0 at step 8 with 8 steps' samples: its arithmetic holds, but epoch 0 has 5 steps
-    (10 micro-batches): resuming would start epoch 1 early, so the loop refuses it."""
+@pytest.mark.parametrize(
+    ("edit", "refusal"),
+    [  # each adds up to step 8's 32 samples, but no pass over this data reaches it
+        ({"epoch": 0, "epoch_samples": [], "samples_in_epoch": 32}, "samples_in_epoch 32 is past"),
+        (
+            {"epoch": 2, "epoch_samples": [[16, 2, 2]], "samples_in_epoch": 0},  # skips epoch 1
+            "epoch_samples records an epoch of 16 samples in rounds of 2, while an epoch of this "
+            "data is 20",
+        ),
+        ({"epoch_samples": [[24, 2, 1]], "samples_in_epoch": 8}, "an epoch of 24 samples"),
+    ],
+)
+def test_a_position_no_pass_over_the_data_reaches_is_refused(run, tmp_path, edit, refusal):  # noqa: F811
     accelerator, model, optimizer, loop, _ = run()
     train(accelerator, model, optimizer, loop)
     checkpoint = tmp_path / "checkpoints" / "step_8"
-    forge(checkpoint, lambda p: p.update(epoch=0, epoch_steps=[], samples_in_epoch=32))
+    forge(checkpoint, lambda progress: progress.update(edit))
     accelerator, model, optimizer, loop, _ = run(resume=str(checkpoint), overwrite_later=True)
-    with pytest.raises(CheckpointError, match=r"samples_in_epoch 32 is past the end of epoch 0"):
+    with pytest.raises(CheckpointError, match=refusal) as refused:
         train(accelerator, model, optimizer, loop)
+    assert loop.step == 8 and "\n" not in str(refused.value)
 
 
-def test_finish_epoch_records_the_steps_each_epoch_took():
-    """Counted, not derived from the samples: a loader whose end closes no accumulation window
-    (windows of 3 micro-batches of 2 samples, 16 micro-batches an epoch) carries a micro-batch
-    into the next epoch, whose first step comes one micro-batch early."""
-    plan = plan_batch(1, per_device_batch_size=2, grad_accum_steps=3)
-    progress, micro = TrainProgress(epoch_steps=[]), 0
-    for _ in range(3):
-        for _ in range(16):
-            micro += 1
+def test_finish_epoch_records_each_epochs_samples_and_the_arithmetic_holds_at_every_step():
+    """Windows of 3 micro-batches of 2 samples carry across epochs of 16 micro-batches (no
+    window is closed early), so an epoch's first step may take a micro-batch of the epoch
+    before; after a change to 2 processes (same global batch) epochs are 18 samples long."""
+    one = plan_batch(1, per_device_batch_size=2, grad_accum_steps=3)
+    progress, seen = TrainProgress(epoch_samples=[]), 0
+    for plan, micro_batches in ((one, 16), (one, 16), (one, 16)):
+        for _ in range(micro_batches):
             progress.samples_in_epoch += 2
-            if micro % 3 == 0:  # a step: where a save records the position
+            seen += 2
+            if seen % 6 == 0:  # a step: where a save records the position
                 progress.step += 1
                 assert position_problem(progress, plan) is None, progress
-        progress.finish_epoch()
-    assert progress.epoch_steps == [[5, 2], [6, 1]] and progress.epoch == 3
-    assert TrainProgress(step=3, samples_in_epoch=0).epoch_steps is None  # not recorded: no check
+        progress.finish_epoch(plan)
+    assert progress.epoch_samples == [[32, 2, 3]] and progress.epoch == 3
+    assert progress.data_problem(32, 2) is None
+    assert "an epoch of 32 samples" in progress.data_problem(34, 2)
+    assert progress.data_problem(34, 6) is None  # another launch: padded by less than a round
+    unrecorded = TrainProgress(step=3, samples_in_epoch=0, epoch_samples=None)  # an older save
+    assert position_problem(unrecorded, one) is None
 
 
 # ------------------------------------------------------------------- step folders no save wrote
@@ -184,7 +201,7 @@ def test_a_linked_unfinished_save_is_removed_without_following_it(run, tmp_path)
 
 def saved_folder(accelerator, root: Path) -> Path:
     accelerator.prepare(Net())
-    return save_checkpoint(accelerator, root, TrainProgress(step=1), plan=PLAN)
+    return save_checkpoint(accelerator, root, at_step(1), plan=PLAN)
 
 
 def test_convert_refuses_a_file_the_manifest_does_not_list(tmp_path, accelerator):
@@ -295,3 +312,58 @@ def test_a_linked_folder_in_the_output_dir_is_refused_before_training(run, tmp_p
     assert message.startswith(f"{out / name} is a symbolic link (to {elsewhere})"), message
     assert [p.name for p in elsewhere.iterdir()] == ["model.safetensors"]
     assert (elsewhere / "model.safetensors").read_text() == "theirs"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_convert_never_reads_a_progress_record_that_is_no_file(tmp_path, accelerator, kind):
+    """A FIFO would block convert forever, a link to /dev/zero read without end."""
+    path = saved_folder(accelerator, tmp_path / "run")
+    (path / "progress.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(path / "progress.json")
+    else:
+        (path / "progress.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"progress\.json is (a FIFO|a symbolic link)"):
+        convert_checkpoint(path, tmp_path / "out")
+
+
+def test_convert_of_a_fifo_is_one_line_without_reading_it(tmp_path):
+    os.mkfifo(tmp_path / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"weights\.safetensors is a FIFO \(named pipe\)"):
+        convert_checkpoint(tmp_path / "weights.safetensors", tmp_path / "out")
+
+
+def test_convert_into_its_own_checkpoint_is_refused(tmp_path, accelerator):
+    path = saved_folder(accelerator, tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"is inside the checkpoint"):
+        convert_checkpoint(path, path / "out")
+    assert not (path / "out").exists()
+
+
+def test_a_checkpoints_entry_that_is_a_file_is_refused_before_training(run, tmp_path):  # noqa: F811
+    """It used to train from step 0, then fail at the first save advising --resume latest."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").write_text("kept")
+    with pytest.raises(CheckpointError, match=r"checkpoints is not a folder"):
+        run(out=tmp_path / "out", resume="latest")
+    assert (tmp_path / "out" / "checkpoints").read_text() == "kept"
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda m: m.update(files=[]), r"TypeError: 'files' is no record of files"),
+        (
+            lambda m: m["files"]["model.safetensors"].update(size="7133"),
+            r"TypeError: the entry of model\.safetensors is no size and SHA-256",
+        ),
+    ],
+)
+def test_a_malformed_manifest_names_what_is_wrong(tmp_path, accelerator, edit, reason):
+    path = saved_folder(accelerator, tmp_path / "run")
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    edit(manifest)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    unreadable = rf"manifest\.json is unreadable or was edited \({reason}"
+    with pytest.raises(CheckpointError, match=unreadable):
+        load_checkpoint(accelerator, path, PLAN)

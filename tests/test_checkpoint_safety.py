@@ -55,7 +55,7 @@ def saved_checkpoint(accelerator, root: Path, progress: TrainProgress | None = N
     optimizer.step()  # no gradients: nothing changes, but torch wants it before the scheduler
     for _ in range(STEP):
         scheduler.step()
-    progress = progress or TrainProgress(step=STEP, samples_in_epoch=16)
+    progress = progress or TrainProgress(step=STEP, samples_in_epoch=8 * STEP)
     return save_checkpoint(accelerator, root, progress, plan=PLAN)
 
 
@@ -266,7 +266,7 @@ def test_a_link_or_special_file_in_a_checkpoint_is_named_as_such(tmp_path, accel
 # the fault-injection pass's edits of progress.json, each once with the manifest kept (the edit
 # differs from the save's record) and once removed (the record contradicts itself)
 EDITS = {
-    "step 25 in step_5": (lambda p: p.update(step=25), "step is 25"),
+    "step 25 in step_5": (lambda p: p.update(step=25), "(step is 25|at step 25)"),
     "epoch -1": (lambda p: p.update(epoch=-1), "epoch is -1"),
     "negative loss count": (
         lambda p: p["loss_sums"]["epoch"].update(counts=[-3.0]),
@@ -287,7 +287,7 @@ def test_an_edited_progress_record_is_refused_naming_the_field(
     sums = {"sums": [1.0], "counts": [2.0]}
     progress = TrainProgress(
         step=STEP,
-        samples_in_epoch=16,
+        samples_in_epoch=8 * STEP,
         loss_sums={"window": sums, "epoch": dict(sums), "last_epoch": None},
     )
     path = saved_checkpoint(accelerator, tmp_path / "run", progress)
@@ -308,7 +308,7 @@ def test_a_step_edited_with_its_folder_is_caught_by_the_scheduler(tmp_path, acce
     count (another file) still says step 5."""
     path = saved_checkpoint(accelerator, tmp_path / "run")
     (path / MANIFEST_FILE).unlink()
-    edit_progress(path, lambda p: p.update(step=25))
+    edit_progress(path, lambda p: p.update(step=25, samples_in_epoch=8 * 25))  # adds up
     moved = path.rename(path.with_name("step_25"))
     with pytest.raises(CheckpointError, match=r"custom_checkpoint_0\.pkl: the LR scheduler is at"):
         load_checkpoint(accelerator, moved, PLAN, allow_unverified=True)

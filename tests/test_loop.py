@@ -247,7 +247,7 @@ def forget_loss_sums(checkpoint: Path) -> None:
     """Make `checkpoint` look like one saved before the running loss sums were stored (and so
     before manifests and the record of each epoch's steps): it resumes --allow-unverified."""
     record = json.loads((checkpoint / "progress.json").read_text())
-    del record["progress"]["loss_sums"], record["progress"]["epoch_steps"]
+    del record["progress"]["loss_sums"], record["progress"]["epoch_samples"]
     del record["manifest_format"]
     (checkpoint / "progress.json").write_text(json.dumps(record))
     (checkpoint / "manifest.json").unlink()

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from accel_common.batching import plan_batch
 from accel_common.checkpoint import (
-    TrainProgress,
     list_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -25,7 +24,7 @@ from tests.processes import run_recipe
 from tests.recipes.template.conftest import finished_run  # noqa: F401 (a fixture)
 from tests.recipes.template.helpers import digest
 from tests.results import exported_params
-from tests.test_checkpoint import Net
+from tests.test_checkpoint import Net, at_step
 from tests.test_loop import run, train  # noqa: F401 (run: a fixture)
 from tests.test_resume import snapshot, template_run
 
@@ -49,7 +48,7 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(finished_run, template_dat
 def test_corrupt_checkpoint_is_refused_with_advice(tmp_path, accelerator):
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
-    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1), plan=plan)
+    path = save_checkpoint(accelerator, tmp_path, at_step(1), plan=plan)
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:50])
     with pytest.raises(CheckpointError, match="truncated or was changed after the save"):
@@ -62,7 +61,7 @@ def test_corrupt_checkpoint_is_refused_with_advice(tmp_path, accelerator):
 def test_resume_with_another_global_batch_is_refused(tmp_path, accelerator):
     accelerator.prepare(Net())
     path = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=1), plan=plan_batch(1, global_batch_size=8)
+        accelerator, tmp_path, at_step(1), plan=plan_batch(1, global_batch_size=8)
     )
     with pytest.raises(CheckpointError, match="pass --bs 8"):
         load_checkpoint(
@@ -80,7 +79,7 @@ def test_resume_path_without_progress_is_refused(tmp_path):
 def test_resume_past_the_end_of_a_shorter_schedule_is_refused(tmp_path, accelerator):
     accelerator.prepare(Net())
     plan = plan_batch(1, global_batch_size=8)
-    path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1400), plan=plan)
+    path = save_checkpoint(accelerator, tmp_path, at_step(1400), plan=plan)
     with pytest.raises(CheckpointError, match=r"at optimizer step 1400, past the 640 steps"):
         load_checkpoint(accelerator, path, plan, accept=RunCheck(plan, total_steps=640))
 
@@ -90,7 +89,7 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, accele
     plan = plan_batch(1, global_batch_size=8)
     saved = {"recipe": "template", "epochs": 20, "hidden": 64, "lr": 0.003}
     path = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        accelerator, tmp_path, at_step(64), plan=plan,
         run={"id": "abc", "identity": saved},
     )  # fmt: skip
     now = {**saved, "epochs": 100, "hidden": 128}
@@ -111,7 +110,7 @@ def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, acceler
     plan = plan_batch(1, global_batch_size=8)
     saved = {"recipe": "template", "hidden": 64, "data_fingerprint": "read-sha256:aaaa"}
     path = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=64), plan=plan,
+        accelerator, tmp_path, at_step(64), plan=plan,
         run={"id": "abc", "identity": saved},
     )  # fmt: skip
     now = {**saved, "data_fingerprint": "read-sha256:bbbb"}
@@ -121,13 +120,13 @@ def test_a_checkpoint_of_other_data_is_refused_naming_the_data(tmp_path, acceler
     # cannot be compared with one of the files read
     for step, earlier in ((65, "0123456789abcdef"), (66, "sha256:0123456789abcdef")):
         old = save_checkpoint(
-            accelerator, tmp_path, TrainProgress(step=step), plan=plan,
+            accelerator, tmp_path, at_step(step), plan=plan,
             run={"id": "abc", "identity": {**saved, "data_fingerprint": earlier}},
         )  # fmt: skip
         assert load_checkpoint(accelerator, old, plan, accept=RunCheck(plan, now))[0].step == step
     # with each file's digest recorded, the refusal names the files that differ
     listed = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=67), plan=plan,
+        accelerator, tmp_path, at_step(67), plan=plan,
         run={"id": "abc", "identity": saved, "data_files": {"a.csv": "1", "b.csv": "2"}},
     )  # fmt: skip
     digests = {"a.csv": "1", "b.csv": "3", "/elsewhere/c.png": "4"}
@@ -146,7 +145,7 @@ def test_another_recipes_checkpoint_is_refused_naming_the_recipe_before_the_batc
     accelerator.prepare(Net())
     saved = {"recipe": "pointcloud", "width": 16, "global_batch_size": 8}
     path = save_checkpoint(
-        accelerator, tmp_path, TrainProgress(step=45), plan=plan_batch(1, global_batch_size=8),
+        accelerator, tmp_path, at_step(45), plan=plan_batch(1, global_batch_size=8),
         run={"id": "abc", "identity": saved},
     )  # fmt: skip
     now = {"recipe": "template", "hidden": 64, "global_batch_size": 64}

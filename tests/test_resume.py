@@ -154,7 +154,7 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(tmp_p
     record = json.loads(progress_file.read_text())
     for newer in ("hold_epochs", "decay_per_epoch"):  # as a checkpoint saved before they existed
         del record["run"]["identity"][newer]
-    del record["manifest_format"], record["progress"]["epoch_steps"]  # which were later too
+    del record["manifest_format"], record["progress"]["epoch_samples"]  # which were later too
     progress_file.write_text(json.dumps(record))
     (checkpoint / "manifest.json").unlink()
     args.append("--allow-unverified")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from accel_common.batching import plan_batch
-from accel_common.checkpoint import TrainProgress, load_checkpoint, save_checkpoint
+from accel_common.checkpoint import load_checkpoint, save_checkpoint
 from accel_common.errors import CheckpointError
 from accel_common.export import load_exported
 from accel_common.sharding import keeping_ties_whole, without_containers
@@ -23,6 +23,7 @@ from accel_common.ties import TIES_FILE
 from accel_common.tools.cli import app
 from tests.processes import REPO, run_recipe
 from tests.results import max_relative_difference
+from tests.test_checkpoint import at_step
 from tests.test_sharded import TOLERANCE, launch_fsdp
 from tests.tied_model import TiedGPT
 
@@ -51,7 +52,7 @@ def test_a_save_records_the_tie_warns_nothing_and_converts_to_every_name(
         accelerator.save_state(str(tmp_path / "plain"))  # Accelerate alone: its warning
         assert REMOVED in caplog.text
         caplog.clear()
-        path = save_checkpoint(accelerator, tmp_path, TrainProgress(step=1), plan=plan)
+        path = save_checkpoint(accelerator, tmp_path, at_step(1), plan=plan)
     assert REMOVED not in caplog.text
     assert HEAD not in load_file(str(path / "model.safetensors"))  # safetensors: one name
     assert json.loads((path / TIES_FILE).read_text()) == {"models": {"0": [[EMBEDDING, HEAD]]}}
