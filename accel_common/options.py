@@ -22,6 +22,7 @@ from accel_common.batchnorm import sync_batchnorm
 from accel_common.checkpoint_files import ALLOW_UNVERIFIED_HELP
 from accel_common.compilation import COMPILE_HELP, requested_compilation
 from accel_common.data import loaders
+from accel_common.deprecation import moved_attribute, warn_deprecated
 from accel_common.errors import ConfigError
 from accel_common.loop import TrainLoop
 from accel_common.lr import (
@@ -82,10 +83,7 @@ class SharedSettings(Settings):
         adjustable=True,  # the global batch it gives is part of the identity, recorded apart
     )
     per_device_bs: int | None = setting(
-        None,
-        BATCH_FLAG_HELP["per_device_bs"],
-        min=1,
-        adjustable=True,
+        None, BATCH_FLAG_HELP["per_device_bs"], min=1, adjustable=True
     )
     max_per_device_bs: int | None = setting(
         None,
@@ -252,10 +250,7 @@ class SharedSettings(Settings):
         0, "DataLoader worker processes per training process.", min=0, adjustable=True
     )
     log_every: int = setting(
-        50,
-        "Log loss, LR, grad norm and samples/s every N optimizer steps.",
-        min=1,
-        adjustable=True,
+        50, "Log loss, LR, grad norm and samples/s every N optimizer steps.", min=1, adjustable=True
     )
     save_every: int = setting(
         0,
@@ -371,18 +366,13 @@ class SharedSettings(Settings):
     ) -> tuple[Accelerator, BatchPlan]:
         """The Accelerator and batch plan these flags ask for (accelerator.make_accelerator)."""
         return accel_common.accelerator.make_accelerator(
-            output_dir=self.output_dir,
-            batch=self.batch_request,
+            output_dir=self.output_dir, batch=self.batch_request,
             mixed_precision=self.mixed_precision.value if self.mixed_precision else None,
-            cpu=self.cpu,
-            report_to=self.report_to,
-            dist_timeout=self.dist_timeout,
-            seed=self.seed,
-            deterministic=self.deterministic,
-            kwargs_handlers=kwargs_handlers,
+            cpu=self.cpu, report_to=self.report_to, dist_timeout=self.dist_timeout,
+            seed=self.seed, deterministic=self.deterministic, kwargs_handlers=kwargs_handlers,
             matmul_precision=self.matmul_precision.value if self.matmul_precision else None,
             ddp_static_graph=self.ddp_static_graph,
-        )
+        )  # fmt: skip
 
     def make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any
@@ -403,6 +393,11 @@ class SharedSettings(Settings):
         if compilation is not None:
             compilation.apply(model)
 
+    def compile_model(self, model: torch.nn.Module) -> None:
+        """adapt_model's name before 0.2.0, kept so that older recipes run (DeprecationWarning)."""
+        warn_deprecated("SharedSettings.compile_model", "SharedSettings.adapt_model")
+        self.adapt_model(model)
+
     def make_train_loader(
         self,
         dataset: Dataset,
@@ -415,15 +410,9 @@ class SharedSettings(Settings):
         (one per item), each step's items balanced over processes by cost; with `replacement`,
         each epoch's items drawn with replacement (iteration-sampled training)."""
         return loaders.make_train_loader(
-            dataset,
-            plan.per_device_batch_size,
-            seed=self.seed,
-            workers=self.workers,
-            collate_fn=collate_fn,
-            costs=costs,
-            plan=plan,
-            replacement=replacement,
-        )
+            dataset, plan.per_device_batch_size, seed=self.seed, workers=self.workers,
+            collate_fn=collate_fn, costs=costs, plan=plan, replacement=replacement,
+        )  # fmt: skip
 
     def make_lr_schedule(
         self,
@@ -498,3 +487,12 @@ class SharedSettings(Settings):
 def merged(settings: list[Settings], method: str) -> dict[str, Any]:
     """One dict of every Settings object's `method()` (as_config, default_config)."""
     return {k: v for s in settings for k, v in getattr(s, method)().items()}
+
+
+# names that moved out in 0.2.0, and where to: their old path here still works (__getattr__)
+MOVED = dict.fromkeys(("model_option", "train_command"), "accel_common.command")
+
+
+def __getattr__(name: str) -> Any:
+    """A name that moved out of this module, found in its new one with a DeprecationWarning."""
+    return moved_attribute(__name__, name, MOVED)

@@ -1,0 +1,107 @@
+"""Stable across versions: a name that moved keeps its old path for at least one minor version,
+with a DeprecationWarning naming the new one at the user's line (a recipe copied from an earlier
+version still trains after `git pull`)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import accel_common.command
+from accel_common.options import SharedSettings
+from tests.processes import TEMPLATE, recipe_env
+
+NEW_IMPORT = "from accel_common.command import model_option, train_command\n"
+OLD_IMPORT = "from accel_common.options import model_option, train_command\n"
+
+
+def only_warning(record: pytest.WarningsRecorder) -> warnings.WarningMessage:
+    """The one DeprecationWarning recorded: a second would be a shim warning twice."""
+    deprecations = [w for w in record if issubclass(w.category, DeprecationWarning)]
+    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
+    return deprecations[0]
+
+
+@pytest.mark.parametrize("name", ["model_option", "train_command"])
+def test_a_name_that_left_options_imports_from_there_with_a_warning(name):
+    with pytest.warns(DeprecationWarning, match=rf"use accel_common\.command\.{name}\b") as record:
+        found = getattr(importlib.import_module("accel_common.options"), name)
+    assert found is getattr(accel_common.command, name)
+    assert only_warning(record).filename == __file__  # the user's line, not the shim's
+
+
+def test_the_old_from_import_of_options_works_and_points_at_the_importing_line():
+    with pytest.warns(DeprecationWarning) as record:
+        from accel_common.options import model_option, train_command
+    assert model_option is accel_common.command.model_option
+    assert train_command is accel_common.command.train_command
+    messages = sorted(str(w.message) for w in record)
+    assert [m.split(" is deprecated")[0] for m in messages] == [
+        "accel_common.options.model_option",
+        "accel_common.options.train_command",
+    ]
+    assert {w.filename for w in record} == {__file__}
+
+
+def test_a_name_that_never_was_in_options_is_still_an_import_error():
+    with pytest.raises(ImportError, match="cannot import name 'nothing_here'"):
+        from accel_common.options import nothing_here  # noqa: F401
+
+
+def test_compile_model_is_adapt_model_with_a_warning(monkeypatch):
+    adapted = []
+    monkeypatch.setattr(SharedSettings, "adapt_model", lambda self, model: adapted.append(model))
+    model = torch.nn.Linear(2, 1)
+    with pytest.warns(DeprecationWarning, match=r"use SharedSettings\.adapt_model") as record:
+        SharedSettings().compile_model(model)
+    assert adapted == [model]
+    assert only_warning(record).filename == __file__
+
+
+def test_the_crystal_api_at_its_old_path_is_the_one_beside_the_script():
+    import recipes.crystal.api as old
+    from recipes import crystal_api
+
+    with pytest.warns(DeprecationWarning, match=r"use recipes\.crystal_api\.train_from_extxyz"):
+        from recipes.crystal.api import train_from_extxyz
+    assert train_from_extxyz is crystal_api.train_from_extxyz
+    for name in old.MOVED:
+        with pytest.warns(DeprecationWarning, match=rf"use recipes\.crystal_api\.{name}\b"):
+            assert getattr(old, name) is getattr(crystal_api, name)
+    with pytest.raises(AttributeError, match="has no attribute 'torch'"):
+        old.torch  # noqa: B018 (only what the old module defined, not crystal_api's imports)
+
+
+@pytest.mark.slow
+def test_a_recipe_written_against_the_previous_layout_trains_with_warnings(tmp_path):
+    """The template as a user copied it before 0.2.0: model_option and train_command from
+    accel_common.options, args.compile_model; it trains on its example data and says what
+    moved."""
+    text = TEMPLATE.read_text()
+    assert text.count(NEW_IMPORT) == 1 and text.count("args.adapt_model(model)") == 1
+    old = text.replace(NEW_IMPORT, OLD_IMPORT).replace("args.adapt_model(", "args.compile_model(")
+    script = tmp_path / "train_mine.py"
+    script.write_text(old)
+    env = {**recipe_env(tmp_path), "PYTHONWARNINGS": "default::DeprecationWarning"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--epochs", "1", "--max-steps", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "runs" / "template" / "model" / "model.safetensors").is_file()
+    for old_path, new_path in [
+        ("accel_common.options.model_option", "accel_common.command.model_option"),
+        ("accel_common.options.train_command", "accel_common.command.train_command"),
+        ("SharedSettings.compile_model", "SharedSettings.adapt_model"),
+    ]:
+        assert f"DeprecationWarning: {old_path} is deprecated: use {new_path}" in result.stderr
+    assert f"{script}:" in result.stderr  # each warning points at the recipe's own line
