@@ -1,20 +1,25 @@
 """Stable across versions: a name that moved keeps its old path for at least one minor version,
 with a DeprecationWarning naming the new one at the user's line (a recipe copied from an earlier
-version still trains after `git pull`)."""
+version still trains after `git pull`); `accel-recipes --version` names the CHANGELOG's newest
+version."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import accel_common.command
+import accel_common.tools.cli as cli
 from accel_common.options import SharedSettings
-from tests.processes import TEMPLATE, recipe_env
+from tests.processes import REPO, TEMPLATE, recipe_env
 
 NEW_IMPORT = "from accel_common.command import model_option, train_command\n"
 OLD_IMPORT = "from accel_common.options import model_option, train_command\n"
@@ -105,3 +110,26 @@ def test_a_recipe_written_against_the_previous_layout_trains_with_warnings(tmp_p
     ]:
         assert f"DeprecationWarning: {old_path} is deprecated: use {new_path}" in result.stderr
     assert f"{script}:" in result.stderr  # each warning points at the recipe's own line
+
+
+def newest_changelog_version() -> str:
+    text = (REPO / "CHANGELOG.md").read_text()
+    found = re.search(r"^## (\d+\.\d+\.\d+)\b", text, re.M)
+    assert found, "CHANGELOG.md has no `## X.Y.Z` heading"
+    return found.group(1)
+
+
+def test_version_is_the_changelogs_newest(monkeypatch):
+    # an editable install's metadata keeps the version it was installed at: the checkout wins
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.0")
+    result = CliRunner().invoke(cli.app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"accel-recipes {newest_changelog_version()}\n"
+
+
+def test_version_outside_a_checkout_is_the_installed_distributions(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)  # no pyproject.toml: installed from a wheel
+    monkeypatch.setattr(importlib.metadata, "version", {"accel-recipes": "9.9.9"}.__getitem__)
+    result = CliRunner().invoke(cli.app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == "accel-recipes 9.9.9\n"

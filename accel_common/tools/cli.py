@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import re
 from pathlib import Path
@@ -45,6 +46,39 @@ console = Console()
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "recipes" / "train_template.py"
 GUIDE_REF_BS, GUIDE_REF_LR = 32, 1e-3  # `plan` without flags
+
+
+def version() -> str:
+    """This code's version: its checkout's pyproject.toml where it runs from one (an editable
+    install's metadata keeps the version it was installed at, not the last `git pull`'s), else
+    the installed distribution's."""
+    pyproject = REPO_ROOT / "pyproject.toml"
+    # a regular expression, not tomllib (Python 3.11+): the line is ours and kept this simple
+    if pyproject.is_file() and (
+        found := re.search(r'^version = "(.+)"$', pyproject.read_text(), re.M)
+    ):
+        return found.group(1)
+    return importlib.metadata.version("accel-recipes")
+
+
+def print_version(value: bool) -> None:
+    """`--version`: eager, so it answers before Typer asks for a command."""
+    if value:
+        typer.echo(f"accel-recipes {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    _version: bool = typer.Option(
+        False,
+        "--version",
+        callback=print_version,
+        is_eager=True,
+        help="Print the version (CHANGELOG.md says what changed in it) and exit.",
+    ),
+) -> None:
+    """Tools for the accel-recipes training recipes."""
 
 
 def batch_option(name: str, default: int | None = None) -> Any:
