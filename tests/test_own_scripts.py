@@ -21,6 +21,7 @@ accelerator = Accelerator()
 ones = torch.tensor([accelerator.process_index + 1.0], device=accelerator.device)
 total = accelerator.reduce(ones, reduction="sum").item()
 print(f"process {accelerator.process_index} of {accelerator.num_processes}: sum {total:g}")
+accelerator.end_training()  # as Accelerate's examples end: gloo may abort at exit without it
 """
 
 
