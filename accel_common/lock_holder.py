@@ -46,7 +46,15 @@ def describe_holder(fd: int, wait_s: float = 2.0) -> str:
     return said
 
 
+def folder_holder(fd: int) -> str:
+    """Who holds the flock on the folder open as `fd`: 'pid 1234 on this host: COMMAND', from
+    /proc/locks (a folder holds no record of its own)."""
+    holders = _flock_holders(fd)
+    return _process(holders[0]) if holders else "a process this host does not list"
+
+
 def _short(command: str) -> str:
+    command = " ".join(command.split())  # one line, whatever a `python -c` script holds
     return command if len(command) <= 100 else command[:97] + "..."
 
 

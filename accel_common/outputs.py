@@ -41,7 +41,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from accel_common.errors import CheckpointError, DataError
-from accel_common.lock_holder import alive, describe_holder
+from accel_common.lock_holder import alive, describe_holder, folder_holder
 
 LOCK_FILE = ".lock"
 # errors of a write that failed for want of room (a full disk, a quota, a file size limit)
@@ -97,20 +97,23 @@ def lock_folder(output_dir: Path) -> str | None:
     held = _held.get(path)
     if held is not None and _same_file(held, path):
         return None
+    folder = _lock_the_folder(output_dir.absolute())
+    if isinstance(folder, str):
+        return folder
     fd = _open_output(path, os.O_RDWR)
     if isinstance(fd, str):
+        _close(folder)
         return fd
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = describe_holder(fd)
         os.close(fd)
-        return (
-            f"{output_dir} is in use by another run ({holder}): wait for it to finish, or "
-            "choose another --output-dir"
-        )
+        _close(folder)
+        return _in_use(output_dir, holder)
     except OSError as err:  # a filesystem without locks (NFSv3 without lockd, Lustre noflock)
         os.close(fd)
+        _close(folder)
         print(
             f"warning: {output_dir}: its filesystem takes no locks ({err.strerror}); nothing "
             "stops a second run from writing into it",
@@ -122,8 +125,41 @@ def lock_folder(output_dir: Path) -> str | None:
     os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
     if held is not None:  # the folder was moved aside (--overwrite): its old lock goes too
         os.close(held)
+    _close(_held.pop(output_dir.absolute(), None))
     _held[path] = fd
+    if folder is not None:
+        _held[output_dir.absolute()] = folder
     return None
+
+
+def _lock_the_folder(output_dir: Path) -> int | str | None:
+    """The folder itself locked as well (its descriptor), or why not (another run holds it), or
+    None where its filesystem takes no folder locks (NFS: the lock file alone then). A .lock
+    removed or replaced by another file while a run lives would let a second run lock the new
+    one; the folder cannot be swapped under a run (moved aside, its lock moves with it)."""
+    fd = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = folder_holder(fd)
+        os.close(fd)
+        return _in_use(output_dir, holder)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _in_use(output_dir: Path, holder: str) -> str:
+    return (
+        f"{output_dir} is in use by another run ({holder}): wait for it to finish, or choose "
+        "another --output-dir"
+    )
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 _REMOVE_IT = "remove it (or choose another --output-dir) and run again"

@@ -130,7 +130,8 @@ def test_a_run_with_a_linked_lock_is_refused_before_training(tmp_path, template_
 
 def test_a_stale_record_in_the_lock_is_not_named_as_its_holder(tmp_path: Path) -> None:
     """A .lock copied from a run that ended an hour ago, over the lock a live run holds: the
-    refusal names the live holder (the kernel's word), and says the record is not its."""
+    refusal names the live holder (the kernel's word, on the folder's lock first), never the
+    stale record; where only the file's lock decides, it says the record is not the holder's."""
     run = tmp_path / "run"
     holder = lock_in_another_process(run, hold_s=60)
     try:
@@ -141,10 +142,33 @@ def test_a_stale_record_in_the_lock_is_not_named_as_its_holder(tmp_path: Path) -
     finally:
         holder.kill()
         holder.wait()
-    assert refusal is not None
+    assert refusal is not None and "\n" not in refusal
     assert refusal.startswith(f"{run} is in use by another run (pid {holder.pid} on this host: ")
-    assert "the record inside its lock file, pid 999999999 on host" in refusal
-    assert "is not the holder's" in refusal
+    assert "999999999" not in refusal
+
+
+def test_a_stale_record_in_a_lock_file_is_never_named_as_its_holder(tmp_path: Path) -> None:
+    """The lock file's own refusal (a filesystem without folder locks): the record copied in is
+    said not to be the holder's."""
+    from accel_common.lock_holder import describe_holder
+
+    run = tmp_path / "run"
+    holder = lock_in_another_process(run, hold_s=60)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "None"
+        stale = {"pid": 999_999_999, "host": socket.gethostname(), "started": "an hour ago"}
+        (run / LOCK_FILE).write_text(json.dumps({**stale, "command": "train.py old"}))
+        fd = os.open(run / LOCK_FILE, os.O_RDONLY)
+        try:
+            said = describe_holder(fd)
+        finally:
+            os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert said.startswith(f"pid {holder.pid} on this host: ")
+    assert "the record inside its lock file, pid 999999999 on host" in said
+    assert "is not the holder's" in said
 
 
 # --------------------------------------------------------------------------- a run's other files

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -53,6 +54,27 @@ def lock_in_another_process(folder: Path, hold_s: float = 0.0) -> subprocess.Pop
         text=True,
         env=recipe_env(folder.parent),
     )
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_lock_file_removed_or_replaced_under_a_live_run_still_refuses(tmp_path, how) -> None:
+    """The fault-injection case: `rm .lock` (or a copy moved over it) while a run lived let a
+    second run lock the new file, --overwrite move the live run's folder, both write into one.
+    The folder itself is locked too, and its inode cannot be swapped."""
+    holder = lock_in_another_process(tmp_path / "run", hold_s=60)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "None"
+        lock = tmp_path / "run" / LOCK_FILE
+        lock.unlink()
+        if how == "replaced":
+            lock.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+        refusal = lock_folder(tmp_path / "run")
+        assert refusal is not None, "a second run took a live run's folder"
+        assert refusal.startswith(f"{tmp_path / 'run'} is in use by another run (pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_folder(tmp_path / "run") is None  # the holder is gone: the folder is free
 
 
 def test_the_lock_is_refused_to_another_process_naming_the_holder(tmp_path: Path) -> None:
