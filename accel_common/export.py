@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from accel_common.batching import BatchPlan
@@ -231,6 +231,18 @@ def export_model(
         path = write_export(state, out_dir, metadata)
     accelerator.wait_for_everyone()
     return path
+
+
+def intact_weights(path: Path) -> bool:
+    """Whether `path` is weights as an export writes them: a regular file (no link) whose
+    safetensors header reads."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with safe_open(path, framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
 
 
 def read_export_metadata(path: Path) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from accel_common.export import (
     META_FILE,
     MODEL_FILE,
     export_model,
+    intact_weights,
     read_export_metadata,
     write_export,
 )
@@ -254,8 +255,9 @@ class Run:
             values = self.config.values
             split_rng_streams(self.accelerator, values.get("seed", 0), values.get(ONE_STREAM))
             return
-        mine = (self.plan, self.identity, self.config, self.total_steps, data_dir)
-        check = RunCheck(*mine, self.data_digests)
+        check = RunCheck(
+            self.plan, self.identity, self.config, self.total_steps, data_dir, self.data_digests
+        )
         progress, run = load_checkpoint(
             self.accelerator, path, self.plan, accept=check, allow_unverified=start.allow_unverified
         )
@@ -271,11 +273,8 @@ class Run:
             say(self.accelerator, f"resuming with changed settings: {changed}")
         self.id = run.get("id") or broadcast_object_list([uuid.uuid4().hex[:12]])[0]
         self.progress, self.last_saved = progress, path
-        say(
-            self.accelerator,
-            f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, "
-            f"{progress.samples_in_epoch} samples into it",
-        )
+        where = f"step {progress.step}, epoch {progress.epoch}, {progress.samples_in_epoch} samples"
+        say(self.accelerator, f"resumed from {path}: {where} into it")
         self.finished_export = self._export_of_finished_run(progress, monitored)
         if self.finished_export is not None:
             say(
@@ -333,11 +332,11 @@ class Run:
     def _export_of_finished_run(self, progress: TrainProgress, monitored: bool) -> Path | None:
         """The export of a run that had finished when it was saved, if it is the one the loop's
         `finish` wrote: of its last step, or with a `monitor` the best epoch's with its final
-        metrics. One missing or unreadable is exported again. The main process decides."""
+        metrics. One missing or unreadable (a link, a file no safetensors) is exported again."""
         found = None
         finished = progress.step >= self.total_steps or progress.stopped
         folder = self.output_dir / "model"
-        if finished and self.accelerator.is_main_process and (folder / MODEL_FILE).is_file():
+        if finished and self.accelerator.is_main_process and intact_weights(folder / MODEL_FILE):
             try:
                 metadata = read_export_metadata(folder) if (folder / META_FILE).is_file() else {}
             except CheckpointError:

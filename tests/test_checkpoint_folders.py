@@ -367,3 +367,26 @@ def test_a_malformed_manifest_names_what_is_wrong(tmp_path, accelerator, edit, r
     unreadable = rf"manifest\.json is unreadable or was edited \({reason}"
     with pytest.raises(CheckpointError, match=unreadable):
         load_checkpoint(accelerator, path, PLAN)
+
+
+@pytest.mark.parametrize("broken", ["a link to a file elsewhere", "no safetensors"])
+def test_a_finished_runs_broken_export_is_written_again(run, tmp_path, broken):  # noqa: F811
+    """It used to be reported as 'unchanged' (a link to a text file, 8 bytes of garbage)."""
+    accelerator, model, optimizer, loop, _ = run()
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    weights = tmp_path / "model" / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.unlink()
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-theirs.txt"
+    elsewhere.write_text("theirs")
+    if broken == "no safetensors":
+        weights.write_bytes(b"garbage!")
+    else:
+        weights.symlink_to(elsewhere)
+    accelerator, model, optimizer, loop, _ = run(resume="latest")
+    assert loop.run.finished_export is None  # not taken for the finished run's export
+    train(accelerator, model, optimizer, loop)
+    loop.finish(model)
+    assert not weights.is_symlink() and weights.read_bytes() == intact
+    assert elsewhere.read_text() == "theirs"
