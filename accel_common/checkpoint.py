@@ -310,7 +310,7 @@ def _checked_before_loading(
         use="resume",
         warn=accelerator.is_main_process,
     )
-    check_progress(path, progress, saved_plan, manifest, MANIFEST_KEY in record)
+    check_progress(path, progress, saved_plan, manifest, allow_unverified)
     if manifest is not None:  # the main process hashes; the others check names and sizes
         verify_files(path, manifest, hashes=accelerator.is_main_process)
     run = record.get("run") or {}
@@ -371,13 +371,13 @@ def check_progress(
     progress: TrainProgress,
     saved: BatchPlan,
     manifest: dict[str, Any] | None,
-    current: bool,
+    allow_unverified: bool,
 ) -> None:
     """The progress record holds together, or it was edited or damaged: refused naming the
     field. Its fields equal the manifest's copy; counts are whole and not negative; sums are
     finite; the step is the folder's; the position is whole rounds of the saved batch plan and
-    its own arithmetic holds. `current`: the record says its save wrote a manifest, so it was
-    written by a version that records every field checked here (none may be missing)."""
+    its own arithmetic holds. A record without `epoch_samples` (older, or the field removed:
+    its position cannot be checked) only with `allow_unverified`."""
     where = path / PROGRESS_FILE
     if manifest is not None:
         now = {"progress": asdict(progress), "batch_plan": saved.as_dict()}
@@ -389,8 +389,12 @@ def check_progress(
                 "was edited or damaged: resume from an earlier step_N folder"
             )
     problem = progress_problem(progress, saved)
-    if problem is None and current and progress.epoch_samples is None:
-        problem = "epoch_samples is missing, though this save recorded it (manifest_format)"
+    if problem is None and progress.epoch_samples is None and not allow_unverified:
+        raise CheckpointError(
+            f"{where}: epoch_samples is missing (saved before version 0.2.0, or removed), so "
+            "where the run stands cannot be checked against its steps and its data; resume it "
+            "with --allow-unverified if you trust it"
+        )
     if problem is None and _STEP_DIR.match(path.name) and checkpoint_step(path) != progress.step:
         problem = f"step is {progress.step} in the folder of step {checkpoint_step(path)}"
     if problem is not None:

@@ -211,12 +211,15 @@ def convert_checkpoint(
     checkpoint folder this project saved is read only as its manifest vouches for it
     (`require_vouched`)."""
     require_export_target(target, force)
-    if Path(source).is_dir() and Path(target).resolve().is_relative_to(Path(source).resolve()):
+    source, folder = Path(source), checkpoint_folder(Path(source))
+    within = source if source.is_dir() else folder
+    if within is not None and Path(target).resolve().is_relative_to(within.resolve()):
         raise CheckpointError(
-            f"{target} is inside the checkpoint {source}, which would then hold a file its save "
+            f"{target} is inside the checkpoint {within}, which would then hold a file its save "
             "did not write: convert to a path outside it"
         )
-    require_vouched(Path(source), allow_unverified)
+    if folder is not None:
+        require_vouched(folder, allow_unverified)
     # the tied names a save_state file lacks (safetensors keeps one of them), restored
     state = restore_ties(read_state_dict(source, model_index), saved_ties(source, model_index))
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
@@ -224,18 +227,21 @@ def convert_checkpoint(
         return write_export(state, target, metadata)
 
 
-def require_vouched(source: Path, allow_unverified: bool) -> None:
-    """A checkpoint folder this project saved (one holding progress.json, manifest.json or
-    tied.json), or one of its files, is converted only if its manifest lists every file it holds
-    as saved: a tied.json added afterwards would export tensors the model does not have. One
-    without a manifest is refused unless `allow_unverified`. Other tools' folders carry no
-    manifest, and nothing of ours is read from them."""
+def checkpoint_folder(source: Path) -> Path | None:
+    """The checkpoint folder of this project's (one holding progress.json, manifest.json or
+    tied.json) that `source` is or lies in, or None: another tool's file or folder."""
     folder = source if source.is_dir() else source.parent
     if (folder / DCP_METADATA).is_file():  # FSDP's sharded model folder inside a checkpoint
         folder = folder.parent
     ours = (MANIFEST_FILE, PROGRESS_FILE, TIES_FILE)
-    if not any(os.path.lexists(folder / name) for name in ours):
-        return
+    return folder if any(os.path.lexists(folder / name) for name in ours) else None
+
+
+def require_vouched(folder: Path, allow_unverified: bool) -> None:
+    """A checkpoint folder of this project's is converted only if its manifest lists every file
+    it holds as saved: a tied.json added afterwards would export tensors the model does not
+    have. One without a manifest is refused unless `allow_unverified`. Other tools' folders
+    carry no manifest, and nothing of ours is read from them."""
     checkpoint_files(folder)  # regular files only: a FIFO or /dev/zero would never end
     try:
         record = json.loads((folder / PROGRESS_FILE).read_text())

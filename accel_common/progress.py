@@ -67,7 +67,7 @@ class TrainProgress:
             rounds = len(loader) if loader is not None else None
         except TypeError:  # an iterable dataset's loader: no length to check against
             rounds = None
-        problem = self.data_problem(rounds * per_round, per_round) if rounds is not None else None
+        problem = self.data_problem(rounds * per_round, plan) if rounds is not None else None
         if problem is not None:
             raise CheckpointError(
                 f"the checkpoint's {problem}: its record was edited or damaged (or the data "
@@ -75,11 +75,12 @@ class TrainProgress:
             )
         return self.samples_in_epoch // per_round
 
-    def data_problem(self, epoch_size: int, per_round: int) -> str | None:
+    def data_problem(self, epoch_size: int, plan: BatchPlan) -> str | None:
         """What in the position no pass over this data could reach, where an epoch is
-        `epoch_size` samples in rounds of `per_round`: an epoch recorded at another size (one
-        run with another number of processes pads it by less than a round either way), or a
-        position past the epoch's end."""
+        `epoch_size` samples in `plan`'s rounds: an epoch recorded at another size (a launch
+        with another number of processes, whose rounds divide the same global batch, pads it by
+        less than a round either way), or a position past the epoch's end."""
+        per_round = plan.per_device_batch_size * plan.num_processes
         if self.samples_in_epoch > epoch_size:  # it would start the next epoch early
             return (
                 f"samples_in_epoch {self.samples_in_epoch} is past the end of epoch {self.epoch} "
@@ -87,6 +88,8 @@ class TrainProgress:
             )
         for samples, saved_round, _ in self.epoch_samples or []:
             same = samples == epoch_size if saved_round == per_round else None
+            if plan.global_batch_size % saved_round:  # no launch of this batch has such rounds
+                same = False
             if same is False or abs(samples - epoch_size) >= saved_round + per_round:
                 return (
                     f"epoch_samples records an epoch of {samples} samples in rounds of "
