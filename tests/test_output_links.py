@@ -6,6 +6,7 @@ or SIGKILL leaves no partial --out file or data set behind."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -14,7 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -128,23 +129,29 @@ def test_a_run_with_a_linked_lock_is_refused_before_training(tmp_path, template_
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_FILE]  # nothing trained
 
 
-def test_a_stale_record_in_the_lock_is_not_named_as_its_holder(tmp_path: Path) -> None:
-    """A .lock copied from a run that ended an hour ago, over the lock a live run holds: the
-    refusal names the live holder (the kernel's word, on the folder's lock first), never the
-    stale record; where only the file's lock decides, it says the record is not the holder's."""
-    run = tmp_path / "run"
+@contextlib.contextmanager
+def stale_record_over_a_live_lock(run: Path) -> Iterator[subprocess.Popen]:
+    """A live holder of `run`'s lock, and over its .lock a record copied from a run that ended
+    an hour ago (pid 999999999 on this host)."""
     holder = lock_in_another_process(run, hold_s=60)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "None"
         stale = {"pid": 999_999_999, "host": socket.gethostname(), "started": "an hour ago"}
         (run / LOCK_FILE).write_text(json.dumps({**stale, "command": "train.py old"}))
-        refusal = lock_folder(run)
+        yield holder
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_stale_record_in_the_lock_is_not_named_as_its_holder(tmp_path: Path) -> None:
+    """The refusal names the live holder (the kernel's word, on the folder's lock first), never
+    the stale record."""
+    with stale_record_over_a_live_lock(tmp_path / "run") as holder:
+        refusal = lock_folder(tmp_path / "run")
     assert refusal is not None and "\n" not in refusal
-    assert refusal.startswith(f"{run} is in use by another run (pid {holder.pid} on this host: ")
-    assert "999999999" not in refusal
+    prefix = f"{tmp_path / 'run'} is in use by another run (pid {holder.pid} on this host: "
+    assert refusal.startswith(prefix) and "999999999" not in refusal
 
 
 def test_a_stale_record_in_a_lock_file_is_never_named_as_its_holder(tmp_path: Path) -> None:
@@ -152,20 +159,12 @@ def test_a_stale_record_in_a_lock_file_is_never_named_as_its_holder(tmp_path: Pa
     said not to be the holder's."""
     from accel_common.lock_holder import describe_holder
 
-    run = tmp_path / "run"
-    holder = lock_in_another_process(run, hold_s=60)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "None"
-        stale = {"pid": 999_999_999, "host": socket.gethostname(), "started": "an hour ago"}
-        (run / LOCK_FILE).write_text(json.dumps({**stale, "command": "train.py old"}))
-        fd = os.open(run / LOCK_FILE, os.O_RDONLY)
+    with stale_record_over_a_live_lock(tmp_path / "run") as holder:
+        fd = os.open(tmp_path / "run" / LOCK_FILE, os.O_RDONLY)
         try:
             said = describe_holder(fd)
         finally:
             os.close(fd)
-    finally:
-        holder.kill()
-        holder.wait()
     assert said.startswith(f"pid {holder.pid} on this host: ")
     assert "the record inside its lock file, pid 999999999 on host" in said
     assert "is not the holder's" in said
