@@ -87,10 +87,12 @@ class TrainProgress:
                 f"({epoch_size} samples)"
             )
         for samples, saved_round, _ in self.epoch_samples or []:
-            same = samples == epoch_size if saved_round == per_round else None
-            if plan.global_batch_size % saved_round:  # no launch of this batch has such rounds
-                same = False
-            if same is False or abs(samples - epoch_size) >= saved_round + per_round:
+            if saved_round == per_round:
+                fits = samples == epoch_size
+            else:  # another launch's rounds divide the same global batch, each pads < a round
+                near = abs(samples - epoch_size) < saved_round + per_round
+                fits = near and plan.global_batch_size % saved_round == 0
+            if not fits:
                 return (
                     f"epoch_samples records an epoch of {samples} samples in rounds of "
                     f"{saved_round}, while an epoch of this data is {epoch_size} in rounds of "
