@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -31,8 +32,7 @@ def describe_holder(fd: int, wait_s: float = 2.0) -> str:
         if holders:
             return f"{_process(holders[0])}; it did not record itself"
         return "its process did not record itself"
-    said = f"pid {record.get('pid')} on host {record.get('host')}"
-    said += f", started {record.get('started')}: {_short(str(record.get('command', '')))}"
+    said = _said(record)
     here = record.get("host") == socket.gethostname()
     if holders and not (here and record.get("pid") in holders):
         return (
@@ -46,11 +46,45 @@ def describe_holder(fd: int, wait_s: float = 2.0) -> str:
     return said
 
 
-def folder_holder(fd: int) -> str:
-    """Who holds the flock on the folder open as `fd`: 'pid 1234 on this host: COMMAND', from
-    /proc/locks (a folder holds no record of its own)."""
+def folder_holder(fd: int, lock_file: Path, wait_s: float = 2.0) -> str:
+    """Who holds the flock on the folder open as `fd`, by /proc/locks: its record in
+    `lock_file` where that record is the holder's ('pid 1234 on host h, started ...'; it writes
+    it just after taking its locks, so it is looked for again for a moment), else 'pid 1234 on
+    this host: COMMAND' (the file was replaced or removed)."""
     holders = _flock_holders(fd)
-    return _process(holders[0]) if holders else "a process this host does not list"
+    if not holders:
+        return "a process this host does not list"
+    deadline = time.monotonic() + wait_s
+    while True:
+        record = _read_record(lock_file)
+        here = isinstance(record, dict) and record.get("host") == socket.gethostname()
+        if here and record.get("pid") == holders[0]:
+            return _said(record)
+        if time.monotonic() > deadline:
+            return _process(holders[0])
+        time.sleep(0.05)
+
+
+def _read_record(lock_file: Path) -> object:
+    """The record in `lock_file`, read without following a link or waiting on a FIFO; None
+    where there is no regular file with a record."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return json.loads(os.pread(fd, 4096, 0).decode() or "null")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _said(record: dict) -> str:
+    said = f"pid {record.get('pid')} on host {record.get('host')}"
+    return f"{said}, started {record.get('started')}: {_short(str(record.get('command', '')))}"
 
 
 def _short(command: str) -> str:

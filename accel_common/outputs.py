@@ -97,7 +97,7 @@ def lock_folder(output_dir: Path) -> str | None:
     held = _held.get(path)
     if held is not None and _same_file(held, path):
         return None
-    folder = _lock_the_folder(output_dir.absolute())
+    folder = _lock_the_folder(output_dir)
     if isinstance(folder, str):
         return folder
     fd = _open_output(path, os.O_RDWR)
@@ -141,7 +141,7 @@ def _lock_the_folder(output_dir: Path) -> int | str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = folder_holder(fd)
+        holder = folder_holder(fd, output_dir / LOCK_FILE)
         os.close(fd)
         return _in_use(output_dir, holder)
     except OSError:
