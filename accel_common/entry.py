@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -42,25 +40,7 @@ def run_recipe(train: Callable[..., Any], **subcommands: Callable[..., Any]) -> 
         )
     app.command()(exit_on_error(chosen))
     prog = Path(sys.argv[0]).name + (f" {name}" if name else "")
-    try:
-        app(args=argv[1:] if name else argv, prog_name=prog)
-    except SystemExit as ended:
-        if ended.code in (0, None):
-            leave_if_launched()
-        raise
-
-
-def leave_if_launched() -> None:
-    """A launched worker (WORLD_SIZE > 1) whose command succeeded ends here, its output flushed,
-    without the interpreter's teardown: torch 2.14.1's gloo teardown at exit aborts now and then
-    ("terminate called without an active exception", SIGABRT) after everything was written and
-    the process group destroyed, and the launcher then reports the whole job failed (met by the
-    bench's workers, docs/BENCHMARKS.md, and by CI in a 2-process FSDP run)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    app(args=argv[1:] if name else argv, prog_name=prog)
 
 
 def train_in_python(
