@@ -12,12 +12,10 @@ that should agree do not, and neither does a resumed run with an uninterrupted o
 from __future__ import annotations
 
 import os
-import re
 
 # cuBLAS is deterministic only with one of these fixed workspaces (the CUDA docs' "Results
 # reproducibility"); read when cuBLAS makes its handle, so it is set before the first matmul
 CUBLAS_WORKSPACES = (":4096:8", ":16:8")
-_REFUSED = re.compile(r"^(?P<op>\S.*?) does not have a deterministic implementation")
 
 
 def make_deterministic() -> None:
@@ -26,7 +24,7 @@ def make_deterministic() -> None:
     Data-loader workers are seeded already: every training loader has its own generator seeded
     by --seed (data.loaders.make_train_loader), from which torch seeds each worker's torch,
     random and numpy generators. An op that has no deterministic kernel raises instead of running
-    (see `refused_op`)."""
+    (accel_common.errors.refused_op names it)."""
     import torch  # here: accel_common.errors imports this module, and the CLI avoids torch
 
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
@@ -34,10 +32,3 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-
-
-def refused_op(err: BaseException) -> str | None:
-    """The op that torch refused to run under `use_deterministic_algorithms(True)`, or None if
-    `err` is not that refusal."""
-    match = _REFUSED.search(str(err).strip())
-    return match.group("op") if match else None

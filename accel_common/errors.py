@@ -10,8 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from accel_common.determinism import refused_op
-
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -21,6 +19,8 @@ EXIT_LAUNCHER_GONE = 4  # the launcher was killed; the worker stopped on its own
 # preempted (SIGTERM/SIGUSR1): a checkpoint of the step in progress was saved; requeue the job.
 # 75 is EX_TEMPFAIL in sysexits.h, "try again later"; the SLURM scripts requeue on it
 EXIT_PREEMPTED = 75
+# torch's refusal under use_deterministic_algorithms(True) (accel_common.determinism)
+_REFUSED = re.compile(r"^(?P<op>\S.*?) does not have a deterministic implementation")
 
 
 class RecipeError(Exception):
@@ -139,3 +139,10 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             sys.exit(EXIT_DIST_FAILURE)
 
     return wrapper
+
+
+def refused_op(err: BaseException) -> str | None:
+    """The op that torch refused to run under `use_deterministic_algorithms(True)`, or None if
+    `err` is not that refusal."""
+    match = _REFUSED.search(str(err).strip())
+    return match.group("op") if match else None

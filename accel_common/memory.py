@@ -19,7 +19,7 @@ import torch
 
 from accel_common.errors import ConfigError
 from accel_common.outputs import write_output
-from accel_common.run import describe_differences
+from accel_common.settings import describe_differences
 
 MEMORY_DIR = Path("runs/memory")
 # memory kept free: the CUDA context, the allocator's rounding and fragmentation, other processes

@@ -56,15 +56,13 @@ from accel_common.export import (
 )
 from accel_common.lr import LRSchedule
 from accel_common.outputs import hold_output_dir
+from accel_common.settings import DATA_KEY, describe_differences
 from accel_common.speed import speed_lines
 from accel_common.tracking import METRICS_FILE, start_tracking
 
 # what a resume never reports as changed: how this launch was asked to start
 LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later", "allow_unverified"})
 BEST_DIR = "best"  # the best epoch's export, with a `monitor`
-DATA_KEY = "data_fingerprint"  # the run identity's entry for the data's contents
-# what a run's identity holds besides its settings (the others are named as their flags)
-NOT_FLAGS = frozenset({"recipe", "global_batch_size", DATA_KEY})
 
 
 @dataclass(frozen=True)
@@ -445,30 +443,6 @@ class RunCheck:
                 "that run's settings, or start this one in another --output-dir (or pass "
                 "--overwrite without --resume to move the old run aside)"
             )
-
-
-def describe_differences(
-    saved: dict[str, Any], current: dict[str, Any], derived: frozenset[str] = frozenset()
-) -> str:
-    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs;
-    `derived` values (computed from the data, not flags) are named as such."""
-    keys = sorted(set(saved) | set(current), key=str)
-    missing = object()
-    parts = [
-        f"{recorded_name(key, derived)} {saved.get(key, 'unset')} in the checkpoint, "
-        f"{current.get(key, 'unset')} now"
-        for key in keys
-        if saved.get(key, missing) != current.get(key, missing)
-    ]
-    return "; ".join(parts)
-
-
-def recorded_name(key: str, derived: frozenset[str] = frozenset()) -> str:
-    """A recorded value as the user knows it: a setting as its flag (`--draw-weight`), a
-    derived value as computed from the data, other recorded values as `key:`."""
-    if key in derived:
-        return f"{key} (computed from the data):"
-    return f"{key}:" if key in NOT_FLAGS else "--" + str(key).replace("_", "-")
 
 
 def run_identity(

@@ -206,3 +206,32 @@ def read_config_file(path: Path, names: list[str]) -> dict[str, Any]:
 def single_line(err: BaseException | str) -> str:
     """An error's text on one line: a YAML or Click message spans several."""
     return " ".join(str(err).split())
+
+
+DATA_KEY = "data_fingerprint"  # a run identity's entry for the data's contents
+# what a run's identity holds besides its settings (the others are named as their flags)
+NOT_FLAGS = frozenset({"recipe", "global_batch_size", DATA_KEY})
+
+
+def describe_differences(
+    saved: dict[str, Any], current: dict[str, Any], derived: frozenset[str] = frozenset()
+) -> str:
+    """'--draw-weight 0.1 in the checkpoint, 0.2 now; ...' for every setting that differs;
+    `derived` values (computed from the data, not flags) are named as such."""
+    keys = sorted(set(saved) | set(current), key=str)
+    missing = object()
+    parts = [
+        f"{recorded_name(key, derived)} {saved.get(key, 'unset')} in the checkpoint, "
+        f"{current.get(key, 'unset')} now"
+        for key in keys
+        if saved.get(key, missing) != current.get(key, missing)
+    ]
+    return "; ".join(parts)
+
+
+def recorded_name(key: str, derived: frozenset[str] = frozenset()) -> str:
+    """A recorded value as the user knows it: a setting as its flag (`--draw-weight`), a
+    derived value as computed from the data, other recorded values as `key:`."""
+    if key in derived:
+        return f"{key} (computed from the data):"
+    return f"{key}:" if key in NOT_FLAGS else "--" + str(key).replace("_", "-")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from accel_common.checkpoint import list_checkpoints
-from accel_common.determinism import make_deterministic, refused_op
+from accel_common.determinism import make_deterministic
+from accel_common.errors import refused_op
 from tests.processes import TEMPLATE, run_recipe
 from tests.results import exported_params
 

@@ -19,7 +19,8 @@ from accel_common.checkpoint import (
     save_checkpoint,
 )
 from accel_common.errors import CheckpointError, ConfigError, DataError
-from accel_common.run import RunCheck, describe_differences
+from accel_common.run import RunCheck
+from accel_common.settings import describe_differences
 from tests.processes import run_recipe
 from tests.recipes.template.conftest import finished_run  # noqa: F401 (a fixture)
 from tests.recipes.template.helpers import digest
