@@ -134,11 +134,11 @@ test: install
 # the version-dependent tests (FSDP and sharded checkpoints, resume, mixed precision, convert, the
 # speed switches: torch's fused CPU kernels and precision switches) at the oldest versions we
 # keep, in OLDEST_VENV; CI runs it after `make test`
-OLDEST_TESTS ?= tests/test_sharded.py tests/test_resume.py tests/test_checkpoint.py \
-  tests/test_checkpoint_safety.py tests/test_tied.py \
-  tests/test_cli.py tests/recipes/captioning tests/test_options.py tests/test_compile.py \
+OLDEST_TESTS ?= tests/hardware/test_sharded.py tests/training/test_resume.py tests/checkpoints/test_checkpoint.py \
+  tests/checkpoints/test_checkpoint_safety.py tests/checkpoints/test_tied.py \
+  tests/tools/test_cli.py tests/recipes/captioning tests/recipe_cli/test_options.py tests/hardware/test_compile.py \
   tests/recipes/pointcloud/test_triton_search.py tests/recipes/pointcloud/test_triton_scatter.py \
-  tests/test_speed.py
+  tests/hardware/test_speed.py
 OLDEST_SELECT ?= test_sharded or test_resume or test_checkpoint or test_fp16_log \
   or convert or bf16 or fp16 or overflow or compile or triton or tied or test_speed
 test-oldest: $(OLDEST_STAMP)

@@ -8,7 +8,7 @@ from typing import Any
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from accel_common.batching import SMALL_PER_DEVICE_BATCH, BatchPlan
+from accel_common.batch_lr.batching import SMALL_PER_DEVICE_BATCH, BatchPlan
 
 
 def say(accelerator: Accelerator, message: str) -> None:
@@ -77,6 +77,7 @@ def progress_bar(
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
+    """`loss 0.1234  acc 0.98`: metrics on one line, floats to 4 significant digits."""
     return "  ".join(
         f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
         for key, value in metrics.items()

@@ -19,7 +19,7 @@ EXIT_LAUNCHER_GONE = 4  # the launcher was killed; the worker stopped on its own
 # preempted (SIGTERM/SIGUSR1): a checkpoint of the step in progress was saved; requeue the job.
 # 75 is EX_TEMPFAIL in sysexits.h, "try again later"; the SLURM scripts requeue on it
 EXIT_PREEMPTED = 75
-# torch's refusal under use_deterministic_algorithms(True) (accel_common.determinism)
+# torch's refusal under use_deterministic_algorithms(True) (accel_common.hardware.determinism)
 _REFUSED = re.compile(r"^(?P<op>\S.*?) does not have a deterministic implementation")
 
 

@@ -7,7 +7,7 @@ a resumed run may change it.
         depth: int = setting(2, "Number of hidden layers.", min=1)
 
 From that one declaration come the command-line flags and their `--help`
-(accel_common.command.train_command), the keys a `--config FILE.yaml` may set, the checks a value
+(accel_common.train_command), the keys a `--config FILE.yaml` may set, the checks a value
 must pass (from the command line, a file or Python alike), the config the export records and the
 single-device commands rebuild the model from (`from_config`), and the run identity that
 `--resume` compares: every setting counts in it unless declared `adjustable` (it does not change

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from accel_common.checkpoint_files import read_manifest, verify_files, write_manifest
+from accel_common.checkpoints.checkpoint_files import read_manifest, verify_files, write_manifest
 from accel_common.tools.bench.report import write_section
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

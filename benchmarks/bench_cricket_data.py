@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from recipes import load_recipe
-from recipes.cricket.data import DEFAULT_MATCH_TYPES
 from recipes.cricket.example import write_dataset
+from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
 
 RECIPE = load_recipe("cricket")
 SETTINGS = dict(ratios=(0.8, 0.1), split_seed=42, split_by_date=False, min_matches=2)

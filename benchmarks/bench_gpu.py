@@ -22,7 +22,7 @@ its plain-PyTorch ops, the point ops (PyTorch backend; Triton and pcdiff say why
 skipped without CUDA or PCDIFF_SRC), and one workload compiled, captioning in fp32 and bf16,
 with dynamo's `aot_eager` backend (Inductor's code generation takes 40 s to minutes per workload
 on 2 CPU cores; `aot_eager` runs the same path through Accelerate and dynamo in seconds). CI
-runs it (tests/test_gpu_bench.py), so a path that no longer runs fails there, not on the next
+runs it (tests/tools/test_gpu_bench.py), so a path that no longer runs fails there, not on the next
 GPU. A failure (an exception, or a loss or rate that is not finite) is reported and the rest
 still runs; the command then exits 1, unless only the original's network failed (pcdiff's code
 is not this project's: its failures are listed).
@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accel_common.errors import DataError
-from accel_common.launch_guard import require_writable_folder
-from accel_common.throughput import matmul_peak
+from accel_common.hardware.launch_guard import require_writable_folder
+from accel_common.monitoring.throughput import matmul_peak
 from accel_common.tools.bench.report import write_section
 from benchmarks.gpu import report
 from benchmarks.gpu.point_ops import run_ops

@@ -7,7 +7,8 @@
    helpers cost, so the recipe's own helpers (loss means, progress bar, logging, grad norm on
    logging steps, checkpoint check) are also timed directly: the exact calls the loop makes per
    optimizer step, in a tight loop, minimum over repeats.
-3. FLOP counting (accel_common.throughput): the heavy model's step with its FLOPs counted, as
+3. FLOP counting (accel_common.monitoring.throughput): the heavy model's step with its FLOPs
+counted, as
    the loop counts each launch's first step, against the same step uncounted (minimum over
    repeats); its extra time as a share of the heavy run (target < 1%).
 
@@ -35,15 +36,15 @@ import typer
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.batch_lr.lr import Decay, LRSettings, Schedule, build_scheduler, make_lr_schedule
 from accel_common.data.files import EpochShuffleSampler
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRSettings, Schedule, build_scheduler, make_lr_schedule
-from accel_common.policy import LoopPolicy, SavePolicy
-from accel_common.run import Run, RunConfig
-from accel_common.throughput import StepFlops
+from accel_common.hardware.accelerator import make_accelerator
+from accel_common.monitoring.throughput import StepFlops
 from accel_common.tools.bench.report import SECTION_START as SCALING_SECTION
+from accel_common.training.loop import TrainLoop
+from accel_common.training.policy import LoopPolicy, SavePolicy
+from accel_common.training.run import Run, RunConfig
 from recipes import load_recipe
 from recipes.train_template import write_dataset
 

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accel_common.errors import DataError
-from accel_common.launch_guard import require_writable_folder
+from accel_common.hardware.launch_guard import require_writable_folder
 from accel_common.tools.bench.report import write_section
 
 REPO = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from accel_common.entry import train_in_python
+from accel_common.recipe_cli.entry import train_in_python
 from accel_common.tools.check.recipe import discovered, find_recipe
 from recipes import load_recipe
 

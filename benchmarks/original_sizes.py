@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel_common.options import SharedSettings
+from accel_common.recipe_cli.options import SharedSettings
 from accel_common.settings import read_config_file
 from recipes import load_recipe
-from recipes.cricket.data import DEFAULT_MATCH_TYPES
+from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
 
 
 @dataclass(frozen=True)

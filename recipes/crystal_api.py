@@ -17,10 +17,7 @@ from typing import Any
 import torch
 
 import recipes.train_crystal as recipe
-from accel_common.entry import train_in_python
-from accel_common.errors import ConfigError
-from accel_common.options import SharedSettings
-from accel_common.settings import flag, read_config_file
+from accel_common import ConfigError, SharedSettings, flag, read_config_file, train_in_python
 from recipes.crystal.settings import CrystalSettings
 
 # what an argument left out takes: the original's preset (its API's defaults: lr 1e-3, batch 64,

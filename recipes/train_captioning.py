@@ -44,24 +44,27 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 
-from accel_common.command import model_option, train_command
-from accel_common.data.fingerprint import named_files
-from accel_common.data.images import image_batches, list_images
-from accel_common.data.loaders import existing_data, resolve_data
-from accel_common.entry import run_recipe
-from accel_common.errors import CheckpointError, ConfigError, DataError
-from accel_common.export import (
+from accel_common import (
+    MAX_BLOCKS,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    GlobalItemMean,
+    Settings,
+    SharedSettings,
+    forward_is_collective,
     load_exported,
     load_for_inference,
+    model_option,
+    new_file,
     read_recipe_export,
+    require_new_file,
     require_start_export,
+    run_recipe,
+    setting,
+    train_command,
 )
-from accel_common.launch_guard import require_new_file
-from accel_common.losses import GlobalItemMean
-from accel_common.options import SharedSettings
-from accel_common.outputs import new_file
-from accel_common.settings import MAX_BLOCKS, Settings, setting
-from accel_common.sharding import forward_is_collective
+from accel_common.data import existing_data, image_batches, list_images, named_files, resolve_data
 from recipes.captioning.data import collate, prepare_split, read_split, split_files
 from recipes.captioning.example import write_dataset
 from recipes.captioning.model import Captioner, greedy_captions

@@ -23,9 +23,10 @@ recipes/cricket/configs/original.yaml is the original project's run, and `--dry-
 
 Parsing and features are computed once and cached as Arrow with Hugging Face `datasets`, keyed
 by the files' bytes and the settings; graphs are assembled from the cached arrays per sample.
-The reader, cache and graphs are in recipes/cricket/data.py, the original's features and edges
-in features.py and schema.py, the network in recipes/cricket/model.py, its checkpoints in and
-out in convert.py, the match simulator behind the example data in
+The reader is recipes/cricket/parsing.py, the features of an innings innings.py, the cache
+loading.py (with split.py and vocab.py), the samples and graphs samples.py and graphs.py, the
+original's features and edges features.py and schema.py, the network recipes/cricket/model.py,
+its checkpoints in and out convert.py, the match simulator behind the example data
 recipes/cricket/example.py; this file is the training: loss, loop, evaluation and `predict`.
 """
 
@@ -45,43 +46,34 @@ from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.command import model_option, train_command
-from accel_common.console import say
-from accel_common.data.cache import list_column
-from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import existing_data, resolve_data
-from accel_common.data.paths import require_regular
-from accel_common.entry import run_recipe
-from accel_common.errors import ConfigError, DataError
-from accel_common.export import (
+from accel_common import (
+    ConfigError,
+    DataError,
+    Decay,
+    SharedSettings,
     load_for_inference,
+    model_option,
+    new_file,
     read_export_weights,
     read_recipe_export,
+    require_new_file,
     require_same_tensors,
     require_start_export,
+    run_recipe,
+    say,
+    train_command,
 )
-from accel_common.launch_guard import require_new_file
-from accel_common.lr import Decay
-from accel_common.options import SharedSettings
-from accel_common.outputs import new_file
+from accel_common.data import existing_data, list_column, named_files, require_regular, resolve_data
+from recipes.cricket.baseline import PhaseBaseline
 from recipes.cricket.convert import ORIGINAL, read_vocabulary
-from recipes.cricket.data import (
-    FEATURES,
-    SKIPPED,
-    VOCAB_FILE,
-    CricketGraphs,
-    Deliveries,
-    NotAMatch,
-    PhaseBaseline,
-    innings_features,
-    keyed_by_registry,
-    load_innings,
-    match_registries,
-    parse_match,
-    vocab_sizes,
-)
 from recipes.cricket.example import write_dataset
+from recipes.cricket.graphs import CricketGraphs
+from recipes.cricket.innings import innings_features
+from recipes.cricket.loading import FEATURES, SKIPPED, load_innings
+from recipes.cricket.parsing import NotAMatch, match_registries, parse_match
+from recipes.cricket.samples import Deliveries
 from recipes.cricket.settings import CricketSettings, network
+from recipes.cricket.vocab import VOCAB_FILE, keyed_by_registry, vocab_sizes
 
 RECIPE = "cricket"
 # `accel-recipes check cricket` and the tests that find every recipe run it so (see

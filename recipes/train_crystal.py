@@ -57,24 +57,24 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     warnings.simplefilter("ignore", FutureWarning)
     from torch_geometric.loader.dataloader import Collater
 
-from accel_common.batching import total_optimizer_steps
-from accel_common.batchnorm import sync_batchnorm
-from accel_common.command import model_option, train_command
-from accel_common.data.cache import list_lengths
-from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import resolve_data
-from accel_common.entry import run_recipe
-from accel_common.errors import ConfigError, DataError
-from accel_common.export import (
+from accel_common import (
+    ConfigError,
+    DataError,
+    Decay,
+    SharedSettings,
     load_exported,
     load_for_inference,
+    model_option,
+    new_file,
     read_recipe_export,
+    require_new_file,
     require_start_export,
+    run_recipe,
+    sync_batchnorm,
+    total_optimizer_steps,
+    train_command,
 )
-from accel_common.launch_guard import require_new_file
-from accel_common.lr import Decay
-from accel_common.options import SharedSettings
-from accel_common.outputs import new_file
+from accel_common.data import list_lengths, named_files, resolve_data
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
     CrystalGraphs,

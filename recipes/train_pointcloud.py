@@ -43,23 +43,24 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.command import model_option, train_command
-from accel_common.console import format_metrics
-from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import make_eval_loader, resolve_data
-from accel_common.entry import run_recipe
-from accel_common.errors import ConfigError, DataError
-from accel_common.export import (
+from accel_common import (
+    ConfigError,
+    DataError,
+    Decay,
+    SharedSettings,
     export_paths,
+    format_metrics,
     inference_device,
     load_exported,
+    model_option,
+    new_file,
     read_recipe_export,
+    require_new_file,
     require_start_export,
+    run_recipe,
+    train_command,
 )
-from accel_common.launch_guard import require_new_file
-from accel_common.lr import Decay
-from accel_common.options import SharedSettings
-from accel_common.outputs import new_file
+from accel_common.data import make_eval_loader, named_files, resolve_data
 from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.convert import ORIGINAL
 from recipes.pointcloud.data import (

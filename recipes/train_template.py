@@ -24,12 +24,12 @@ resume check all come from it), `MLPRegressor`, `build_model` and `build_optimiz
 `--dry-run` builds them too), `evaluate` (your quality measure next to a trivial baseline),
 `evaluate_export`, and in `train` the lines that load data, the
 files they read (`data_files`: their contents are part of the run's identity, so a resume on
-changed data is refused; tests/test_data_files.py checks the list against the files opened), the
-values the export needs besides the settings (`derived`), the forward pass and loss, and the
+changed data is refused; tests/data/test_data_files.py checks the list against the files opened),
+the values the export needs besides the settings (`derived`), the forward pass and loss, and the
 evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
-(epochs, step counting, LR schedule, logging: accel_common/loop.py; the run's identity, resume,
-checkpoints and export: accel_common/run.py).
+(epochs, step counting, LR schedule, logging: accel_common/training/loop.py; the run's identity,
+resume, checkpoints and export: accel_common/training/run.py).
 A recipe is found by existing: `accel-recipes make-data`, `accel-recipes check NAME` (what the
 library promises every recipe, proved on the CPU) and the tests discover every
 `recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA`,
@@ -56,15 +56,26 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from accel_common.command import model_option, train_command
-from accel_common.console import format_metrics
-from accel_common.data.files import read_numeric_csv
-from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import existing_data, per_sample_rng, resolve_data
-from accel_common.entry import run_recipe
-from accel_common.export import load_exported, read_recipe_export, require_start_export
-from accel_common.options import SharedSettings
-from accel_common.settings import MAX_BLOCKS, Settings, setting
+from accel_common import (
+    MAX_BLOCKS,
+    Settings,
+    SharedSettings,
+    format_metrics,
+    load_exported,
+    model_option,
+    read_recipe_export,
+    require_start_export,
+    run_recipe,
+    setting,
+    train_command,
+)
+from accel_common.data import (
+    existing_data,
+    named_files,
+    per_sample_rng,
+    read_numeric_csv,
+    resolve_data,
+)
 
 RECIPE = "template"
 FEATURES = 8  # columns x0..x7 in the generated example
@@ -78,9 +89,9 @@ NOISE = 0.1
 CHECK_ARGS = ["--hidden", "32", "--bs", "32"]
 CHECK_DATA = {"train_size": 128, "test_size": 32}
 CHECK_COMMAND = ["evaluate", "--model", "{model}", "--data", "{data}"]
-# CHECK_RESUME: what the kill-and-resume test (tests/test_resume.py: one process, 2 epochs, killed
-# in the second) adds to CHECK_ARGS: randomness and state a resume must restore bit for bit (here
-# per-row noise on the features; elsewhere dropout, which CHECK_ARGS turns off, or an EMA).
+# CHECK_RESUME: what the kill-and-resume test (tests/training/test_resume.py: one process, 2 epochs,
+# killed in the second) adds to CHECK_ARGS: randomness and state a resume must restore bit for bit
+# (here per-row noise on the features; elsewhere dropout, which CHECK_ARGS turns off, or an EMA).
 CHECK_RESUME = ["--jitter", "0.1"]
 
 

@@ -14,8 +14,8 @@ from unittest.mock import Mock
 import torch
 from safetensors.torch import load_file
 
-from accel_common.lr import make_lr_schedule
-from accel_common.options import SharedSettings
+from accel_common.batch_lr.lr import make_lr_schedule
+from accel_common.recipe_cli.options import SharedSettings
 from accel_common.settings import read_config_file
 
 

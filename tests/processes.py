@@ -145,7 +145,7 @@ def run_to_the_end(
     import torch
     from accelerate.state import AcceleratorState
 
-    from accel_common.entry import train_in_python
+    from accel_common.recipe_cli.entry import train_in_python
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf" / "datasets"))
     threads = torch.get_num_threads()

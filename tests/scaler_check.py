@@ -28,15 +28,15 @@ from accelerate.utils import GradScalerKwargs
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
-from accel_common.checkpoint import list_checkpoints
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.batch_lr.lr import Decay, LRSettings, make_lr_schedule
+from accel_common.checkpoints.checkpoint import list_checkpoints
+from accel_common.checkpoints.export import read_export_metadata
 from accel_common.data.loaders import make_train_loader
-from accel_common.export import read_export_metadata
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRSettings, make_lr_schedule
-from accel_common.policy import EarlyStopping, LoopPolicy, SavePolicy
-from accel_common.run import Run, RunConfig, StartRequest
+from accel_common.hardware.accelerator import make_accelerator
+from accel_common.training.loop import TrainLoop
+from accel_common.training.policy import EarlyStopping, LoopPolicy, SavePolicy
+from accel_common.training.run import Run, RunConfig, StartRequest
 from tests.results import exported_params, max_relative_difference
 
 INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3

@@ -109,7 +109,11 @@ def test_a_new_recipe_joins_the_generic_tests_with_no_test_edited(tmp_path):
         shutil.copytree(REPO / part, copy / part, ignore=junk)
     shutil.copy(REPO / "pyproject.toml", copy)
     new_recipe(copy / "recipes", "mymodel")
-    tests = ["tests/test_resume.py", "tests/test_sharded.py", "tests/gpu/test_recipes_on_gpu.py"]
+    tests = [
+        "tests/training/test_resume.py",
+        "tests/hardware/test_sharded.py",
+        "tests/gpu/test_recipes_on_gpu.py",
+    ]
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     env = {**recipe_env(tmp_path), "PYTHONPATH": str(copy)}
     result = subprocess.run(
@@ -118,8 +122,8 @@ def test_a_new_recipe_joins_the_generic_tests_with_no_test_edited(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     cases = set(result.stdout.split())
     for test in (
-        "tests/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run",
-        "tests/test_sharded.py::test_every_recipe_under_fsdp_exports_what_it_exports_under_ddp",
+        "tests/training/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run",
+        "tests/hardware/test_sharded.py::test_every_recipe_under_fsdp_exports_what_it_exports_under_ddp",
         "tests/gpu/test_recipes_on_gpu.py::test_the_gpu_export_loads_and_runs_on_the_cpu",
     ):
         assert {f"{test}[mymodel]", f"{test}[template]"} <= cases, result.stdout

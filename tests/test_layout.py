@@ -130,6 +130,52 @@ def test_no_import_circle_in_the_library():
     assert not found, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
+def concern(module: str) -> str:
+    """The part of the library a module belongs to: its subpackage, or itself at the top."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def concern_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the library's parts (subpackages and top-level modules)."""
+    found: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        edges = found.setdefault(concern(module), set())
+        edges |= {concern(other) for other in imported} - {concern(module)}
+    return found
+
+
+def test_the_concern_graph_sees_a_circle_between_two_subpackages():
+    graph = {
+        "accel_common.a.x": {"accel_common.b.y"},
+        "accel_common.b.y": {"accel_common.b.z"},
+        "accel_common.b.z": {"accel_common.a.w"},
+        "accel_common.a.w": set(),
+    }
+    assert cycles(graph) == set()  # no circle between modules
+    assert cycles(concern_graph(graph)) == {frozenset({"accel_common.a", "accel_common.b"})}
+
+
+def test_no_import_circle_between_the_librarys_subpackages():
+    """Laid out by concern (0.3.0): the batch/LR math, the run folder and the errors below, the
+    recipe's command line on top; an arrow back up would make the folders lie about the layers."""
+    graph = concern_graph(import_graph(ROOT))
+    graph.pop(LIBRARY, None)  # the public API names every part, and no part imports it
+    found = cycles(graph)
+    assert not found, "circles between parts: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_the_library_is_laid_out_by_concern():
+    """At most 12 modules at the top (the errors, the console, the faces), at least 5
+    subpackages, each with a docstring saying its concern."""
+    top = sorted(path.name for path in (ROOT / LIBRARY).glob("*.py"))
+    packages = sorted(path.parent for path in (ROOT / LIBRARY).glob("*/__init__.py"))
+    assert len(top) <= 12, f"{len(top)} modules at the top of {LIBRARY}: {top}"
+    assert len(packages) >= 5, [p.name for p in packages]
+    for package in packages:
+        assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), package
+
+
 def test_no_library_module_is_over_500_lines():
     found = {
         str(path.relative_to(ROOT)): n
@@ -202,8 +248,8 @@ def test_checkpoints_and_exports_do_not_import_torch_distributed_checkpoint(tmp_
     """It adds ~1.3 s to every process start; only reading an FSDP sharded folder needs it."""
     probe = (
         "import sys\n"
-        "import accel_common.checkpoint, accel_common.convert, accel_common.dcp_reader\n"
-        "import accel_common.export\n"
+        "import accel_common.checkpoints.checkpoint, accel_common.checkpoints.dcp_reader\n"
+        "import accel_common.conversion.convert, accel_common.checkpoints.export\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"
     )
     result = subprocess.run(

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from accel_common.checkpoint import list_checkpoints
+from accel_common.checkpoints.checkpoint import list_checkpoints
 from tests.processes import TEMPLATE, launch_command, recipe_env
 
 

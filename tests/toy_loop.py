@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from accel_common.loop import TrainLoop
+from accel_common.training.loop import TrainLoop
 
 
 def train_toy(

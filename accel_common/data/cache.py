@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from accel_common.data.paths import require_regular
-from accel_common.outputs import partial_path
+from accel_common.run_folder.outputs import partial_path
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:

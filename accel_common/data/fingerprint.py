@@ -3,7 +3,7 @@
 Each recipe's reader declares the files it opens (`named_files`: a name for each, the path it
 reads), and the run fingerprints that set: a file the run reads but nobody declared would let a
 resume train on changed data, and a file it does not read (a README beside the data) must not
-refuse one. `tests/test_data_files.py` holds every recipe's declaration to the files its run
+refuse one. `tests/data/test_data_files.py` holds every recipe's declaration to the files its run
 opens.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from accel_common.data.paths import file_kind, not_regular
 from accel_common.errors import CheckpointError, DataError
-from accel_common.outputs import write_output
+from accel_common.run_folder.outputs import write_output
 
 # what a fingerprint of the files read starts with; earlier versions fingerprinted the whole
 # --data folder ("sha256:") or its names and sizes (unprefixed): neither compares with this one

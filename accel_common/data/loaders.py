@@ -21,8 +21,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from accel_common.balance import BalancedBatchSampler
-from accel_common.batching import BatchPlan
+from accel_common.batch_lr.balance import BalancedBatchSampler
+from accel_common.batch_lr.batching import BatchPlan
 from accel_common.console import say
 from accel_common.data.files import EpochDrawSampler, EpochShuffleSampler
 from accel_common.data.paths import require_folder

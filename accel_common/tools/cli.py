@@ -13,20 +13,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from accel_common.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
-from accel_common.checkpoint_files import ALLOW_UNVERIFIED_HELP
-from accel_common.convert import convert_checkpoint, parse_given
-from accel_common.errors import ConfigError, RecipeError, exit_on_error
-from accel_common.export import (
+from accel_common.batch_lr.batching import BATCH_FLAG_HELP, BatchPlanError, BatchRequest
+from accel_common.batch_lr.lr import LRScaling, scale_lr
+from accel_common.checkpoints.checkpoint_files import ALLOW_UNVERIFIED_HELP
+from accel_common.checkpoints.export import (
     UNNAMED_RECIPE,
     require_export_target,
     require_new_files,
     save_file_atomically,
     write_export,
 )
-from accel_common.launch_guard import require_new_file, require_writable_folder
-from accel_common.lr import LRScaling, scale_lr
-from accel_common.outputs import exclusive_outputs, new_file
+from accel_common.conversion.convert import convert_checkpoint, parse_given
+from accel_common.errors import ConfigError, RecipeError, exit_on_error
+from accel_common.hardware.launch_guard import require_new_file, require_writable_folder
+from accel_common.run_folder.outputs import exclusive_outputs, new_file
 from accel_common.tools.bench.report import run_benchmark
 from accel_common.tools.doctor.base import Backend, DoctorOptions
 from accel_common.tools.doctor.comm import parse_sizes
@@ -178,7 +178,9 @@ def plan(
 
 def measured_plan(recipe: str, argv: list[str], batches: str, gpus: str) -> None:
     """plan --measure: measure, save the fit for --max-per-device-bs auto, print the table."""
-    from accel_common.memory import MEMORY_DIR  # imported here: they load torch and accelerate
+    from accel_common.batch_lr.memory import (
+        MEMORY_DIR,  # imported here: they load torch and accelerate
+    )
     from accel_common.tools.measure import describe, measure, plan_rows
 
     fit, params = measure(recipe, argv, parse_counts(batches, "--measure-bs"))

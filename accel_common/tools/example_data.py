@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accel_common.errors import RecipeError
-from accel_common.outputs import WRITE_ERRNOS, new_folder, unwritten
+from accel_common.run_folder.outputs import WRITE_ERRNOS, new_folder, unwritten
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

@@ -3,9 +3,9 @@
 Each measurement runs a few real training steps of the recipe at one per-device batch in a fresh
 process (accel_common.tools.memory_probe), so nothing allocated by an earlier batch inflates a
 later peak. A straight line through the peaks gives fixed + per-sample memory
-(accel_common.memory.MemoryFit); from it the table gives, for 1..16 devices and common GPU memory
-sizes, the largest per-device batch that fits with a margin, the accumulation that reaches the
-global batch and the LR. Accelerate's find_executable_batch_size only halves a batch after an
+(accel_common.batch_lr.memory.MemoryFit); from it the table gives, for 1..16 devices and common GPU
+memory sizes, the largest per-device batch that fits with a margin, the accumulation that reaches
+the global batch and the LR. Accelerate's find_executable_batch_size only halves a batch after an
 out-of-memory error; this answers the question before a launch.
 """
 
@@ -22,11 +22,9 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
-from accel_common.batching import BatchPlanError, plan_batch
-from accel_common.command_line import CLI_ONLY
-from accel_common.errors import RecipeError
-from accel_common.lr import LRScaling, scale_lr
-from accel_common.memory import (
+from accel_common.batch_lr.batching import BatchPlanError, plan_batch
+from accel_common.batch_lr.lr import LRScaling, scale_lr
+from accel_common.batch_lr.memory import (
     MARGIN,
     MEMORY_DIR,
     MemoryFit,
@@ -34,7 +32,9 @@ from accel_common.memory import (
     memory_flags,
     present_device,
 )
-from accel_common.options import SharedSettings
+from accel_common.errors import RecipeError
+from accel_common.recipe_cli.command_line import CLI_ONLY
+from accel_common.recipe_cli.options import SharedSettings
 from accel_common.tools.check.recipe import load_script
 
 GPU_SIZES_GB = (24, 40, 80, 141)
@@ -69,7 +69,7 @@ def recipe_command(recipe: str) -> tuple[Path, TyperCommand, tuple[int | None, i
     if not hasattr(train, "default_batch"):
         raise RecipeError(
             f"{what} defines no recipe command `train` (a function decorated by "
-            "accel_common.command.train_command, as in recipes/train_template.py)"
+            "accel_common.train_command, as in recipes/train_template.py)"
         )
     app = typer.Typer(add_completion=False)
     app.command()(train)

@@ -7,7 +7,7 @@ the original (`ORIGINAL = "pcdiff"`) and defines
         the original's checkpoint as this recipe's state dict (loads strictly into its model) and
         the export's config (the settings, and derived values, its commands rebuild the model
         from); `given` is `--set NAME=VALUE`: the settings the checkpoint does not record, which
-        it passes with what it assumed to accel_common.convert.settle_unrecorded (one line
+        it passes with what it assumed to accel_common.settle_unrecorded (one line
         naming them). A converter with `import_checkpoint(source)` alone still converts; `--set`
         is then refused naming it
     export_checkpoint(model_dir: Path, target: Path) -> Path

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from accel_common.throughput import synchronize
+from accel_common.monitoring.throughput import synchronize
 from benchmarks.gpu.steps import point_kernels
 from benchmarks.original_sizes import Workload
 

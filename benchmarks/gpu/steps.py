@@ -6,7 +6,7 @@ Each step trains through Accelerate as the recipes do (autocast, fp16's loss sca
 WARMUP untimed steps (a compiled model compiles in the first), then STEPS timed between CUDA
 synchronisations. FLOPs come from torch's FLOP counter on one more step, run eagerly
 (compilation changes the time, not the arithmetic), as the training loop counts them
-(accel_common.throughput)."""
+(accel_common.monitoring.throughput)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from accel_common.throughput import eager_flop_counter, synchronize
+from accel_common.monitoring.throughput import eager_flop_counter, synchronize
 from benchmarks.original_sizes import Workload, preset
 
 GIB = 2**30

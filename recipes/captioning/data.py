@@ -32,11 +32,18 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from accel_common.data.cache import cache_key, cache_root, code_digest
-from accel_common.data.files import CSV_TEXT, read_text
-from accel_common.data.images import is_image, read_rgb, to_signed_unit
-from accel_common.data.paths import require_regular
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import (
+    CSV_TEXT,
+    cache_key,
+    cache_root,
+    code_digest,
+    is_image,
+    read_rgb,
+    read_text,
+    require_regular,
+    to_signed_unit,
+)
 from recipes.captioning.tokenizer import PAD_ID
 
 READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table

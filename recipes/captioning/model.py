@@ -104,7 +104,7 @@ def greedy_captions(
 ) -> torch.Tensor:
     """Token ids from [BOS] on, the most likely token each step, padded after [EOS].
     `stop_when_done=False` decodes all `max_tokens` (more padding, the same captions), for
-    models whose every forward is a collective (accel_common.sharding.forward_is_collective)."""
+    models whose every forward is a collective (accel_common.forward_is_collective)."""
     image = model.encode(pixels)
     tokens = torch.full((len(pixels), 1), bos, dtype=torch.long, device=pixels.device)
     finished = torch.zeros(len(pixels), dtype=torch.bool, device=pixels.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accel_common.deprecation import moved_attribute
+from accel_common import moved_attribute
 
 # the names this module defined before it moved
 MOVED = dict.fromkeys(

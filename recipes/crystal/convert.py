@@ -20,14 +20,17 @@ from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
-from accel_common.errors import CheckpointError, ConfigError
-from accel_common.export import (
+from accel_common import (
+    CheckpointError,
+    ConfigError,
+    load_original_checkpoint,
     read_export_weights,
     read_recipe_export,
     require_same_tensors,
     save_file_atomically,
+    settle_unrecorded,
     strip_wrapper_prefixes,
+    tell,
 )
 from recipes.crystal.model import VARIANTS, build_network
 from recipes.crystal.settings import CrystalSettings

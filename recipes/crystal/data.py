@@ -35,9 +35,16 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     warnings.simplefilter("ignore", FutureWarning)
     from torch_geometric.data import Data
 
-from accel_common.data.cache import cache_key, cache_root, code_digest, files_digest, save_whole
-from accel_common.data.paths import is_present, require_regular
-from accel_common.errors import ConfigError, DataError
+from accel_common import ConfigError, DataError
+from accel_common.data import (
+    cache_key,
+    cache_root,
+    code_digest,
+    files_digest,
+    is_present,
+    require_regular,
+    save_whole,
+)
 
 READER = code_digest(__file__)  # in the cache key: a fixed reader never reuses an old table
 STRUCTURES_FILE = "structures.extxyz"  # what a --data folder holds (make-data writes it)

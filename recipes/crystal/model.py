@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.amp import is_autocast_available
 
-from accel_common.batchnorm import GlobalBatchNorm
+from accel_common import GlobalBatchNorm
 
 with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit deprecation warning
     warnings.simplefilter("ignore", FutureWarning)

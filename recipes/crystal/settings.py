@@ -8,8 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from accel_common.errors import ConfigError
-from accel_common.settings import MAX_BLOCKS, Settings, setting
+from accel_common import MAX_BLOCKS, ConfigError, Settings, setting
 from recipes.crystal.data import TARGET_HELP
 from recipes.crystal.model import BATCHNORMS, VARIANTS
 

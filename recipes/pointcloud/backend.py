@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from accel_common.errors import ConfigError
+from accel_common import ConfigError
 
 CHOICES = ("auto", "torch", "triton")
 

@@ -18,14 +18,17 @@ from typing import Any
 import torch
 import yaml
 
-from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
-from accel_common.errors import CheckpointError, ConfigError
-from accel_common.export import (
+from accel_common import (
+    CheckpointError,
+    ConfigError,
     export_paths,
     load_exported,
+    load_original_checkpoint,
     read_recipe_export,
     require_same_tensors,
     save_file_atomically,
+    settle_unrecorded,
+    tell,
 )
 from recipes.pointcloud.settings import PointCloudSettings, network
 

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from accel_common.data.files import read_path_list, read_text, require_finite
-from accel_common.data.paths import is_present, require_regular
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import is_present, read_path_list, read_text, require_finite, require_regular
 
 DEFECTS = ("bilateral", "frontoorbital", "parietotemporal", "random_1", "random_2")
 SPACING_FILE = "voxel_spacing.json"

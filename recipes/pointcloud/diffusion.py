@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from accel_common.errors import ConfigError
+from accel_common import ConfigError
 from recipes.pointcloud.model import predict_noise
 
 

@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from accel_common.data.files import read_path_list
-from accel_common.errors import ConfigError, DataError
-from accel_common.launch_guard import require_writable_folder
+from accel_common import ConfigError, DataError, require_writable_folder
+from accel_common.data import read_path_list
 from recipes.pointcloud.data import (
     DEFECTS,
     SPACING_FILE,

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accel_common.errors import ConfigError
-from accel_common.settings import Settings, setting
+from accel_common import ConfigError, Settings, setting
 from recipes.pointcloud.backend import require_usable_kernels
 from recipes.pointcloud.diffusion import checked_sample_steps, checked_sampler
 from recipes.pointcloud.model import PVCNN2

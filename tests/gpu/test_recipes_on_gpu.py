@@ -48,7 +48,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from accel_common.checkpoint import list_checkpoints
+from accel_common.checkpoints.checkpoint import list_checkpoints
 from accel_common.tools.check.recipe import find_recipe
 from tests.gpu.conftest import RECIPES
 from tests.processes import (

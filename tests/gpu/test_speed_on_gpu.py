@@ -1,9 +1,9 @@
-"""The speed switches on a GPU (accel_common.speed), where they do what they are for: torch's
-fused CUDA optimizer kernels compute the plain kernels' update, TF32 matrix products differ from
-fp32 ones on GPUs that have TF32, and a run with the pointcloud preset's switches trains.
+"""The speed switches on a GPU (accel_common.hardware.speed), where they do what they are for:
+torch's fused CUDA optimizer kernels compute the plain kernels' update, TF32 matrix products differ
+from fp32 ones on GPUs that have TF32, and a run with the pointcloud preset's switches trains.
 
-Not yet run: no GPU was lent to the session that wrote it (tests/test_speed.py holds the same
-switches to torch's settings and its CPU kernels)."""
+Not yet run: no GPU was lent to the session that wrote it (tests/hardware/test_speed.py holds the
+same switches to torch's settings and its CPU kernels)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from accel_common.speed import make_optimizer, set_matmul_precision
+from accel_common.hardware.speed import make_optimizer, set_matmul_precision
 from tests.processes import TEMPLATE, run_recipe
 from tests.results import metrics_log
 

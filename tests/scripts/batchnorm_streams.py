@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
-from accel_common.batchnorm import sync_batchnorm
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.batch_lr.batchnorm import sync_batchnorm
+from accel_common.batch_lr.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.data.loaders import make_train_loader
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRSettings, make_lr_schedule
-from accel_common.policy import LoopPolicy
-from accel_common.run import Run, RunConfig
+from accel_common.hardware.accelerator import make_accelerator
+from accel_common.training.loop import TrainLoop
+from accel_common.training.policy import LoopPolicy
+from accel_common.training.run import Run, RunConfig
 from tests.toy_loop import train_toy
 
 out, sync = Path(sys.argv[1]), bool(int(sys.argv[2]))

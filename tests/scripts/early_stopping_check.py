@@ -1,7 +1,7 @@
 """A toy run whose early stopping is decided on the main process's metric alone.
 
-tests/test_loop.py runs it as 1 and as 2 processes (gloo). Every epoch each rank reports its own
-`val_mae`: rank 0 a value that stops improving after epoch 1, any other rank one that always
+tests/training/test_loop.py runs it as 1 and as 2 processes (gloo). Every epoch each rank reports
+its own `val_mae`: rank 0 a value that stops improving after epoch 1, any other rank one that always
 improves, so a rank deciding for itself would stop at another epoch (or never) and wait alone in
 the next collective. With --patience 1 --min-epochs 3 the run must stop after epoch 4 on every
 rank; each rank writes the epochs it ran, its optimizer steps and LR at each step to
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.batch_lr.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.data.loaders import make_train_loader
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRSettings, make_lr_schedule
-from accel_common.policy import EarlyStopping, LoopPolicy
-from accel_common.run import Run, RunConfig
+from accel_common.hardware.accelerator import make_accelerator
+from accel_common.training.loop import TrainLoop
+from accel_common.training.policy import EarlyStopping, LoopPolicy
+from accel_common.training.run import Run, RunConfig
 
 out, epochs, patience, min_epochs = Path(sys.argv[1]), *map(int, sys.argv[2:5])
 accelerator, plan = make_accelerator(output_dir=out, batch=BatchRequest(8), cpu=True)

@@ -1,7 +1,7 @@
 """The template recipe with a NaN loss injected on one process at one optimizer step.
 
-tests/test_nonfinite.py runs it under `accelerate launch`: NAN_RANK and NAN_STEP say where (the
-NAN_STEP-th training forward pass of rank NAN_RANK, i.e. that optimizer step without
+tests/training/test_nonfinite.py runs it under `accelerate launch`: NAN_RANK and NAN_STEP say where
+(the NAN_STEP-th training forward pass of rank NAN_RANK, i.e. that optimizer step without
 accumulation). Every process writes what it did to NAN_REPORT/rank_R.json when it exits (training
 forward passes, optimizer steps that had gradients, a checksum of its weights), so the test sees
 each rank, not only rank 0's log. Nothing here is in the recipe: it wraps F.mse_loss and watches

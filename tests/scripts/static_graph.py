@@ -2,8 +2,8 @@
 DistributedDataParallelKwargs (cricket's find_unused_parameters) and the static graph, a model
 with a layer it never uses, two optimizer steps.
 
-tests/test_speed.py runs it on 2 processes (gloo); it prints what torch's DDP wrapper was built
-with. Usage: static_graph.py OUT
+tests/hardware/test_speed.py runs it on 2 processes (gloo); it prints what torch's DDP wrapper was
+built with. Usage: static_graph.py OUT
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from accelerate import DistributedDataParallelKwargs
 from torch import nn
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.hardware.accelerator import make_accelerator
 
 
 class Unused(nn.Module):

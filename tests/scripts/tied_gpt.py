@@ -1,8 +1,8 @@
 """A short run of tests/tied_model.py's TiedGPT through the library (Run, TrainLoop): a save
 every step, the export at the end; stopped after a step and resumed in the tests.
 
-tests/test_tied.py runs it on 2 processes (gloo), plain or under FSDP (the FSDP_ON_CPU shim).
-Usage: tied_gpt.py OUT STOP_AFTER(0 = run to the end) RESUME(0|1)
+tests/checkpoints/test_tied.py runs it on 2 processes (gloo), plain or under FSDP (the FSDP_ON_CPU
+shim). Usage: tied_gpt.py OUT STOP_AFTER(0 = run to the end) RESUME(0|1)
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from accel_common.accelerator import make_accelerator
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
+from accel_common.batch_lr.lr import Decay, LRSettings, make_lr_schedule
 from accel_common.data.loaders import make_train_loader
-from accel_common.loop import TrainLoop
-from accel_common.lr import Decay, LRSettings, make_lr_schedule
-from accel_common.policy import LoopPolicy, SavePolicy
-from accel_common.run import Run, RunConfig, StartRequest
+from accel_common.hardware.accelerator import make_accelerator
+from accel_common.training.loop import TrainLoop
+from accel_common.training.policy import LoopPolicy, SavePolicy
+from accel_common.training.run import Run, RunConfig, StartRequest
 from tests.tied_model import CONTEXT, VOCAB, TiedGPT
 from tests.toy_loop import train_toy
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from accel_common.errors import RecipeError
-from accel_common.sync_wait import ENV as ACCEL_RECIPES_TIME_SYNC
+from accel_common.monitoring.sync_wait import ENV as ACCEL_RECIPES_TIME_SYNC
+from accel_common.monitoring.tracking import METRICS_FILE
 from accel_common.tools.example_data import make_data
 from accel_common.tools.ports import free_port
-from accel_common.tracking import METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[3]
 

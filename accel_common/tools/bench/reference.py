@@ -4,7 +4,7 @@ Plain `torch.distributed` code that shares nothing with Accelerate or the recipe
 template's example data read from its CSV, an MLP of the template's shape, DistributedDataParallel,
 DistributedSampler and AdamW. One process without torchrun, otherwise one worker of it
 (`python -m accel_common.tools.bench`); it logs samples/s as the recipes do. It imports no
-recipe: tests/test_bench.py holds its data and initial model to the template recipe's.
+recipe: tests/tools/test_bench.py holds its data and initial model to the template recipe's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from accel_common.data.files import read_numeric_csv
-from accel_common.sync_wait import SyncWaitTimer, timing_requested
-from accel_common.tracking import METRICS_FILE
+from accel_common.monitoring.sync_wait import SyncWaitTimer, timing_requested
+from accel_common.monitoring.tracking import METRICS_FILE
 
 
 def read_train_split(data: Path) -> TensorDataset:

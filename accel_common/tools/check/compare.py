@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from accel_common.batching import BatchPlan
+from accel_common.batch_lr.batching import BatchPlan
 
 
 def exported_params(output_dir: Path) -> dict[str, torch.Tensor]:

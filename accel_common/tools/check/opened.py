@@ -46,7 +46,7 @@ def files_opened() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def files_declared() -> Iterator[dict[str, Path]]:
     """A dict that receives the `data_files` of every run opened in this process meanwhile."""
-    from accel_common.run import Run
+    from accel_common.training.run import Run
 
     declared: dict[str, Path] = {}
     real_open = Run.__dict__["open"]

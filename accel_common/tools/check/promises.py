@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from accel_common.convert import convert_checkpoint
+from accel_common.conversion.convert import convert_checkpoint
 from accel_common.tools.check.compare import (
     exported_params,
     max_relative_difference,

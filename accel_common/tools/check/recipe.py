@@ -102,7 +102,7 @@ def find_recipe(recipe: str, what: str = "NAME") -> Recipe:
     if not hasattr(getattr(module, "train", None), "default_batch"):
         raise RecipeError(
             f"{what} {recipe} defines no recipe command `train` (a function decorated by "
-            "accel_common.options.train_command, as in recipes/train_template.py)"
+            "accel_common.recipe_cli.options.train_command, as in recipes/train_template.py)"
         )
     return Recipe(name, script, module)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
 
 
 class Backend(str, Enum):

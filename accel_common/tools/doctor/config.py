@@ -11,9 +11,13 @@ from typing import Any
 import torch
 import yaml
 
-from accel_common.batching import BatchRequest
+from accel_common.batch_lr.batching import BatchRequest
 from accel_common.errors import RecipeError
-from accel_common.launch_guard import config_asks_for_gpus, sharding_refusal, unsharded_type
+from accel_common.hardware.launch_guard import (
+    config_asks_for_gpus,
+    sharding_refusal,
+    unsharded_type,
+)
 from accel_common.tools.doctor.base import Problem
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -10,8 +10,8 @@ from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 import recipes.train_captioning as recipe
-from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError
+from accel_common.recipe_cli.entry import train_in_python
 from tests.processes import CAPTIONING, CAPTIONING_TINY
 
 

@@ -17,8 +17,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 import recipes.train_captioning as recipe
+from accel_common.checkpoints.export import write_export
 from accel_common.errors import CheckpointError, DataError
-from accel_common.export import write_export
 from recipes.captioning import data as caption_data
 from recipes.captioning.data import read_split
 from recipes.captioning.example import write_dataset

@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 import recipes.train_captioning as recipe
-from accel_common.lr import make_lr_schedule
+from accel_common.batch_lr.lr import make_lr_schedule
 from recipes.captioning.example import write_dataset
 from recipes.captioning.model import Captioner
 from tests.processes import CAPTIONING, CAPTIONING_TINY, dry_run_plan, run_recipe

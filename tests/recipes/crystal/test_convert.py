@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import recipes.train_crystal as recipe
-from accel_common.entry import train_in_python
+from accel_common.checkpoints.export import write_export
 from accel_common.errors import CheckpointError
-from accel_common.export import write_export
+from accel_common.recipe_cli.entry import train_in_python
 from accel_common.tools import cli
 from recipes.crystal import convert
 from tests.processes import CRYSTAL

@@ -15,8 +15,8 @@ from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator
 
 import recipes.train_crystal as recipe
+from accel_common.checkpoints.export import write_export
 from accel_common.errors import ConfigError, DataError
-from accel_common.export import write_export
 from recipes import crystal_api as api
 from recipes.crystal.data import load_graphs, read_frames, split_indices, target_value
 from recipes.crystal.model import Comformer

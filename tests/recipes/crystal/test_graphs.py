@@ -92,7 +92,7 @@ def test_non_periodic_with_icomformer_names_the_molecule_not_the_learning_rate(t
     to lower --lr: a molecule's lattice vectors are zeros, and iComformer's edges attend over
     them. Refused naming the frame and --model eComformer, which trains on them."""
     import recipes.train_crystal as recipe
-    from accel_common.entry import train_in_python
+    from accel_common.recipe_cli.entry import train_in_python
     from tests.processes import CRYSTAL, CRYSTAL_TINY
 
     frames = [random_crystal(np.random.default_rng(seed)) for seed in range(19)]

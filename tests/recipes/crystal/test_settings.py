@@ -11,8 +11,8 @@ from accelerate.state import AcceleratorState
 from ase.build import bulk
 
 import recipes.train_crystal as recipe
-from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError, ConfigError
+from accel_common.recipe_cli.entry import train_in_python
 from recipes import crystal_api as api
 from recipes.crystal.model import Comformer, EComformer
 from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO, dry_run_plan, invoke_train

@@ -15,7 +15,7 @@ import torch
 from ase.build import bulk
 
 import recipes.train_crystal as recipe
-from accel_common.export import inference_device, write_export
+from accel_common.checkpoints.export import inference_device, write_export
 from recipes import crystal_api as api
 from recipes.crystal.data import CrystalGraphs, load_graphs, read_frames
 from recipes.crystal.model import Comformer
@@ -106,8 +106,8 @@ def test_two_processes_end_with_the_same_parameters(crystal_data, tmp_path, two_
     Every other tensor agrees to 2e-5 (measured; the largest, `edge_update_layer.bn_att.bias`,
     was 1.4e-2 apart while one process used torch's own BatchNorm, whose float32 CPU backward
     sums less exactly). `--batchnorm torch` (the presets') on 2 CPU processes becomes the same
-    global, float64 BatchNorm (accel_common.batchnorm; SyncBatchNorm on GPUs), so it too takes
-    one process's steps (its new layers' parameters are the ones the optimizer steps)."""
+    global, float64 BatchNorm (accel_common.batch_lr.batchnorm; SyncBatchNorm on GPUs), so it too
+    takes one process's steps (its new layers' parameters are the ones the optimizer steps)."""
     args = ["--data", str(crystal_data), *CRYSTAL_TINY, "--bs", "16", "--max-steps", "20"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_recipe([*args, "--output-dir", str(one)], cwd=tmp_path, script=CRYSTAL)

@@ -13,8 +13,8 @@ import typer
 from typer.testing import CliRunner
 
 import recipes.train_pointcloud as recipe
+from accel_common.checkpoints.export import write_export
 from accel_common.errors import CheckpointError, ConfigError, exit_on_error
-from accel_common.export import write_export
 from recipes.pointcloud.example import write_dataset
 from recipes.pointcloud.model import PVCNN2
 

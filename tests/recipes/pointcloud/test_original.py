@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from accel_common.checkpoints.export import load_exported, read_export_metadata, write_export
 from accel_common.errors import CheckpointError
-from accel_common.export import load_exported, read_export_metadata, write_export
 from accel_common.tools.cli import app
 from recipes.pointcloud import convert
 from recipes.pointcloud.model import PVCNN2

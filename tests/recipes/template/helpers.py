@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from accel_common.outputs import LOCK_FILE
+from accel_common.run_folder.outputs import LOCK_FILE
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import recipes.train_template as recipe
-from accel_common.entry import train_in_python
 from accel_common.errors import CheckpointError, ConfigError
+from accel_common.recipe_cli.entry import train_in_python
 from accel_common.tools import cli
 from tests.processes import TEMPLATE
 

@@ -1,0 +1,4 @@
+"""The hardware and the launch: the Accelerator a launch trains with (accelerator), refusals before
+a launch does work (launch_guard), speed switches (speed), torch.compile (compilation),
+--deterministic (determinism), FSDP's wrap policy (sharding), and parameter counts (parameters).
+"""
