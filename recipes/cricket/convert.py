@@ -43,9 +43,9 @@ from accel_common.export import (
     require_same_tensors,
     save_file_atomically,
 )
-from recipes.cricket.data import VOCAB_FILE
 from recipes.cricket.model import MODELS
 from recipes.cricket.settings import CricketSettings, network
+from recipes.cricket.vocab import VOCAB_FILE
 
 ORIGINAL = "cricketmodel"
 STATE_KEY = "model_state_dict"

@@ -3,7 +3,7 @@
 `write_dataset` simulates T20 matches ball by ball: outcome probabilities depend on the phase
 (powerplay, middle, death), wickets in hand, the venue, and latent batting and bowling skills of
 each player, so the runs to come are learnable from who is batting and bowling and the state.
-The files are read by recipes/cricket/data.py as a real download is. `accel-recipes make-data
+The files are read by recipes/cricket/parsing.py as a real download is. `accel-recipes make-data
 cricket DIR` runs it.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 # dismissal kinds after which the batter may come back (the reader's NOT_DISMISSED; not imported
-# from recipes/cricket/data.py, so that writing example files loads no torch, PyG or datasets)
+# from recipes/cricket/parsing.py, so that writing example files loads no torch, PyG or datasets)
 NOT_DISMISSED = {"retired hurt", "retired not out"}
 SURNAMES = (
     "Ahmed", "Baker", "Clarke", "Dias", "Evans", "Fernando", "Gill", "Hughes", "Iyer", "Jones",

@@ -5,7 +5,7 @@ widths, and the edge types with the convolution each one gets (src/model/conv_bu
 One graph is the state before one delivery: 19 context node types of one node each (entities,
 match state, actor state, dynamics), one `ball` node per earlier delivery of the innings, and
 the `query` node that is read out. The names here are the original's, so state dicts map one to
-one. The network is in recipes/cricket/model.py, the graphs themselves in data.py.
+one. The network is in recipes/cricket/model.py, the graphs themselves in graphs.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ import torch
 
 from accel_common.errors import ConfigError
 from accel_common.settings import MAX_BLOCKS, Settings, setting
-from recipes.cricket.data import DEFAULT_MATCH_TYPES, TARGETS
 from recipes.cricket.model import MODELS, CricketHeteroGNN, CricketHeteroGNNFull
+from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
+from recipes.cricket.samples import TARGETS
 
 
 @dataclass

@@ -11,10 +11,10 @@ from accelerate.state import AcceleratorState
 
 import recipes.train_cricket as recipe
 from accel_common.entry import train_in_python
-from recipes.cricket import data as cricket
+from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
 from tests.processes import CRICKET
 
-T20 = cricket.DEFAULT_MATCH_TYPES
+T20 = DEFAULT_MATCH_TYPES
 
 
 def train_here(argv: list[str], output_dir: Path) -> dict[str, float]:

@@ -18,9 +18,9 @@ import pytest
 import recipes.train_cricket as recipe
 from accel_common.data.cache import code_digest
 from accel_common.errors import DataError
-from recipes.cricket import data as cricket
-from recipes.cricket import example
-from recipes.cricket.data import NotAMatch
+from recipes.cricket import example, loading
+from recipes.cricket.innings import innings_features, window_runs
+from recipes.cricket.parsing import NESTED_TOO_DEEPLY, NotAMatch, _read_innings, parse_match
 from tests.processes import CRICKET, run_recipe
 from tests.recipes.cricket.helpers import T20, deliveries
 
@@ -83,7 +83,7 @@ def test_generated_files_follow_the_cricsheet_format_field_by_field(cricket_data
                         assert w["player_out"] in info["players"][batting] and w["kind"]
                         assert all(set(f) == {"name"} for f in w.get("fields", []))
                 assert legal <= 6
-        assert cricket.parse_match(path, T20)[0] in ("ok", "no_result")
+        assert parse_match(path, T20)[0] in ("ok", "no_result")
     assert versions == {"1.0.0", "1.1.0"}
 
 
@@ -93,21 +93,21 @@ def test_targets_by_data_version_dls_and_no_result(tmp_path):
     old = copy.deepcopy(match)
     old["meta"]["data_version"] = "1.0.0"
     old["innings"][1].pop("target", None)  # 1.0.0 files may have no target
-    _, records = cricket.parse_match(write(tmp_path / "old.json", old), T20)
+    _, records = parse_match(write(tmp_path / "old.json", old), T20)
     assert records[1]["target_runs"] == first_total + 1 and records[1]["max_balls"] == 120
     dls = copy.deepcopy(match)
     dls["innings"][1]["target"] = {"overs": 12, "runs": 97}
     dls["info"]["outcome"]["method"] = "D/L"
-    _, records = cricket.parse_match(write(tmp_path / "dls.json", dls), T20)
+    _, records = parse_match(write(tmp_path / "dls.json", dls), T20)
     assert (records[1]["target_runs"], records[1]["max_balls"]) == (97, 72)
     assert [r["innings"] for r in records] == [1, 2]
     rained = copy.deepcopy(match)
     rained["info"]["outcome"] = {"result": "no result"}
-    assert cricket.parse_match(write(tmp_path / "nr.json", rained), T20) == ("no_result", [])
+    assert parse_match(write(tmp_path / "nr.json", rained), T20) == ("no_result", [])
     odi = copy.deepcopy(match)
     odi["info"]["match_type"] = "ODI"
-    assert cricket.parse_match(write(tmp_path / "odi.json", odi), T20) == ("match_type", [])
-    assert cricket.parse_match(tmp_path / "odi.json", ("ODI",))[0] == "ok"
+    assert parse_match(write(tmp_path / "odi.json", odi), T20) == ("match_type", [])
+    assert parse_match(tmp_path / "odi.json", ("ODI",))[0] == "ok"
 
 
 def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp_path):
@@ -115,7 +115,7 @@ def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp
     tied = copy.deepcopy(match)
     tied["innings"].append({"team": tied["innings"][1]["team"], "super_over": True,
                             "overs": tied["innings"][0]["overs"][:1]})  # fmt: skip
-    _, records = cricket.parse_match(write(tmp_path / "so.json", tied), T20)
+    _, records = parse_match(write(tmp_path / "so.json", tied), T20)
     assert [r["status"] for r in records] == ["ok", "ok", "super_over"]
     inning = {"team": "A", "overs": [{"over": 0, "deliveries": []}, {"over": 1, "deliveries": []}]}
     ball = {"batter": "x", "bowler": "b", "non_striker": "y"}
@@ -130,9 +130,9 @@ def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp
         d = {**ball, "runs": runs} | ({"extras": extras} if extras else {})
         inning["overs"][0]["deliveries"].append(d | ({"wickets": wickets} if wickets else {}))
     inning["overs"][1]["deliveries"] = [{**ball, "runs": {"batter": 2, "extras": 0, "total": 2}}]
-    record = cricket._read_innings(inning, "t", {}) | {"balls_per_over": 6, "max_balls": 120}
+    record = _read_innings(inning, "t", {}) | {"balls_per_over": 6, "max_balls": 120}
     record |= {"target_runs": -1, "venue": "v", "batting_team": "A", "bowling_team": "B"}
-    features = cricket.innings_features(record, {"players": {}, "venues": {}, "teams": {}})
+    features = innings_features(record, {"players": {}, "venues": {}, "teams": {}})
     assert features["legal_before"].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6]
     assert features["sample_pos"].tolist() == [2, 3, 4, 5, 6, 7, 8]  # no sample at a wide/no-ball
     assert features["wickets"].tolist() == [0] * 8 + [1]  # retired hurt is not a wicket
@@ -142,7 +142,7 @@ def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp
     # 10, before each delivery); --no-retired-is-wicket does not; its target: to the end of over 5
     original = features["o_ctx"].reshape(9, -1)[:, 1]
     assert (original * 10).round().tolist() == [0] * 7 + [1, 2]
-    corrected = cricket.innings_features(record, {"players": {}, "venues": {}, "teams": {}}, False)
+    corrected = innings_features(record, {"players": {}, "venues": {}, "teams": {}}, False)
     assert (corrected["o_ctx"].reshape(9, -1)[:, 1] * 10).round().tolist() == [0] * 8 + [1]
     assert features["o_y"].tolist() == [12, 11, 6, 5, 4, 3, 2, 2, 2]
 
@@ -150,7 +150,7 @@ def test_super_overs_are_kept_apart_and_extras_and_retirements_counted_right(tmp
 def test_window_runs_stop_after_five_overs_of_legal_balls():
     runs = np.ones(40, dtype=np.int64)
     legal_before = np.array([min(k, 35) for k in range(40)])  # the last 4 deliveries are wides
-    y = cricket.window_runs(runs, legal_before, 30)
+    y = window_runs(runs, legal_before, 30)
     assert y[:6].tolist() == [30] * 6  # 30 legal balls; the wides after ball 35 are not in it
     assert y[6] == 34 and y[39] == 1  # later windows reach the innings' end: truncated
 
@@ -160,7 +160,7 @@ def test_a_malformed_delivery_names_file_innings_over_and_delivery(tmp_path):
     del match["innings"][1]["overs"][2]["deliveries"][3]["runs"]["total"]
     path = write(tmp_path / "bad.json", match)
     with pytest.raises(DataError, match=r"bad.json, innings 2, over 2, delivery 4: malformed"):
-        cricket.parse_match(path, T20)
+        parse_match(path, T20)
 
 
 @pytest.mark.parametrize("key", ["batter", "extras", "total"])
@@ -175,7 +175,7 @@ def test_negative_runs_name_the_match_innings_over_and_delivery(tmp_path, key):
         "number from 0 to 100 (fix or remove this file)"
     )
     with pytest.raises(DataError) as raised:
-        cricket.parse_match(path, T20)
+        parse_match(path, T20)
     assert str(raised.value) == expected
 
 
@@ -200,7 +200,7 @@ def folder(tmp_path, monkeypatch) -> Path:
 
 
 def test_summary_counts_skips_and_strict_stops_at_a_non_match(folder):
-    rows, info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+    rows, info = loading.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
     summary = info["summary"]
     assert summary["files"] == 16 and summary["super_over_innings"] == 1
     assert (summary["not_match"], summary["match_type"]) == (1, 1)
@@ -211,7 +211,7 @@ def test_summary_counts_skips_and_strict_stops_at_a_non_match(folder):
     assert info["not_matches"] == [("notes.json", "no 'info' object, so not a Cricsheet match")]
     assert len(rows) == 2 * summary["matches"] and not info["cached"]
     with pytest.raises(DataError, match=r"notes.json: no 'info' object.*leave out --strict"):
-        cricket.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
+        loading.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
 
 
 @pytest.mark.slow
@@ -239,33 +239,33 @@ def test_a_match_with_negative_runs_stops_the_reading_of_the_folder(folder):
     write(path, match)
     expected = f"{path}, innings 2, over 0, delivery 1: runs.batter is -4; give a whole number"
     with pytest.raises(DataError, match="^" + re.escape(expected)):
-        cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+        loading.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
 
 
 def test_cache_is_reused_until_a_file_or_a_setting_changes(folder):
     options = dict(match_types=list(T20), strict=False)
-    first, info = cricket.load_innings(folder, **options, **SPLIT)
-    again, info = cricket.load_innings(folder, **options, **SPLIT)
+    first, info = loading.load_innings(folder, **options, **SPLIT)
+    again, info = loading.load_innings(folder, **options, **SPLIT)
     assert info["cached"] and again["y"] == first["y"]
-    _, info = cricket.load_innings(folder, **options, **{**SPLIT, "split_seed": 1})
+    _, info = loading.load_innings(folder, **options, **{**SPLIT, "split_seed": 1})
     assert not info["cached"]
     write(folder / "tied.json", a_match(4))
-    _, info = cricket.load_innings(folder, **options, **SPLIT)
+    _, info = loading.load_innings(folder, **options, **SPLIT)
     assert not info["cached"]
 
 
 def test_a_changed_reader_builds_its_tables_again(folder, monkeypatch):
     """A table the reader built before a fix (one that now refuses an innings) was reused."""
     options = dict(match_types=list(T20), strict=False)
-    cricket.load_innings(folder, **options, **SPLIT)
-    assert cricket.load_innings(folder, **options, **SPLIT)[1]["cached"]
-    monkeypatch.setattr(cricket, "READER", code_digest(__file__))  # other code, same data
-    assert not cricket.load_innings(folder, **options, **SPLIT)[1]["cached"]
+    loading.load_innings(folder, **options, **SPLIT)
+    assert loading.load_innings(folder, **options, **SPLIT)[1]["cached"]
+    monkeypatch.setattr(loading, "READER", code_digest(__file__))  # other code, same data
+    assert not loading.load_innings(folder, **options, **SPLIT)[1]["cached"]
 
 
 def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
     options = dict(match_types=list(T20), strict=False)
-    rows, info = cricket.load_innings(folder, **options, **{**SPLIT, "split_by_date": True})
+    rows, info = loading.load_innings(folder, **options, **{**SPLIT, "split_by_date": True})
     table = rows.select_columns(["file", "split"]).to_pandas()
     assert (table.groupby("file")["split"].nunique() == 1).all()  # never inside a match
     dates = {f: json.loads((folder / f).read_text())["info"]["dates"][0] for f in set(table.file)}
@@ -315,7 +315,7 @@ def test_an_innings_without_overs_or_an_absurd_count_is_one_line_naming_the_file
     edit(match)
     write(path, match)
     with pytest.raises(DataError) as refused:
-        cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+        loading.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
     assert str(refused.value).startswith(f"{path}") and says in str(refused.value)
     assert "\n" not in str(refused.value)
 
@@ -330,7 +330,7 @@ def test_a_fifo_among_the_match_files_is_refused_naming_it_before_anything_reads
     fifo = tmp_path / "2.json"
     os.mkfifo(fifo)
     with pytest.raises(DataError) as error:
-        cricket.load_innings(tmp_path, match_types=list(T20), strict=False, **SPLIT)
+        loading.load_innings(tmp_path, match_types=list(T20), strict=False, **SPLIT)
     assert str(error.value) == (
         f"{fifo}: is a FIFO (named pipe), not a regular file; remove it from --data, which "
         "holds match files"
@@ -352,14 +352,14 @@ def test_a_match_file_nested_too_deeply_is_a_non_match_named_in_one_line(folder)
     deep = folder / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(NotAMatch) as error:  # predict names the file with it (--match)
-        cricket.parse_match(deep, T20)
-    assert str(error.value) == cricket.NESTED_TOO_DEEPLY
-    info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)[1]
-    assert ("deep.json", cricket.NESTED_TOO_DEEPLY) in info["not_matches"]
+        parse_match(deep, T20)
+    assert str(error.value) == NESTED_TOO_DEEPLY
+    info = loading.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)[1]
+    assert ("deep.json", NESTED_TOO_DEEPLY) in info["not_matches"]
     with pytest.raises(DataError) as error:
-        cricket.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
+        loading.load_innings(folder, match_types=list(T20), strict=True, **SPLIT)
     assert str(error.value) == (
-        f"{deep}: {cricket.NESTED_TOO_DEEPLY}; remove it, or leave out --strict to skip it"
+        f"{deep}: {NESTED_TOO_DEEPLY}; remove it, or leave out --strict to skip it"
     )
 
 
@@ -368,7 +368,7 @@ def test_a_match_file_whose_name_is_not_utf8_is_read_and_named_escaped(folder):
     paths travel as bytes, the name as m\\xff.json."""
     source = sorted(folder.glob("*.json"))[0]
     os.rename(source, os.fsencode(folder) + b"/m\xff.json")
-    rows, info = cricket.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
+    rows, info = loading.load_innings(folder, match_types=list(T20), strict=False, **SPLIT)
     assert info["summary"]["files"] == 16
     assert os.fsencode(folder) + b"/m\xff.json" in map(os.fsencode, info["files"])
     assert "m\\xff.json" in set(rows["file"])

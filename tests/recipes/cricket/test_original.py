@@ -15,7 +15,13 @@ import torch
 
 import recipes.train_cricket as recipe
 from accel_common.errors import CheckpointError, DataError
-from recipes.cricket import data as cricket
+from recipes.cricket.baseline import PhaseBaseline
+from recipes.cricket.graphs import CricketGraphs
+from recipes.cricket.innings import innings_features
+from recipes.cricket.loading import FEATURES
+from recipes.cricket.parsing import parse_match
+from recipes.cricket.samples import Deliveries
+from recipes.cricket.vocab import VOCAB_FILE
 from tests.processes import REPO
 from tests.recipes.cricket.helpers import T20, train_here
 from tests.results import exported_params, global_relative_difference
@@ -113,17 +119,15 @@ def test_the_graphs_of_deliveries_are_the_originals(tmp_path):
         "players": {registry.get(k, k): v for k, v in mapper["player_to_id"].items()},
         "venues": mapper["venue_to_id"], "teams": mapper["team_to_id"],
     }  # fmt: skip
-    _, records = cricket.parse_match(match, T20)
+    _, records = parse_match(match, T20)
     table = datasets.Dataset.from_list(
         [{"file": match.name, "innings": r["innings"], "split": 0}
-         | cricket.innings_features(r, vocab) for r in records if r["status"] == "ok"],
-        features=cricket.FEATURES,
+         | innings_features(r, vocab) for r in records if r["status"] == "ok"],
+        features=FEATURES,
     )  # fmt: skip
-    d = cricket.Deliveries(table)
+    d = Deliveries(table)
     everything = np.ones(len(d.row), dtype=bool)
-    ours = cricket.CricketGraphs(
-        d, everything, 1000, cricket.PhaseBaseline.fit(d.over, d.wickets, d.y)
-    )
+    ours = CricketGraphs(d, everything, 1000, PhaseBaseline.fit(d.over, d.wickets, d.y))
     starts = np.concatenate([[0], np.cumsum(np.bincount(d.row))])
     for (innings, ball), theirs in zip(meta["samples"], graphs, strict=True):
         mine: HeteroData = ours.graph(int(starts[innings] + ball - 1))
@@ -165,7 +169,7 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
     team 0, role 0). `--to` writes back the dict EntityMapper.load reads."""
     meta = json.loads((FIXTURES / "original.json").read_text())
     export = convert_original(tmp_path)
-    vocab = json.loads((export / cricket.VOCAB_FILE).read_text())
+    vocab = json.loads((export / VOCAB_FILE).read_text())
     mapper = meta["entity_mapper"]
     assert vocab["players"] == mapper["player_to_id"] and vocab["player_key"] == "name"
     assert set(vocab["player_roles"].values()) == {"unknown"}  # no ollama: all unknown
@@ -183,12 +187,12 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
     assert predicted(export, "p.csv") == pytest.approx(expected, abs=5e-5)
     # bowling types (the original's LLM classification) set the bowler's is_pace / is_spin
     typed = vocab | {"player_bowling_types": meta["bowling_types"]}
-    (export / cricket.VOCAB_FILE).write_text(json.dumps(typed))
+    (export / VOCAB_FILE).write_text(json.dumps(typed))
     with_types = meta["outputs_bowling_types"]["CricketHeteroGNN"]
     assert max(abs(a - b) for a, b in zip(with_types, expected, strict=True)) > 1e-2
     assert predicted(export, "b.csv") == pytest.approx(with_types, abs=5e-5)
     # every player unknown: the original's fallback embedding, of team 0 and role 0
-    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab | {"players": {}}))
+    (export / VOCAB_FILE).write_text(json.dumps(vocab | {"players": {}}))
     unknown = meta["outputs_unknown_players"]["CricketHeteroGNN"]
     assert max(abs(a - b) for a, b in zip(unknown, expected, strict=True)) > 1e-2
     assert predicted(export, "u.csv") == pytest.approx(unknown, abs=5e-5)
@@ -198,7 +202,7 @@ def test_the_originals_vocabulary_converts_and_predict_gives_its_outputs(tmp_pat
     (export / "model.json").write_text(json.dumps(metadata))
     assert predicted(export, "t.csv") != pytest.approx(unknown, abs=1e-3)
     # and back: the pickle the original's EntityMapper.load reads, with its keys and ids
-    (export / cricket.VOCAB_FILE).write_text(json.dumps(vocab))
+    (export / VOCAB_FILE).write_text(json.dumps(vocab))
     from recipes.cricket.convert import MAPPER_FILE, export_checkpoint, read_mapper
 
     back = export_checkpoint(export, tmp_path / "back" / "best_model.pt")
@@ -271,7 +275,7 @@ def test_init_from_a_converted_original_fine_tunes_it_and_another_size_is_one_li
     # one AdamW step at lr 2.5e-4 from the original's weights (a fresh start differs by ~1)
     assert global_relative_difference(start, trained) < 0.01
     # it keeps the original's vocabulary (by name), for predict and --to cricketmodel
-    vocab = cricket.VOCAB_FILE
+    vocab = VOCAB_FILE
     assert (tmp_path / "run" / "model" / vocab).read_text() == (export / vocab).read_text()
     with pytest.raises(CheckpointError, match=r"--init-from .*: not this network") as err:
         train_here([*args, "--hidden", "16"], tmp_path / "wrong")
@@ -292,10 +296,10 @@ def test_predict_reads_the_vocabulary_beside_a_safetensors_file(tmp_path):
     assert result.exit_code == 0, result.output
     recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "p.csv")
     assert len(list(csv.DictReader((tmp_path / "p.csv").open()))) > 0
-    (model.parent / cricket.VOCAB_FILE).unlink()
+    (model.parent / VOCAB_FILE).unlink()
     with pytest.raises(DataError) as err:
         recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "q.csv")
-    assert f"({model.parent / cricket.VOCAB_FILE})" in str(err.value)
+    assert f"({model.parent / VOCAB_FILE})" in str(err.value)
     assert "a.safetensors/" not in str(err.value) and "\n" not in str(err.value)
 
 
@@ -304,7 +308,7 @@ def test_an_exports_broken_vocabulary_is_one_line_naming_it(tmp_path, text):
     """Before: predict and --init-from ended in a JSONDecodeError or UnicodeDecodeError
     traceback on a vocab.json cut short or not UTF-8."""
     model = convert_original(tmp_path)
-    vocab = model / cricket.VOCAB_FILE
+    vocab = model / VOCAB_FILE
     vocab.write_bytes(text)
     for read in (
         lambda: recipe.predict(model_dir=model, match=FIXTURES / "match.json", out=tmp_path / "p"),
@@ -333,15 +337,15 @@ def test_convert_never_replaces_a_file_beside_the_one_named(tmp_path):
         return result.exit_code, result.output.strip()
 
     assert convert(str(source), str(out / "a.safetensors"), "--from", "cricketmodel")[0] == 0
-    vocab = (out / cricket.VOCAB_FILE).read_text()
+    vocab = (out / VOCAB_FILE).read_text()
     code, output = convert(str(source), str(out / "b.safetensors"), "--from", "cricketmodel")
     assert code == 2 and output.endswith(
-        f"{out / cricket.VOCAB_FILE} exists; pass --force to overwrite it"
+        f"{out / VOCAB_FILE} exists; pass --force to overwrite it"
     ), output
     assert not (out / "b.safetensors").exists() and not (out / "b.json").exists()
-    (out / cricket.VOCAB_FILE).write_text(vocab.replace('"name"', '"name" '))  # told apart
+    (out / VOCAB_FILE).write_text(vocab.replace('"name"', '"name" '))  # told apart
     args = [str(source), str(out / "b.safetensors"), "--from", "cricketmodel", "--force"]
-    assert convert(*args)[0] == 0 and (out / cricket.VOCAB_FILE).read_text() == vocab
+    assert convert(*args)[0] == 0 and (out / VOCAB_FILE).read_text() == vocab
     back = tmp_path / "back"
     assert convert(str(out / "a.safetensors"), str(back / "a.pt"), "--to", "cricketmodel")[0] == 0
     mapper = (back / MAPPER_FILE).read_bytes()

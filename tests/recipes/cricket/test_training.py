@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import recipes.train_cricket as recipe
-from recipes.cricket import data as cricket
+from recipes.cricket.parsing import parse_match
 from tests.processes import CRICKET, CRICKET_TINY, run_recipe
 from tests.recipes.cricket.helpers import T20, deliveries, train_here
 from tests.results import (
@@ -63,9 +63,7 @@ def test_beats_the_mean_and_the_phase_baseline_on_held_out_matches(trained):
 
 @pytest.mark.slow
 def test_predict_writes_one_row_per_sample(trained, cricket_data, tmp_path):
-    match = next(
-        p for p in sorted(cricket_data.glob("*.json")) if cricket.parse_match(p, T20)[0] == "ok"
-    )
+    match = next(p for p in sorted(cricket_data.glob("*.json")) if parse_match(p, T20)[0] == "ok")
     out = tmp_path / "p.csv"
     recipe.predict(model_dir=trained / "model", match=match, out=out)  # in process: no start-up
     rows = list(csv.DictReader(out.open()))
