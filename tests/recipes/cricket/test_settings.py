@@ -11,7 +11,7 @@ import pytest
 import recipes.train_cricket as recipe
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.parameters import count_parameters
-from recipes.cricket.data import ENTITIES
+from recipes.cricket.vocab import ENTITIES
 from tests.processes import CRICKET_TINY, REPO, dry_run_plan, invoke_train
 from tests.recipes.cricket.helpers import train_here
 
