@@ -210,7 +210,7 @@ def test_resume_after_a_kill_on_the_gpu(recipe, mode, request, tmp_path_factory,
 
 def first_match(data: Path) -> Path:
     """A match of the example set that has innings to predict (not every simulated one does)."""
-    from recipes.cricket.data import DEFAULT_MATCH_TYPES, parse_match
+    from recipes.cricket.parsing import DEFAULT_MATCH_TYPES, parse_match
 
     matches = sorted(data.glob("*.json"))
     return next(p for p in matches if parse_match(p, DEFAULT_MATCH_TYPES)[0] == "ok")
