@@ -27,6 +27,7 @@ from accel_common.recipe_cli.options import SharedSettings
 from accel_common.settings import read_config_file
 from recipes import load_recipe
 from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
+from recipes.quality.loss import likelihood, reliabilities
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _quality(smoke: bool) -> Workload:
     # as many annotators as the model has reliabilities: build_model's count without --data
     annotators = len(recipe.ANNOTATORS)
     size = settings.image_size  # original: 448
-    loss_of = recipe.likelihood(settings.reliability)
+    loss_of = likelihood(settings.reliability)
 
     def batch(n: int, device: torch.device) -> tuple:
         images = torch.randn(2 * n, 3, size, size, device=device)  # a pair is two images
@@ -114,7 +115,7 @@ def _quality(smoke: bool) -> Workload:
         images, choice, annotator = inputs  # the recipe's step at the preset's reliability
         s_i, s_j = model(images).float().chunk(2)
         unwrapped = getattr(model, "module", model)
-        eta = recipe.reliabilities(unwrapped, settings.reliability, settings.fixed_eta)
+        eta = reliabilities(unwrapped, settings.reliability, settings.fixed_eta)
         return loss_of(s_i - s_j, choice, eta[annotator], settings.draw_weight)
 
     def build() -> nn.Module:

@@ -294,11 +294,11 @@ def test_export_onnx_names_a_wrong_model_before_asking_for_onnx(tmp_path):
     """A missing --model was reported as 'export-onnx needs onnx' where onnx was not installed:
     installing it would not have helped."""
     from accel_common.errors import exit_on_error
-    from recipes import train_quality
+    from recipes.quality.commands import export_onnx
     from tests.processes import invoke_train
 
     flags = ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "scorer.onnx")]
-    result = invoke_train(exit_on_error(train_quality.export_onnx), flags)
+    result = invoke_train(exit_on_error(export_onnx), flags)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: --model {tmp_path / 'missing'}"), result.stderr
 

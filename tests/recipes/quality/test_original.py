@@ -16,7 +16,10 @@ from typer.testing import CliRunner
 import recipes.train_quality as recipe
 from accel_common.errors import CheckpointError, ConfigError
 from recipes.quality import data as quality_data
+from recipes.quality.commands import compare, export_onnx
 from recipes.quality.example import ANNOTATORS
+from recipes.quality.loss import likelihood, original_loss, reliabilities
+from recipes.quality.metrics import evaluate, linear_ndcg, margin_accuracy
 from tests.processes import REPO
 
 # --------------------------------------------------------------------------- the original's code
@@ -101,11 +104,11 @@ def test_an_original_checkpoint_imports_strictly_and_scores_as_the_original(impo
     batch = facts["loss_batch"]
     diff = scores[batch["i"]] - scores[batch["j"]]
     labels = torch.tensor(batch["labels"])
-    eta = recipe.reliabilities(model, "global", 0.8)[torch.zeros(4, dtype=torch.long)]
-    assert recipe.likelihood("global") is recipe.original_loss
-    loss = recipe.original_loss(diff, labels, eta, 0.5)
+    eta = reliabilities(model, "global", 0.8)[torch.zeros(4, dtype=torch.long)]
+    assert likelihood("global") is original_loss
+    loss = original_loss(diff, labels, eta, 0.5)
     assert loss.item() == pytest.approx(facts["loss_global_eta"], rel=1e-5)
-    fixed = recipe.original_loss(diff, labels, torch.tensor(batch["annotator_reliability"]), 0.5)
+    fixed = original_loss(diff, labels, torch.tensor(batch["annotator_reliability"]), 0.5)
     assert fixed.item() == pytest.approx(facts["loss_fixed_eta"], rel=1e-5)
 
 
@@ -230,15 +233,15 @@ def test_gold_reliabilities_and_metrics_follow_the_original():
     assert etas == {"good": 0.75, "bad": 0.0, "none": 0.5}
     index = {name: k for k, name in enumerate("abcd")}
     scores = torch.tensor([5.0, 4.95, 1.0, 100.0])  # a and b within the 0.1 margin
-    assert recipe.margin_accuracy(scores, records, index, 0.1) == pytest.approx(2 / 5)
-    metrics = recipe.evaluate(scores, records, records, index, None, list("abcd"), categories)
+    assert margin_accuracy(scores, records, index, 0.1) == pytest.approx(2 / 5)
+    metrics = evaluate(scores, records, records, index, None, list("abcd"), categories)
     assert metrics["pair_acc_gold_gold"] == pytest.approx(1 / 2)  # non-draw votes only
     assert metrics["pair_acc_gold_real"] == 1.0
     assert metrics["spearman_gold"] == pytest.approx(1.0)
     assert metrics["ndcg_gold"] == pytest.approx(1.0)
     # the reverse order: relevances 1, 2, 3 at ranks 1, 2, 3 against the ideal 3, 2, 1
     log3 = math.log2(3)
-    reverse = recipe.linear_ndcg(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
+    reverse = linear_ndcg(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
     assert reverse == pytest.approx((1 + 2 / log3 + 3 / 2) / (3 + 2 / log3 + 1 / 2))
 
 
@@ -251,16 +254,16 @@ def run_command(command, args: list[str]):
 def test_one_image_is_scored_and_two_compared_as_the_original_does(imported):
     facts = original_facts()
     first, second = (str(FIXTURES / "images" / name) for name in facts["images"][:2])
-    result = run_command(recipe.compare, ["--model", str(imported), first])
+    result = run_command(compare, ["--model", str(imported), first])
     assert result.exit_code == 0, result.output
     score = float(result.output.split("score ")[1])
     assert score == pytest.approx(facts["scores"][0], rel=1e-5)  # same preprocessing and weights
-    result = run_command(recipe.compare, ["--model", str(imported), first, second])
+    result = run_command(compare, ["--model", str(imported), first, second])
     assert result.exit_code == 0, result.output
     diff = facts["scores"][0] - facts["scores"][1]  # 0.154: above the 0.1 draw margin
     probability = torch.sigmoid(torch.tensor(diff)).item()
     assert result.output.splitlines()[-1] == f"{first} is better, probability {probability:.4f}"
-    result = run_command(recipe.compare, ["--model", str(imported), first, second, "--margin", "1"])
+    result = run_command(compare, ["--model", str(imported), first, second, "--margin", "1"])
     assert result.output.splitlines()[-1].startswith("draw (|difference| 0.1536 <= 1.0)")
 
 
@@ -271,7 +274,7 @@ def test_the_onnx_export_scores_as_pytorch(imported, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "scorer.onnx"
-    result = run_command(recipe.export_onnx, ["--model", str(imported), "--out", str(out)])
+    result = run_command(export_onnx, ["--model", str(imported), "--out", str(out)])
     assert result.exit_code == 0, result.output
     images = load_file(str(FIXTURES / "original_inputs.safetensors"))["images"]
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -286,7 +289,7 @@ def test_an_opset_the_exporter_cannot_honour_is_refused_before_the_work(opset, i
     torch.onnx's exporter writes opsets 7 to 20 only. Refused in one line, with or without onnx."""
     out = tmp_path / "scorer.onnx"
     result = run_command(
-        recipe.export_onnx, ["--model", str(imported), "--out", str(out), "--opset", opset]
+        export_onnx, ["--model", str(imported), "--out", str(out), "--opset", opset]
     )
     assert result.exit_code == 2, result.output
     bound = "greater than or equal to 7" if int(opset) < 7 else "less than or equal to 20"
@@ -303,7 +306,7 @@ def test_an_onnx_file_that_does_not_load_is_removed_and_refused(imported, tmp_pa
     out = tmp_path / "scorer.onnx"
     monkeypatch.setattr(torch.onnx, "export", lambda *args, **kwargs: out.write_bytes(b"junk"))
     with pytest.raises(ConfigError, match=rf"^--out {out}: the ONNX file written does not load"):
-        recipe.export_onnx(model_dir=imported, out=out, opset=17)
+        export_onnx(model_dir=imported, out=out, opset=17)
     assert not out.exists()
 
 
@@ -385,8 +388,8 @@ def test_one_training_step_is_the_originals():
     i, j, choice = [0, 1, 0, 2], [3, 2, 1, 3], torch.tensor([1, -1, 0, 1])
     parts = 2 if settings.pair_forward == "separate" else 1
     s_i, s_j = model(torch.cat([images[i], images[j]]), parts).chunk(2)
-    eta = recipe.reliabilities(model, settings.reliability, settings.fixed_eta)
-    loss_of = recipe.likelihood(settings.reliability)
+    eta = reliabilities(model, settings.reliability, settings.fixed_eta)
+    loss_of = likelihood(settings.reliability)
     loss = loss_of(s_i - s_j, choice, eta[torch.zeros(4, dtype=torch.long)], settings.draw_weight)
     loss.backward()
     optimizer.step()

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-import recipes.train_quality as recipe
 from accel_common.data.images import list_images
+from recipes.quality.commands import load_scorer, score_folder
 from recipes.quality.example import write_dataset
+from recipes.quality.metrics import rank_correlations
 from tests.processes import QUALITY, run_recipe
 from tests.results import (
     exported_params,
@@ -39,11 +40,11 @@ def test_learns_quality_and_finds_the_unreliable_annotators(quality_data, tmp_pa
     assert metrics["eta_corr"] > 0.8
     unseen = write_dataset(tmp_path / "unseen", images=200, comparisons_per_annotator=1, seed=1)
     quality = json.loads((unseen / "truth.json").read_text())["quality"]
-    model, read, _ = recipe.load_scorer(out / "model")
+    model, read, _ = load_scorer(out / "model")
     read.folder = unseen / "images"
     with torch.no_grad():
         scores = model(torch.stack([read(name) for name in quality]))
-    rho, _ = recipe.rank_correlations(scores, torch.tensor(list(quality.values())))
+    rho, _ = rank_correlations(scores, torch.tensor(list(quality.values())))
     assert rho > 0.4, rho
 
 
@@ -106,7 +107,7 @@ def test_score_command_rates_a_folder(one_process, quality_data, tmp_path):
     assert again.returncode == 2 and "exists" in again.stderr
     # the command scored in chunks of 64; one batch of all images gives the same scores
     whole = tmp_path / "whole.csv"
-    recipe.score_folder(one_process / "model", quality_data / "images", whole, bs=1000)
+    score_folder(one_process / "model", quality_data / "images", whole, bs=1000)
     chunked = {r["image"]: float(r["score"]) for r in rows}
     in_one = {r["image"]: float(r["score"]) for r in csv.DictReader(whole.open())}
     assert in_one.keys() == chunked.keys()
