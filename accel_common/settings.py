@@ -50,11 +50,14 @@ def setting(
     adjustable: bool = False,
     aliases: tuple[str, ...] = (),
     cli_type: Any = None,
+    panel: str | None = None,
 ) -> Any:
     """A settings field. `min`/`max` are inclusive bounds, `above` an exclusive lower bound; a
     float must also be finite. `adjustable`: may differ when a run is resumed. `aliases`: extra
     flag names (the original codebase's). `cli_type`: the flag's type where it differs from the
-    field's (e.g. a number that may also be 'auto')."""
+    field's (e.g. a number that may also be 'auto'). `panel`: the group `--help` shows the flag
+    in (accel_common.recipe_cli.panels: a shared one's name joins it); default: the recipe's
+    own panel, shown first."""
     return field(
         default=default,
         metadata={
@@ -65,6 +68,7 @@ def setting(
             "adjustable": adjustable,
             "aliases": aliases,
             "cli_type": cli_type,
+            "panel": panel,
         },
     )
 

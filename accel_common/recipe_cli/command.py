@@ -9,8 +9,9 @@ recipe's own settings and `--config` / `--dry-run` / `--processes`:
     @train_command(MySettings, build_model=build_model, default_bs=64, lr=3e-3, ref_bs=64)
     def train(args: SharedSettings, settings: MySettings) -> dict[str, float]: ...
 
-`--help` lists both. Flag names follow the original codebases (`--bs`, `--lr`, `--epochs`,
-`--workers`, `--wandb-project`, ...).
+`--help` lists both in panels: the recipe's own settings first ("Template settings"), then the
+shared ones by concern (accel_common.recipe_cli.panels). Flag names follow the original
+codebases (`--bs`, `--lr`, `--epochs`, `--workers`, `--wandb-project`, ...).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from accel_common.recipe_cli.command_line import (
 )
 from accel_common.recipe_cli.dry_run import print_dry_run
 from accel_common.recipe_cli.options import SharedSettings
+from accel_common.recipe_cli.panels import in_panel_order, recipe_panel
 from accel_common.settings import Settings, flag
 
 
@@ -131,15 +133,16 @@ def train_command(
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         recipe = Path(inspect.getfile(fn)).stem.removeprefix("train_")
-        own_params = settings_parameters(settings, defaults, aliases, {})
+        own_panel = recipe_panel(recipe)
+        own_params = settings_parameters(settings, defaults, aliases, {}, own_panel)
         shared_params = settings_parameters(SharedSettings, defaults, aliases, helps)
         shared_params = [p for p in shared_params if p.name not in replaces]
-        params = own_params + shared_params + CLI_PARAMETERS
+        params = in_panel_order(own_params + shared_params, own_panel) + CLI_PARAMETERS
         annotations = {p.name: p.annotation for p in params}
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
-            config_file, dry_run, processes, ctx = (kwargs.pop(name) for name in CLI_ONLY)
+            config_file, dry_run, processes, _, ctx = (kwargs.pop(n, None) for n in CLI_ONLY)
             from_file = from_config_file(config_file, ctx, annotations) if config_file else {}
             kwargs |= from_file
             if processes is not None and not dry_run:

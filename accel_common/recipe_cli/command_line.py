@@ -1,6 +1,7 @@
-"""A Settings class as command-line flags: one Typer parameter per field, the options every
-training command adds (--config, --dry-run, --processes), and --config's values read through
-each flag's own conversion (accel_common.train_command puts them together)."""
+"""A Settings class as command-line flags: one Typer parameter per field, in the `--help` panel
+its declaration names (accel_common.recipe_cli.panels), the options every training command adds
+(--config, --dry-run, --processes, --help), and --config's values read through each flag's own
+conversion (accel_common.train_command puts them together)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import typer
 
 from accel_common.errors import ConfigError
+from accel_common.recipe_cli.panels import COMMAND
 from accel_common.settings import (
     Settings,
     base_type,
@@ -23,15 +25,20 @@ from accel_common.settings import (
 
 # what a training command takes besides its settings: they choose how the settings are read and
 # what is done with them, and are not recorded with the run
-CLI_ONLY = ("config", "dry_run", "processes", "ctx")
+CLI_ONLY = ("config", "dry_run", "processes", "help", "ctx")
 # settings that give one value two ways: whichever the command line gives replaces the file's
 ONE_OF = ({"bs", "per_device_bs"},)
 
 
 def settings_parameters(
-    cls: type[Settings], defaults: dict[str, Any], aliases: dict[str, list[str]], helps: dict
+    cls: type[Settings],
+    defaults: dict[str, Any],
+    aliases: dict[str, list[str]],
+    helps: dict,
+    panel: str | None = None,
 ) -> list[inspect.Parameter]:
-    """One keyword-only Typer parameter per field of `cls`, from its declaration."""
+    """One keyword-only Typer parameter per field of `cls`, from its declaration; in the `--help`
+    panel it declares, else in `panel` (a recipe's own)."""
     hints = cls.hints()
     parameters = []
     for f in fields(cls):
@@ -46,11 +53,19 @@ def settings_parameters(
             help=helps.get(f.name, meta["help"]),
             min=meta.get("min") if numeric else None,
             max=meta.get("max") if numeric else None,
+            rich_help_panel=meta.get("panel") or panel,
         )
         annotation = meta.get("cli_type") or hints[f.name]
         kind = inspect.Parameter.KEYWORD_ONLY
         parameters.append(inspect.Parameter(f.name, kind, default=option, annotation=annotation))
     return parameters
+
+
+def show_help(ctx: typer.Context, value: bool) -> None:
+    """--help: print the command's help and exit, as Click's own help option does."""
+    if value and not ctx.resilient_parsing:
+        typer.echo(ctx.get_help(), color=ctx.color)
+        raise typer.Exit()
 
 
 CLI_PARAMETERS = [
@@ -63,6 +78,7 @@ CLI_PARAMETERS = [
             help="YAML file of settings: keys are the flag names (ref-bs: 64), values as on the "
             "command line; flags given on the command line win. recipes/NAME/configs/"
             "original.yaml holds the original project's sizes and hyper-parameters.",
+            rich_help_panel=COMMAND,
         ),
         annotation=Path | None,
     ),
@@ -74,6 +90,7 @@ CLI_PARAMETERS = [
             "--dry-run",
             help="Resolve the settings, print the run's plan (batch, LR, precision, parameter "
             "count, memory per device) and exit without training or writing anything.",
+            rich_help_panel=COMMAND,
         ),
         annotation=bool,
     ),
@@ -86,8 +103,25 @@ CLI_PARAMETERS = [
             min=1,
             help="With --dry-run: plan for this many processes (e.g. 16 for 2 nodes of 8 GPUs) "
             "without launching them. Default: this launch's.",
+            rich_help_panel=COMMAND,
         ),
         annotation=int | None,
+    ),
+    # Click's own --help, declared here so that it is shown in the command's panel, not alone in a
+    # default panel above the recipe's settings (a declared --help replaces Click's)
+    inspect.Parameter(
+        "help",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(
+            False,
+            "--help",
+            is_eager=True,
+            expose_value=False,
+            callback=show_help,
+            help="Show this message and exit.",
+            rich_help_panel=COMMAND,
+        ),
+        annotation=bool,
     ),
     # Typer passes its context here: which values came from the command line (they win over
     # --config), and each flag's own conversion for the file's values

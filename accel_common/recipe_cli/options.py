@@ -1,50 +1,43 @@
 """The settings every recipe shares (`SharedSettings`), each declared once with `setting(...)`,
-and the groups they travel in (batch request, LR settings, save policy) with the methods that
-build a run's objects from them. accel_common.train_command makes them flags.
+with the `--help` panel it is shown in (accel_common.recipe_cli.panels), and the groups they
+travel in (batch request, LR settings, save policy); the methods that build a run's objects from
+them are its base's (accel_common.recipe_cli.run_objects). accel_common.train_command makes them
+flags.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
-import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import KwargsHandler
-from torch.utils.data import DataLoader, Dataset
-
-import accel_common.hardware.accelerator
-from accel_common.batch_lr.batching import BATCH_FLAG_HELP, BatchPlan, BatchRequest
-from accel_common.batch_lr.batchnorm import sync_batchnorm
-from accel_common.batch_lr.lr import (
-    Decay,
-    LRScaling,
-    LRSchedule,
-    LRSettings,
-    make_lr_schedule,
-    parse_milestones,
-)
+from accel_common.batch_lr.batching import BATCH_FLAG_HELP, BatchRequest
+from accel_common.batch_lr.lr import Decay, LRScaling, LRSettings, parse_milestones
 from accel_common.batch_lr.onecycle import Anneal, OneCycle
 from accel_common.checkpoints.checkpoint_files import ALLOW_UNVERIFIED_HELP
-from accel_common.data import loaders
-from accel_common.deprecation import warn_deprecated
 from accel_common.errors import ConfigError
-from accel_common.hardware.compilation import COMPILE_HELP, requested_compilation
+from accel_common.hardware.compilation import COMPILE_HELP
 from accel_common.hardware.speed import (
     DDP_STATIC_GRAPH_HELP,
     FUSED_OPTIMIZER_HELP,
     MATMUL_PRECISION_HELP,
     MatmulPrecision,
-    make_optimizer,
 )
 from accel_common.monitoring.tracking import TRACKERS, parse_report_to
+from accel_common.recipe_cli.panels import (
+    BATCH_LR,
+    CHECKPOINTS,
+    DATA,
+    LOGGING,
+    PROCESSES,
+    SCHEDULE,
+    SPEED,
+    TRAINING,
+)
+from accel_common.recipe_cli.run_objects import RunObjects
 from accel_common.settings import Settings, setting
-from accel_common.training.loop import TrainLoop
-from accel_common.training.policy import EarlyStopping, LoopPolicy, OnNonFinite, SavePolicy
-from accel_common.training.run import Run, RunConfig, StartRequest, Tracking
+from accel_common.training.policy import OnNonFinite, SavePolicy
+from accel_common.training.run import StartRequest
 
 
 class MixedPrecision(str, Enum):
@@ -54,7 +47,7 @@ class MixedPrecision(str, Enum):
 
 
 @dataclass
-class SharedSettings(Settings):
+class SharedSettings(Settings, RunObjects):
     """The training settings every recipe shares (its own come in a second Settings class)."""
 
     data: Path | None = setting(
@@ -62,9 +55,13 @@ class SharedSettings(Settings):
         "Data folder in the workload's original format. Omit it to generate (once) and train on "
         "a small built-in example. The data's contents are part of the run's identity.",
         adjustable=True,
+        panel=DATA,
     )
     output_dir: Path = setting(
-        Path("runs/recipe"), "Where checkpoints, logs and the exported model go.", adjustable=True
+        Path("runs/recipe"),
+        "Where checkpoints, logs and the exported model go.",
+        adjustable=True,
+        panel=DATA,
     )
     epochs: int = setting(
         10,
@@ -72,18 +69,24 @@ class SharedSettings(Settings):
         "iterations: the run's length is --max-steps).",
         min=0,
         adjustable=True,
+        panel=TRAINING,
     )
     max_steps: int = setting(
-        0, "Stop after this many optimizer steps (0 = run all epochs).", min=0, adjustable=True
+        0,
+        "Stop after this many optimizer steps (0 = run all epochs).",
+        min=0,
+        adjustable=True,
+        panel=TRAINING,
     )
     bs: int | None = setting(
         None,
         BATCH_FLAG_HELP["bs"],
         min=1,
         adjustable=True,  # the global batch it gives is part of the identity, recorded apart
+        panel=BATCH_LR,
     )
     per_device_bs: int | None = setting(
-        None, BATCH_FLAG_HELP["per_device_bs"], min=1, adjustable=True
+        None, BATCH_FLAG_HELP["per_device_bs"], min=1, adjustable=True, panel=BATCH_LR
     )
     max_per_device_bs: int | None = setting(
         None,
@@ -92,24 +95,30 @@ class SharedSettings(Settings):
         "`accel-recipes plan --measure RECIPE` (runs/memory/RECIPE.json).",
         adjustable=True,
         cli_type=str | None,  # a number or 'auto', resolved before the run starts
+        panel=BATCH_LR,
     )
-    grad_accum: int = setting(1, BATCH_FLAG_HELP["grad_accum"], min=1, adjustable=True)
+    grad_accum: int = setting(
+        1, BATCH_FLAG_HELP["grad_accum"], min=1, adjustable=True, panel=BATCH_LR
+    )
     lr: float = setting(
         1e-3,
         "Peak learning rate at the reference global batch --ref-bs. May change on a resume (to "
         "rescue a run that diverged); the resume says so.",
         above=0,
         adjustable=True,
+        panel=BATCH_LR,
     )
     ref_bs: int = setting(
         32,
         "Global batch that --lr was tuned for; --lr-scaling carries --lr from it to the actual "
         "global batch.",
         min=1,
+        panel=BATCH_LR,
     )
     lr_scaling: LRScaling = setting(
         LRScaling.linear,
         "How the LR follows the global batch: none, linear (x batch ratio) or sqrt.",
+        panel=BATCH_LR,
     )
     schedule: Decay = setting(
         Decay.cosine,
@@ -120,10 +129,14 @@ class SharedSettings(Settings):
         "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
         "peak x (s + (1 - s)(k + 1)/W) while k < W, s = --warmup-start; then cosine: peak x (m "
         "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
+        panel=SCHEDULE,
     )
-    warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0)
+    warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0, panel=SCHEDULE)
     warmup_epochs: int = setting(
-        0, "Epochs of linear warmup instead, of the run's own optimizer steps per epoch.", min=0
+        0,
+        "Epochs of linear warmup instead, of the run's own optimizer steps per epoch.",
+        min=0,
+        panel=SCHEDULE,
     )
     warmup_start: float = setting(
         0.0,
@@ -131,6 +144,7 @@ class SharedSettings(Settings):
         "start_factor; 0 = from zero).",
         min=0.0,
         max=1.0,
+        panel=SCHEDULE,
     )
     min_lr_ratio: float = setting(
         0.0,
@@ -138,12 +152,14 @@ class SharedSettings(Settings):
         "0.1 ends at 0.1 x peak.",
         min=0,
         max=1,
+        panel=SCHEDULE,
     )
     decay_steps: int = setting(
         0,
         "Optimizer step where cosine or exponential decay ends and the LR then holds its floor "
         "(nanoGPT's lr_decay_iters), apart from the run's length; 0 = the run's last step.",
         min=0,
+        panel=SCHEDULE,
     )
     gamma: float = setting(
         1.0,
@@ -151,26 +167,30 @@ class SharedSettings(Settings):
         "(torch's StepLR / MultiStepLR gamma, e.g. 0.1).",
         above=0,
         max=1,
+        panel=SCHEDULE,
     )
     step_size: int = setting(
         0,
         "With --schedule step: multiply the LR by --gamma every N optimizer steps after the "
         "warmup (epochs with --decay-per-epoch), as torch's StepLR.",
         min=0,
+        panel=SCHEDULE,
     )
     milestones: str = setting(
         "",
         "With --schedule multistep: comma-separated optimizer steps after the warmup (epochs "
         "with --decay-per-epoch) where the LR is multiplied by --gamma, as torch's MultiStepLR "
         "(e.g. 30,60,80).",
+        panel=SCHEDULE,
     )
     hold_epochs: int = setting(
-        0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0
+        0, "Epochs at the peak LR after the warmup, before the decay starts.", min=0, panel=SCHEDULE
     )
     decay_per_epoch: bool = setting(
         False,
         "Change the LR, warmup and decay, only at epoch boundaries, as a torch scheduler "
         "stepped after each epoch (else at every optimizer step).",
+        panel=SCHEDULE,
     )
     pct_start: float = setting(
         0.3,
@@ -178,61 +198,86 @@ class SharedSettings(Settings):
         "(torch's OneCycleLR pct_start).",
         min=0.0,
         max=1.0,
+        panel=SCHEDULE,
     )
     div_factor: float = setting(
         25.0,
         "With --schedule onecycle: the first step's LR is the peak / this (OneCycleLR div_factor).",
         above=0,
+        panel=SCHEDULE,
     )
     final_div_factor: float = setting(
         1e4,
         "With --schedule onecycle: the last step's LR is the peak / --div-factor / this "
         "(OneCycleLR final_div_factor).",
         above=0,
+        panel=SCHEDULE,
     )
     anneal: Anneal = setting(
         Anneal.cos,
         "With --schedule onecycle: rise and fall along a cosine (cos) or a line (linear), "
         "OneCycleLR's anneal_strategy.",
+        panel=SCHEDULE,
     )
     cycle_momentum: bool = setting(
         False,
         "With --schedule onecycle: cycle the optimizer's momentum (Adam's beta1, SGD's momentum) "
         "from --max-momentum down to --base-momentum as the LR rises and back as it falls "
         "(OneCycleLR's cycle_momentum, torch's default); else the optimizer's own is kept.",
+        panel=SCHEDULE,
     )
     base_momentum: float = setting(
-        0.85, "With --cycle-momentum: the momentum at the peak LR.", min=0.0, max=1.0
+        0.85,
+        "With --cycle-momentum: the momentum at the peak LR.",
+        min=0.0,
+        max=1.0,
+        panel=SCHEDULE,
     )
     max_momentum: float = setting(
-        0.95, "With --cycle-momentum: the momentum at the first and last step.", min=0.0, max=1.0
+        0.95,
+        "With --cycle-momentum: the momentum at the first and last step.",
+        min=0.0,
+        max=1.0,
+        panel=SCHEDULE,
     )
     weight_decay: float = setting(
-        0.0, "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.", min=0
+        0.0,
+        "Weight decay: decoupled in recipes on AdamW, L2 in those on Adam.",
+        min=0,
+        panel=TRAINING,
     )
     clip_grad: float = setting(
-        0.0, "Clip the global gradient norm to this value (0 = off).", min=0, adjustable=True
+        0.0,
+        "Clip the global gradient norm to this value (0 = off).",
+        min=0,
+        adjustable=True,
+        panel=TRAINING,
     )
     on_nonfinite: OnNonFinite = setting(
         OnNonFinite.stop,
         "A NaN/inf loss or gradient on any process: stop (naming the step and the last good "
         "checkpoint) or skip that optimizer step on every process (counted and logged).",
         adjustable=True,
+        panel=TRAINING,
     )
     mixed_precision: MixedPrecision | None = setting(
-        None, "no, fp16 or bf16; default: the accelerate config / launcher's choice."
+        None, "no, fp16 or bf16; default: the accelerate config / launcher's choice.", panel=SPEED
     )
-    seed: int = setting(0, "Seed for weights (alike on every process), shuffling and noise.", min=0)
+    seed: int = setting(
+        0, "Seed for weights (alike on every process), shuffling and noise.", min=0, panel=TRAINING
+    )
     sync_batchnorm: bool = setting(
         False,
         "Normalise every BatchNorm with the statistics of the global batch (all processes): N "
         "processes then train as one on N x the batch (torch's SyncBatchNorm on GPUs, "
         "accel_common.batch_lr.batchnorm elsewhere); without, each process's own.",
+        panel=PROCESSES,
     )
     one_rng_stream: bool = setting(
         False,
         "One global RNG stream (dropout) on every process, as originals that seeded them alike; "
         "default: process k draws from --seed + k.",
+        panel=PROCESSES,
     )
     deterministic: bool = setting(
         False,
@@ -241,22 +286,28 @@ class SharedSettings(Settings):
         "workspace; an op with no deterministic kernel stops the run, naming it. GPU runs are "
         "slower and otherwise differ in the last bits, which training amplifies. Part of the "
         "run's identity.",
+        panel=SPEED,
     )
-    compile: bool = setting(False, COMPILE_HELP, adjustable=True)
-    matmul_precision: MatmulPrecision | None = setting(None, MATMUL_PRECISION_HELP)
-    fused_optimizer: bool = setting(False, FUSED_OPTIMIZER_HELP, adjustable=True)
-    ddp_static_graph: bool = setting(False, DDP_STATIC_GRAPH_HELP, adjustable=True)
+    compile: bool = setting(False, COMPILE_HELP, adjustable=True, panel=SPEED)
+    matmul_precision: MatmulPrecision | None = setting(None, MATMUL_PRECISION_HELP, panel=SPEED)
+    fused_optimizer: bool = setting(False, FUSED_OPTIMIZER_HELP, adjustable=True, panel=SPEED)
+    ddp_static_graph: bool = setting(False, DDP_STATIC_GRAPH_HELP, adjustable=True, panel=SPEED)
     workers: int = setting(
-        0, "DataLoader worker processes per training process.", min=0, adjustable=True
+        0, "DataLoader worker processes per training process.", min=0, adjustable=True, panel=DATA
     )
     log_every: int = setting(
-        50, "Log loss, LR, grad norm and samples/s every N optimizer steps.", min=1, adjustable=True
+        50,
+        "Log loss, LR, grad norm and samples/s every N optimizer steps.",
+        min=1,
+        adjustable=True,
+        panel=LOGGING,
     )
     save_every: int = setting(
         0,
         "Save resumable state every N optimizer steps (0 = only at the end).",
         min=0,
         adjustable=True,
+        panel=CHECKPOINTS,
     )
     eval_every: int = setting(
         0,
@@ -264,9 +315,14 @@ class SharedSettings(Settings):
         "evaluates at the same steps), besides each epoch's end; 0 = only at epoch ends.",
         min=0,
         adjustable=True,
+        panel=LOGGING,
     )
     keep_last: int = setting(
-        2, "Resumable checkpoints to keep (older ones are deleted).", min=1, adjustable=True
+        2,
+        "Resumable checkpoints to keep (older ones are deleted).",
+        min=1,
+        adjustable=True,
+        panel=CHECKPOINTS,
     )
     resume: str | None = setting(
         None,
@@ -276,6 +332,7 @@ class SharedSettings(Settings):
         "--max-steps, --lr and clipping) and the same data; a mismatch is refused, naming what "
         "differs.",
         adjustable=True,
+        panel=CHECKPOINTS,
     )
     overwrite: bool = setting(
         False,
@@ -283,6 +340,7 @@ class SharedSettings(Settings):
         "aside to OUTPUT.replaced-<time> (nothing is deleted). Without it such a folder is "
         "refused: continue that run with --resume latest, or choose another --output-dir.",
         adjustable=True,
+        panel=CHECKPOINTS,
     )
     overwrite_later: bool = setting(
         False,
@@ -291,21 +349,28 @@ class SharedSettings(Settings):
         "deleted) and train on from the older one. Without it such a resume is refused, since "
         "it would overwrite them.",
         adjustable=True,
+        panel=CHECKPOINTS,
     )
-    allow_unverified: bool = setting(False, ALLOW_UNVERIFIED_HELP, adjustable=True)
+    allow_unverified: bool = setting(
+        False, ALLOW_UNVERIFIED_HELP, adjustable=True, panel=CHECKPOINTS
+    )
     report_to: str = setting(
         "none",
         "Trackers besides metrics.jsonl, comma-separated: any that Accelerate supports ("
         + ", ".join(TRACKERS)
         + "), 'all' (every one installed) or none.",
         adjustable=True,
+        panel=LOGGING,
     )
     wandb_project: str | None = setting(
-        None, "Tracker project (default: accel-recipes-<recipe>).", adjustable=True
+        None, "Tracker project (default: accel-recipes-<recipe>).", adjustable=True, panel=LOGGING
     )
-    wandb_name: str | None = setting(None, "Tracker run name.", adjustable=True)
+    wandb_name: str | None = setting(None, "Tracker run name.", adjustable=True, panel=LOGGING)
     cpu: bool = setting(
-        False, "Train on the CPU even if an accelerator is present.", adjustable=True
+        False,
+        "Train on the CPU even if an accelerator is present.",
+        adjustable=True,
+        panel=PROCESSES,
     )
     dist_timeout: int = setting(
         0,
@@ -316,6 +381,7 @@ class SharedSettings(Settings):
         "evaluation.",
         min=0,
         adjustable=True,
+        panel=PROCESSES,
     )
 
     def validate(self) -> None:
@@ -360,130 +426,3 @@ class SharedSettings(Settings):
     def start_request(self) -> StartRequest:
         """--resume and the flags that go with it."""
         return StartRequest(**{f.name: getattr(self, f.name) for f in fields(StartRequest)})
-
-    def make_accelerator(
-        self, kwargs_handlers: Iterable[KwargsHandler] = ()
-    ) -> tuple[Accelerator, BatchPlan]:
-        """The Accelerator and batch plan these flags ask for (accelerator.make_accelerator)."""
-        return accel_common.hardware.accelerator.make_accelerator(
-            output_dir=self.output_dir, batch=self.batch_request,
-            mixed_precision=self.mixed_precision.value if self.mixed_precision else None,
-            cpu=self.cpu, report_to=self.report_to, dist_timeout=self.dist_timeout,
-            seed=self.seed, deterministic=self.deterministic, kwargs_handlers=kwargs_handlers,
-            matmul_precision=self.matmul_precision.value if self.matmul_precision else None,
-            ddp_static_graph=self.ddp_static_graph,
-        )  # fmt: skip
-
-    def make_optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        """`optimizer_class(params, **kwargs)`, fused with --fused-optimizer (speed.make_optimizer:
-        a fused kernel torch lacks is refused, naming the flag)."""
-        return make_optimizer(optimizer_class, params, self.fused_optimizer, **kwargs)
-
-    def adapt_model(self, model: torch.nn.Module) -> None:
-        """What the launch asks of `model`, in place: --sync-batchnorm's BatchNorms over the
-        global batch (accel_common.batch_lr.batchnorm), then --compile (or the launch config's
-        dynamo backend: accel_common.hardware.compilation). Call it after any copy of the model is
-        made (an EMA copies the compiled function too, which would run the original), before
-        accelerator.prepare."""
-        if self.sync_batchnorm:
-            sync_batchnorm(model, PartialState().device)
-        compilation = requested_compilation(self.compile)
-        if compilation is not None:
-            compilation.apply(model)
-
-    def compile_model(self, model: torch.nn.Module) -> None:
-        """adapt_model's name before 0.2.0, kept so that older recipes run (DeprecationWarning)."""
-        warn_deprecated("SharedSettings.compile_model", "SharedSettings.adapt_model")
-        self.adapt_model(model)
-
-    def make_train_loader(
-        self,
-        dataset: Dataset,
-        plan: BatchPlan,
-        collate_fn: Callable | None = None,
-        costs: Sequence[float] | None = None,
-        replacement: bool = False,
-    ) -> DataLoader:
-        """The shuffled, drop-last training loader (data.loaders.make_train_loader); with `costs`
-        (one per item), each step's items balanced over processes by cost; with `replacement`,
-        each epoch's items drawn with replacement (iteration-sampled training)."""
-        return loaders.make_train_loader(
-            dataset, plan.per_device_batch_size, seed=self.seed, workers=self.workers,
-            collate_fn=collate_fn, costs=costs, plan=plan, replacement=replacement,
-        )  # fmt: skip
-
-    def make_lr_schedule(
-        self,
-        accelerator: Accelerator,
-        optimizer: torch.optim.Optimizer,
-        plan: BatchPlan,
-        steps_per_epoch: int,
-    ) -> LRSchedule:
-        """--lr scaled to the global batch, warmup and decay (lr.make_lr_schedule)."""
-        return make_lr_schedule(
-            accelerator,
-            optimizer,
-            plan,
-            self.lr_settings,
-            steps_per_epoch=steps_per_epoch,
-            epochs=self.epochs,
-            max_steps=self.max_steps,
-        )
-
-    def make_loop(
-        self,
-        accelerator: Accelerator,
-        plan: BatchPlan,
-        loader: DataLoader,
-        schedule: LRSchedule,
-        *,
-        recipe: str,
-        data_files: Mapping[str, Path],
-        settings: Settings | None = None,
-        derived: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None,
-        monitor: str | None = None,
-        patience: int = 0,
-        min_epochs: int = 0,
-        min_delta: float = 0.0,
-    ) -> TrainLoop:
-        """The run's TrainLoop (loop.TrainLoop). `data_files` are every file the run's data
-        reader opens, by name (accel_common.data.named_files): their contents are the
-        data's part of the run's identity. `settings` are the workload's own, `derived`
-        what the run computed from its data that single-device commands need too (a target's
-        mean, a vocabulary size); all of it, with every setting here, is stored in the trackers,
-        the checkpoints and the export, and is the run's identity but for the adjustable
-        settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
-        epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
-        `min_delta`."""
-        own = [settings] if settings is not None else []
-        run_config = RunConfig(
-            recipe,
-            {**self.as_config(), **merged(own, "as_config"), **(derived or {}), **(config or {})},
-            adjustable=frozenset(self.adjustable().union(*(s.adjustable() for s in own))),
-            derived=frozenset(derived or {}),
-            defaults={**self.default_config(), **merged(own, "default_config")},
-        )
-        stopping = EarlyStopping(monitor, patience, min_epochs, min_delta)
-        policy = LoopPolicy(self.save_policy, self.clip_grad, self.on_nonfinite, stopping)
-        policy.check(accelerator)  # before the run claims its folder
-        run = Run.open(
-            accelerator,
-            plan,
-            schedule,
-            run_config,
-            output_dir=self.output_dir,
-            data_dir=self.data or loaders.example_data_dir(recipe),
-            data_files=data_files,
-            start=self.start_request,
-            monitored=bool(monitor),
-            tracking=Tracking(self.wandb_project, self.wandb_name),
-        )
-        return TrainLoop(accelerator, plan, loader, schedule, run, policy)
-
-
-def merged(settings: list[Settings], method: str) -> dict[str, Any]:
-    """One dict of every Settings object's `method()` (as_config, default_config)."""
-    return {k: v for s in settings for k, v in getattr(s, method)().items()}
