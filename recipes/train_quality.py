@@ -45,15 +45,16 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_common.command import train_command
-from accel_common.console import say
-from accel_common.data.fingerprint import named_files
-from accel_common.data.loaders import existing_data, resolve_data
-from accel_common.entry import run_recipe
-from accel_common.errors import DataError
-from accel_common.export import require_start_export
-from accel_common.lr import Decay
-from accel_common.options import SharedSettings
+from accel_common import (
+    DataError,
+    Decay,
+    SharedSettings,
+    require_start_export,
+    run_recipe,
+    say,
+    train_command,
+)
+from accel_common.data import existing_data, named_files, resolve_data
 from recipes.quality.commands import compare, export_onnx, score_folder
 from recipes.quality.convert import ORIGINAL
 from recipes.quality.data import (

@@ -35,13 +35,17 @@ from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint, require_tensors, settle_unrecorded, tell
-from accel_common.errors import CheckpointError, ConfigError
-from accel_common.export import (
+from accel_common import (
+    CheckpointError,
+    ConfigError,
+    load_original_checkpoint,
     read_export_weights,
     read_recipe_export,
     require_same_tensors,
+    require_tensors,
     save_file_atomically,
+    settle_unrecorded,
+    tell,
 )
 from recipes.cricket.model import MODELS
 from recipes.cricket.settings import CricketSettings, network

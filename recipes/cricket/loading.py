@@ -14,15 +14,8 @@ from typing import Any
 
 import datasets
 
-from accel_common.data.cache import (
-    cache_key,
-    cache_root,
-    cached,
-    code_digest,
-    files_digest,
-    save_whole,
-)
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import cache_key, cache_root, cached, code_digest, files_digest, save_whole
 from recipes.cricket.innings import innings_features
 from recipes.cricket.parsing import (
     ORIGINAL_COLUMNS,

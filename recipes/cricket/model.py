@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # PyG's import trips torch's own torch.jit depr
     warnings.simplefilter("ignore", FutureWarning)
     from torch_geometric.nn import GATv2Conv, HeteroConv, SAGEConv, TransformerConv
 
-from accel_common.errors import ConfigError
+from accel_common import ConfigError
 from recipes.cricket.schema import (
     BALL_FEATURE_DIM,
     EDGE_TYPES,

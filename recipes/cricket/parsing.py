@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from accel_common.data.paths import require_regular
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import require_regular
 from recipes.cricket.features import KINDS, wicket_kind
 
 # bit flags of a delivery's `flags` column

@@ -7,8 +7,8 @@ from __future__ import annotations
 import datasets
 import numpy as np
 
-from accel_common.data.cache import list_column
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import list_column
 from recipes.cricket.features import CTX_DIM
 from recipes.cricket.schema import BALL_FEATURE_DIM
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from accel_common.errors import ConfigError
-from accel_common.settings import MAX_BLOCKS, Settings, setting
+from accel_common import MAX_BLOCKS, ConfigError, Settings, setting
 from recipes.cricket.model import MODELS, CricketHeteroGNN, CricketHeteroGNNFull
 from recipes.cricket.parsing import DEFAULT_MATCH_TYPES
 from recipes.cricket.samples import TARGETS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from accel_common.errors import DataError
+from accel_common import DataError
 
 
 def split_matches(

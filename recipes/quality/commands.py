@@ -11,13 +11,16 @@ import torch
 import typer
 from torch.utils.data import DataLoader
 
-from accel_common.command import model_option
-from accel_common.console import print_names
-from accel_common.data.images import list_images
-from accel_common.errors import ConfigError
-from accel_common.export import load_for_inference, read_recipe_export
-from accel_common.launch_guard import require_new_file
-from accel_common.outputs import new_file
+from accel_common import (
+    ConfigError,
+    load_for_inference,
+    model_option,
+    new_file,
+    print_names,
+    read_recipe_export,
+    require_new_file,
+)
+from accel_common.data import list_images
 from recipes.quality.data import ImageReader, Images, normalisation
 from recipes.quality.model import QualityScorer
 from recipes.quality.onnx_export import ONNX_OPSETS, require_onnx, write_onnx

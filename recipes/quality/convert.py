@@ -21,13 +21,15 @@ from typing import Any
 
 import torch
 
-from accel_common.convert import load_original_checkpoint, settle_unrecorded, tell
-from accel_common.errors import CheckpointError
-from accel_common.export import (
+from accel_common import (
+    CheckpointError,
+    load_original_checkpoint,
     read_export_weights,
     read_recipe_export,
     require_same_tensors,
     save_file_atomically,
+    settle_unrecorded,
+    tell,
 )
 from recipes.quality.model import RELIABILITY_KEY, QualityScorer, is_timm_model
 

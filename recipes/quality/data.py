@@ -30,10 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from accel_common.data.files import read_text
-from accel_common.data.images import open_image
-from accel_common.data.paths import is_present
-from accel_common.errors import DataError
+from accel_common import DataError
+from accel_common.data import is_present, open_image, read_text
 
 ORIGINAL_FILE = "comparison_data.json"
 TRUTH_FILE = "truth.json"  # synthetic data's true values, beside the comparisons

@@ -13,9 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from accel_common.convert import read_state_dict
-from accel_common.errors import ConfigError
-from accel_common.export import MODEL_FILE, read_export_weights
+from accel_common import MODEL_FILE, ConfigError, read_export_weights, read_state_dict
 
 HIDDEN = 512  # model.py 28: hidden_dim; the second layer is hidden_dim // 2
 RELIABILITY_KEY = "annotator_logits"

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from accel_common.errors import ConfigError
-from accel_common.outputs import new_file
+from accel_common import ConfigError, new_file
 from recipes.quality.model import QualityScorer
 
 # the opsets torch.onnx's TorchScript exporter (dynamo=False) supports, ONNX_MIN_OPSET to

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from accel_common.errors import ConfigError
-from accel_common.settings import Settings, setting
+from accel_common import ConfigError, Settings, setting
 from recipes.quality.model import require_known_backbone
 
 RECIPE = "quality"

@@ -43,7 +43,7 @@ def test_ratios_that_leave_no_training_matches_are_refused_naming_both_flags():
 def test_the_original_preset_plans_its_run_and_writes_nothing(cricket_data, tmp_path, monkeypatch):
     """recipes/cricket/configs/original.yaml: lyndonkl/cricketmodel's sizes and hyper-parameters
     (batch 64, AdamW 1e-3, 100 epochs), its network at the vocabulary of the data (read as the
-    run reads it; tests/test_dry_run_plans.py holds the count to the run's)."""
+    run reads it; tests/recipe_cli/test_dry_run_plans.py holds the count to the run's)."""
     monkeypatch.chdir(tmp_path)
     cache = tmp_path.parent / f"{tmp_path.name}-cache"  # the cache, not the run's output
     data = ["--data", str(cricket_data), "--graph-cache-dir", str(cache)]
