@@ -24,8 +24,10 @@ _FACE = {
     "accel_common.recipe_cli.command": ("train_command", "model_option"),
     "accel_common.recipe_cli.entry": ("run_recipe", "train_in_python"),
     # batch and LR math
-    "accel_common.batch_lr.batching": ("total_optimizer_steps",),
-    "accel_common.batch_lr.lr": ("Decay",),
+    "accel_common.batch_lr.batching": (
+        "total_optimizer_steps", "BatchRequest", "BatchPlan", "plan_batch",
+    ),
+    "accel_common.batch_lr.lr": ("Decay", "LRSettings", "make_lr_schedule"),
     "accel_common.batch_lr.losses": ("GlobalItemMean",),
     "accel_common.batch_lr.batchnorm": ("GlobalBatchNorm", "sync_batchnorm"),
     # the export, and loading it
@@ -51,6 +53,12 @@ _FACE = {
     ),
     # old paths of a recipe's own names (its `__getattr__`)
     "accel_common.deprecation": ("moved_attribute", "warn_deprecated"),
+    # the building blocks for a script with its own argparse or Hydra config
+    # (examples/plain_argparse.py): what `train_command` assembles for a recipe
+    "accel_common.hardware.accelerator": ("make_accelerator",),
+    "accel_common.training.loop": ("TrainLoop",),
+    "accel_common.training.policy": ("LoopPolicy", "SavePolicy"),
+    "accel_common.training.run": ("Run", "RunConfig"),
 }  # fmt: skip
 
 __all__ = [name for names in _FACE.values() for name in names]

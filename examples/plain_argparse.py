@@ -21,14 +21,20 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from accel_common.hardware.accelerator import make_accelerator
-from accel_common.batch_lr.batching import BatchRequest
-from accel_common.data.loaders import make_train_loader
-from accel_common.training.loop import TrainLoop
-from accel_common.batch_lr.losses import GlobalItemMean
-from accel_common.batch_lr.lr import Decay, LRSettings, make_lr_schedule
-from accel_common.training.policy import LoopPolicy, SavePolicy
-from accel_common.training.run import Run, RunConfig
+from accel_common import (
+    BatchRequest,
+    Decay,
+    GlobalItemMean,
+    LoopPolicy,
+    LRSettings,
+    Run,
+    RunConfig,
+    SavePolicy,
+    TrainLoop,
+    make_accelerator,
+    make_lr_schedule,
+)
+from accel_common.data import make_train_loader
 
 
 class VariableLengthItems(Dataset):

@@ -28,7 +28,7 @@ _FACE = {
         "list_lengths", "save_whole",
     ),
     "accel_common.data.loaders": (
-        "resolve_data", "existing_data", "make_eval_loader", "per_sample_rng",
+        "resolve_data", "existing_data", "make_train_loader", "make_eval_loader", "per_sample_rng",
     ),
     "accel_common.data.fingerprint": ("named_files",),
 }  # fmt: skip
