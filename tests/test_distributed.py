@@ -99,6 +99,7 @@ def test_only_the_main_process_writes(two_process):
             "random_states_1.pkl",
         ]
     assert sorted(p.name for p in (two_process / "model").iterdir()) == [
+        "README.md",
         "model.json",
         "model.safetensors",
     ]

@@ -23,6 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from accel_common.batch_lr.batching import BatchPlan
+from accel_common.checkpoints.hf_layout import HFLayout, hf_layout
+from accel_common.checkpoints.model_card import CARD_FILE, model_card
 from accel_common.checkpoints.ties import missing_tie
 from accel_common.errors import CheckpointError, ConfigError
 from accel_common.hardware.launch_guard import require_writable_folder
@@ -111,37 +113,63 @@ def require_new_files(paths: Iterable[Path], force: bool) -> None:
             raise CheckpointError(f"{path} exists; pass --force to overwrite it")
 
 
-def write_export(state: Mapping[str, torch.Tensor], target: Path, metadata: dict[str, Any]) -> Path:
+def write_export(
+    state: Mapping[str, torch.Tensor],
+    target: Path,
+    metadata: dict[str, Any],
+    layout: HFLayout | None = None,
+    card: bool = False,
+) -> Path:
     """Write the weights and their JSON (see `export_paths`), each via a private temporary name,
     moved into place by `outputs.place_file` (never over an existing file in a command that
-    promises so: `outputs.exclusive_outputs`)."""
+    promises so: `outputs.exclusive_outputs`). A folder export also gets `layout`'s files (a
+    diffusers or transformers model's config.json, its weights under the library's file name:
+    `hf_layout`) and, with `card`, a README.md model card (`model_card`)."""
     model_path, meta_path = export_paths(target)
     text = strict_json(metadata, meta_path)  # before anything is written
-    tmp_model, tmp_meta = partial_path(model_path), partial_path(meta_path)
+    folder = model_path.parent
+    extras: dict[Path, bytes] = {}
+    aliases: list[Path] = []
+    if model_path == Path(target) / MODEL_FILE:  # a folder, not NAME.safetensors
+        if layout is not None:
+            extras = {folder / name: data for name, data in layout.files.items()}
+            aliases = [folder / layout.weights_name] if layout.weights_name != MODEL_FILE else []
+        if card:
+            extras[folder / CARD_FILE] = model_card(metadata, str(target), layout).encode()
+    targets = [model_path, *aliases, *extras, meta_path]
+    partials = {path: partial_path(path) for path in targets}
     try:
-        model_path.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp_model = partials[model_path]
         save_file(_clean_tensors(strip_wrapper_prefixes(state)), str(tmp_model), {"format": "pt"})
-        tmp_meta.write_text(text)
         # safetensors writes through a private temporary file (mode 0600): give the export the
         # permissions any file the user creates gets, so colleagues and serving jobs can read it
         os.chmod(tmp_model, 0o666 & ~current_umask())
+        for alias in aliases:  # the same bytes under the library's name: a link, else a copy
+            try:
+                os.link(tmp_model, partials[alias])
+            except OSError:
+                shutil.copyfile(tmp_model, partials[alias])
+        for path, data in extras.items():
+            partials[path].write_bytes(data)
+        partials[meta_path].write_text(text)
     except (OSError, SafetensorError) as raw:
-        if (err := as_write_error(raw, model_path.parent)) is None:
+        if (err := as_write_error(raw, folder)) is None:
             raise
         with contextlib.suppress(OSError):
-            tmp_model.unlink(missing_ok=True)
-            tmp_meta.unlink(missing_ok=True)
+            for partial in partials.values():
+                partial.unlink(missing_ok=True)
         raise CheckpointError(
             f"{write_failure(err)} while writing the export {model_path}; an export already "
             f"there is unchanged: {WRITE_ADVICE[disk_full(err)]}, then export again (a training "
             "run: --resume latest)"
         ) from None
     try:
-        place_file(tmp_model, model_path, "OUTPUT")
-        place_file(tmp_meta, meta_path, "OUTPUT")
+        for path in targets:
+            place_file(partials[path], path, "OUTPUT")
     finally:
-        tmp_model.unlink(missing_ok=True)
-        tmp_meta.unlink(missing_ok=True)
+        for partial in partials.values():
+            partial.unlink(missing_ok=True)
     return model_path
 
 
@@ -211,11 +239,14 @@ def export_model(
     schedule: dict[str, Any],
     step: int,
     metrics: dict[str, float],
+    derived: Iterable[str] = (),
 ) -> Path:
     """Export the trained model; every process calls this (gathering shards is collective).
     Its metadata records what `--dry-run` promises of the run (parameter counts as it counts
     them, the batch plan, `schedule`: the LR line and optimizer steps), so each can be held to
-    the other."""
+    the other. `derived`: the config's values computed from the data (not flags: the model
+    card's command leaves them out). A diffusers or transformers model's export is also that
+    library's `from_pretrained` folder (`hf_layout`); every export gets a README.md."""
     state = accelerator.get_state_dict(model)
     path = Path(out_dir) / MODEL_FILE
     if accelerator.is_main_process:
@@ -227,8 +258,9 @@ def export_model(
             "schedule": schedule,
             "step": step,
             "metrics": metrics,
-        }
-        path = write_export(state, out_dir, metadata)
+        } | ({"derived": sorted(derived)} if derived else {})
+        layout = hf_layout(accelerator.unwrap_model(model))
+        path = write_export(state, out_dir, metadata, layout, card=True)
     accelerator.wait_for_everyone()
     return path
 

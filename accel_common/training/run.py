@@ -44,6 +44,7 @@ from accel_common.checkpoints.export import (
     read_export_metadata,
     write_export,
 )
+from accel_common.checkpoints.hf_layout import read_hf_layout
 from accel_common.console import print_banner, say
 from accel_common.data.fingerprint import (
     LISTED_FILES,
@@ -215,6 +216,7 @@ class Run:
             },
             step=self.progress.step,
             metrics=metrics,
+            derived=self.config.derived,
         )
 
     def export_best(self, metrics: dict[str, float]) -> Path:
@@ -223,7 +225,8 @@ class Run:
         if self.accelerator.is_main_process:
             metadata = read_export_metadata(best)
             metadata["metrics"] = metrics
-            write_export(load_file(str(best / MODEL_FILE)), final, metadata)
+            weights = load_file(str(best / MODEL_FILE))
+            write_export(weights, final, metadata, read_hf_layout(best), card=True)
         self.accelerator.wait_for_everyone()
         return final / MODEL_FILE
 
