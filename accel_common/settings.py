@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 import typing
 from dataclasses import Field, dataclass, field, fields
 from enum import Enum
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from accel_common.errors import ConfigError
+from accel_common.errors import CheckpointError, ConfigError
 
 S = TypeVar("S", bound="Settings")
 
@@ -38,6 +39,8 @@ MAX_BLOCKS = 1000
 # the largest whole number any setting may be: beyond 2^53 a number is no longer exact in JSON,
 # where the run's identity and the export record it, and no size or count here comes near it
 MAX_INTEGER = 2**53
+# an export's `config_from` when its config is what `convert --set` gave a foreign checkpoint
+CONFIG_FROM_SET = "convert --set"
 
 
 def setting(
@@ -150,7 +153,64 @@ class Settings:
         settings are ignored, missing ones take their defaults."""
         hints = cls.hints()
         values = {f.name: config[f.name] for f in fields(cls) if f.name in config} | overrides
+        if isinstance(config, RecordedConfig):  # a converted checkpoint's: name what it lacks
+            config.tell_defaults(cls, set(values))
         return cls(**{k: convert(hints[k], v) for k, v in values.items()})
+
+
+class RecordedConfig(dict):
+    """The config of a foreign checkpoint converted for a recipe (`accel-recipes convert --recipe
+    X --set NAME=VALUE`): only what --set gave. A key it lacks is one line naming the --set to
+    give (not a KeyError); `from_config` takes the defaults of the settings it lacks, saying so
+    in one line on stderr."""
+
+    def __init__(self, values: dict[str, Any], where: str, recipe: str) -> None:
+        super().__init__(values)
+        self.where, self.recipe = where, recipe
+
+    def __missing__(self, key: str) -> Any:
+        raise CheckpointError(
+            f"{self.where} records no {key}, which the {self.recipe} recipe's model needs: "
+            f"convert it again adding --set {key}=VALUE (the value its training had)"
+        )
+
+    def tell_defaults(self, cls: type[Settings], given: set[str]) -> None:
+        hints = typing.get_type_hints(cls)
+        lacking = [
+            f
+            for f in fields(cls)
+            if f.name not in given
+            and not f.metadata.get("adjustable")
+            and base_type(hints[f.name]) is not Path
+        ]
+        if lacking:
+            used = ", ".join(f"{f.name} {plain(f.default)!r}" for f in lacking)
+            flags = " ".join(f"--set {f.name}=..." for f in lacking)
+            print(
+                f"note: {self.where} records no {', '.join(f.name for f in lacking)}; used the "
+                f"{self.recipe} defaults ({used}); if its model was trained with others, "
+                f"convert it again with {flags}",
+                file=sys.stderr,
+            )
+
+
+def out_of_bounds(f: Field, value: Any) -> str | None:
+    """What is wrong with a number outside `f`'s bounds ('give 1 or more'); None if it fits (or
+    is not a number)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    low, high, above = (f.metadata.get(k) for k in ("min", "max", "above"))
+    ok = (
+        (not isinstance(value, float) or math.isfinite(value))
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+        and (above is None or value > above)
+    )
+    if not ok:
+        return f"give {expected(f)}"
+    if abs(value) > MAX_INTEGER:
+        return "absurdly large (the most any setting takes is 2^53)"
+    return None
 
 
 def plain(value: Any) -> Any:

@@ -30,6 +30,7 @@ from accel_common.errors import CheckpointError, ConfigError
 from accel_common.hardware.launch_guard import require_writable_folder
 from accel_common.hardware.parameters import parameter_counts
 from accel_common.run_folder.outputs import disk_full, partial_path, place_file, write_failure
+from accel_common.settings import CONFIG_FROM_SET, RecordedConfig
 
 MODEL_FILE = "model.safetensors"
 META_FILE = "model.json"
@@ -303,9 +304,13 @@ def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> d
             "(OUTPUT/model: model.safetensors + model.json), or a NAME.safetensors export"
         )
     meta = read_export_metadata(model_dir)
+    converted = "converted_from" in meta
     if meta.get("recipe") == recipe and isinstance(meta.get("config"), dict):
+        if meta.get("config_from") == CONFIG_FROM_SET:  # a foreign checkpoint's: what --set gave
+            where = f"{model_dir} (converted from {meta.get('converted_from')})"
+            return RecordedConfig(meta["config"], where, recipe)
         return meta["config"]
-    if "converted_from" in meta:
+    if converted:
         origin = (
             f"converted by `accel-recipes convert` from {meta['converted_from']}, for the "
             f"{meta.get('recipe')!r} recipe"
@@ -316,6 +321,12 @@ def read_recipe_export(model_dir: Path, recipe: str, flag: str = "--model") -> d
     raise CheckpointError(
         f"{model_dir} was {origin}; it records no {recipe} settings to rebuild this recipe's "
         f"model from. Point {flag} at the model folder a {recipe} training run exported"
+        + (
+            f", or convert it again with --recipe {recipe} --set NAME=VALUE for each setting "
+            "its model was trained with"
+            if converted and "num_tensors" in meta
+            else ""
+        )
     )
 
 

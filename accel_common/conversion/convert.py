@@ -30,9 +30,11 @@ from accel_common.checkpoints.checkpoint_files import (
 from accel_common.checkpoints.dcp_reader import DCP_METADATA, FSDP_SHARDED_DIR, read_dcp_model
 from accel_common.checkpoints.export import UNNAMED_RECIPE, require_export_target, write_export
 from accel_common.checkpoints.ties import TIES_FILE, restore_ties, saved_ties
+from accel_common.conversion.hf_layouts import read_hf_folder
 from accel_common.data.paths import what_is
 from accel_common.errors import CheckpointError, RecipeError
 from accel_common.run_folder.outputs import exclusive_outputs
+from accel_common.settings import CONFIG_FROM_SET
 
 # Wrappers that training scripts put around a state dict, outermost first.
 STATE_DICT_WRAPPERS = ("model_state_dict", "model_state", "state_dict", "model")
@@ -79,7 +81,9 @@ def _accelerate_folder_weights(folder: Path, model_index: int) -> Path:
     raise CheckpointError(
         f"{folder}: no model{suffix}.safetensors, pytorch_model{suffix}.bin, "
         f"{FSDP_FULL_FILE.format(suffix=suffix)} or {FSDP_SHARDED_DIR.format(index=model_index)}/ "
-        "in this folder; is it an accelerator.save_state checkpoint?"
+        "in this folder, nor a model's config.json with its weights (save_pretrained), a "
+        "pipeline's model_index.json, or a subfolder a save hook wrote; is it an "
+        "accelerator.save_state checkpoint?"
     )
 
 
@@ -95,8 +99,39 @@ def file_kind(path: Path) -> str | None:
 
 
 def read_state_dict(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
-    """Read weights from a .safetensors/torch.save file, an Accelerate folder or a DCP folder."""
+    """Read weights from a .safetensors/torch.save file, an Accelerate folder, a DCP folder or a
+    Hugging Face save_pretrained / pipeline folder (`read_weights` says which)."""
+    return read_weights(source, model_index)[0]
+
+
+def read_weights(
+    source: Path, model_index: int = 0, component: str | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """`read_state_dict`'s tensors, and a line saying what was read ('' for a file or an
+    Accelerate / DCP folder): a Hugging Face layout (accel_common.conversion.hf_layouts) names
+    its model class, file and tensor count. `component`: a pipeline's (or a hook-saved
+    save_state folder's) model subfolder."""
     source = Path(source)
+    if source.is_dir() and not (source / DCP_METADATA).is_file():
+        found = read_hf_folder(source, _read_file, component, hooked=False)
+        if found is None:
+            try:
+                _accelerate_folder_weights(source, model_index)
+            except CheckpointError:  # a save hook put the model in a subfolder, or nothing
+                found = read_hf_folder(source, _read_file, component)
+                if found is None:
+                    raise
+        if found is not None:
+            return found
+    elif component is not None:
+        raise CheckpointError(
+            f"--component {component}: {source} is no diffusers pipeline or save_state folder"
+        )
+    return _read_file(source, model_index), ""
+
+
+def _read_file(source: Path, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint file, or of an Accelerate / DCP folder."""
     if not source.exists():
         raise CheckpointError(f"{source}: no such file or folder")
     if not source.is_dir() and not source.is_file():
@@ -204,12 +239,15 @@ def convert_checkpoint(
     model_index: int = 0,
     force: bool = False,
     allow_unverified: bool = False,
+    component: str | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Turn a foreign checkpoint into the project's clean export (safetensors + JSON): `target`
     is a folder (model.safetensors + model.json) or a NAME.safetensors file (+ NAME.json).
     Without `force`, never over a file, even one another process wrote after the check. A
     checkpoint folder this project saved is read only as its manifest vouches for it
-    (`require_vouched`)."""
+    (`require_vouched`). A Hugging Face layout is said in one line on stdout (`read_weights`);
+    `config` (the recipe's settings `--set` gave) is recorded for its commands."""
     require_export_target(target, force)
     source, folder = Path(source), checkpoint_folder(Path(source))
     within = source if source.is_dir() else folder
@@ -221,8 +259,14 @@ def convert_checkpoint(
     if folder is not None:
         require_vouched(folder, allow_unverified)
     # the tied names a save_state file lacks (safetensors keeps one of them), restored
-    state = restore_ties(read_state_dict(source, model_index), saved_ties(source, model_index))
+    weights, read = read_weights(source, model_index, component)
+    state = restore_ties(weights, saved_ties(source, model_index))
     metadata = {"recipe": recipe, "converted_from": str(source), "num_tensors": len(state)}
+    if read:
+        print(read)
+        metadata["read"] = read.removeprefix("read ")
+    if config is not None:  # for a recipe of this checkout's: what --set gave its commands
+        metadata |= {"config": config, "config_from": CONFIG_FROM_SET}
     with exclusive_outputs(not force):
         return write_export(state, target, metadata)
 

@@ -23,7 +23,8 @@ from accel_common.checkpoints.export import (
     save_file_atomically,
     write_export,
 )
-from accel_common.conversion.convert import convert_checkpoint, parse_given
+from accel_common.conversion.convert import convert_checkpoint, parse_given, tell
+from accel_common.conversion.recipe_settings import foreign_config, is_recipe, unrecorded_note
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.hardware.launch_guard import require_new_file, require_writable_folder
 from accel_common.run_folder.outputs import exclusive_outputs, new_file
@@ -242,11 +243,18 @@ def convert(
     given: list[str] = typer.Option(
         [],
         "--set",
-        help="With --from: NAME=VALUE, a setting the original's checkpoint does not record (the "
-        "note --from prints names them and what it assumed), e.g. --set dropout=0.159. Repeat "
-        "for several.",
+        help="NAME=VALUE, a setting the checkpoint does not record, for the recipe's commands "
+        "(evaluate, predict) to rebuild its model: with --recipe, one of its settings or a value "
+        "its training derives (e.g. --set hidden=32 --set target_mean=0.4); with --from, what "
+        "the original's checkpoint lacks (its note names them), e.g. --set dropout=0.159. "
+        "Repeat for several.",
     ),
     allow_unverified: bool = typer.Option(False, help=ALLOW_UNVERIFIED_HELP),
+    component: str | None = typer.Option(
+        None,
+        help="Which model of a diffusers pipeline folder (model_index.json), or of a save_state "
+        "folder whose save hook wrote models into subfolders, e.g. --component unet.",
+    ),
 ) -> None:
     """Convert a DDP / torch.compile / Accelerate / FSDP checkpoint into a clean single-file export.
 
@@ -261,14 +269,12 @@ def convert(
     """
     if from_original and to_original:
         raise RecipeError("give --from or --to, not both")
-    if given and not from_original:
-        raise RecipeError(
-            "--set gives a setting an original's checkpoint does not record: use it with --from"
-        )
+    if given and to_original:
+        raise RecipeError("--set gives a setting the checkpoint does not record: not with --to")
     with exclusive_outputs(not force):  # checked before the work, and again at each move
         convert_to(
             source, output, recipe, model_index, force, (from_original, to_original),
-            parse_given(given), allow_unverified,
+            parse_given(given), allow_unverified, component,
         )  # fmt: skip
 
 
@@ -281,6 +287,7 @@ def convert_to(
     originals: tuple[str | None, str | None],
     given: dict[str, str] | None = None,
     allow_unverified: bool = False,
+    component: str | None = None,
 ) -> None:
     """`convert`'s work, once its flags are known to go together."""
     from_original, to_original = originals
@@ -314,10 +321,12 @@ def convert_to(
             save_file_atomically(path.parent / name, write, "convert again")
             console.print(f"wrote {path.parent / name}")
     else:
+        config = foreign_config(recipe, given or {}) if is_recipe(recipe) or given else None
         path = convert_checkpoint(
             source, output, recipe=recipe, model_index=model_index, force=force,
-            allow_unverified=allow_unverified,
+            allow_unverified=allow_unverified, component=component, config=config,
         )  # fmt: skip
+        tell(unrecorded_note(recipe, config or {}, output))
     console.print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
