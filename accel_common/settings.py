@@ -12,6 +12,10 @@ must pass (from the command line, a file or Python alike), the config the export
 single-device commands rebuild the model from (`from_config`), and the run identity that
 `--resume` compares: every setting counts in it unless declared `adjustable` (it does not change
 what is trained: cadence, workers, trackers, timeouts, paths).
+
+A setting typed `tuple[int, ...]`, `tuple[float, ...]` or `tuple[str, ...]` is a list: one flag
+of comma-separated items (`--widths 32,64`), a YAML list in a `--config` file, a JSON list where
+the run records it; its bounds hold for each item (accel_common.setting_lists).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, TypeVar
 import yaml
 
 from accel_common.errors import CheckpointError, ConfigError
+from accel_common.setting_lists import ItemError, item_kind, parse_items, shown
 
 S = TypeVar("S", bound="Settings")
 
@@ -56,11 +61,11 @@ def setting(
     panel: str | None = None,
 ) -> Any:
     """A settings field. `min`/`max` are inclusive bounds, `above` an exclusive lower bound; a
-    float must also be finite. `adjustable`: may differ when a run is resumed. `aliases`: extra
-    flag names (the original codebase's). `cli_type`: the flag's type where it differs from the
-    field's (e.g. a number that may also be 'auto'). `panel`: the group `--help` shows the flag
-    in (accel_common.recipe_cli.panels: a shared one's name joins it); default: the recipe's
-    own panel, shown first."""
+    float must also be finite (for a list setting, `tuple[int, ...]`: each item). `adjustable`:
+    may differ when a run is resumed. `aliases`: extra flag names (the original codebase's).
+    `cli_type`: the flag's type where it differs from the field's (e.g. a number that may also
+    be 'auto'). `panel`: the group `--help` shows the flag in (accel_common.recipe_cli.panels:
+    a shared one's name joins it); default: the recipe's own panel, shown first."""
     return field(
         default=default,
         metadata={
@@ -118,24 +123,18 @@ class Settings:
         return frozenset(f.name for f in fields(cls) if f.metadata.get("adjustable"))
 
     def validate(self) -> None:
-        """Refuse values that cannot work, naming the flag, before anything starts."""
+        """Refuse values that cannot work, naming the flag, before anything starts; a list
+        setting's bounds hold for each item, named by its position."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            low, high, above = (f.metadata.get(k) for k in ("min", "max", "above"))
-            ok = (
-                (not isinstance(value, float) or math.isfinite(value))
-                and (low is None or value >= low)
-                and (high is None or value <= high)
-                and (above is None or value > above)
-            )
-            if not ok:
-                raise ConfigError(f"{flag(f.name)} {value}: give {expected(f)}")
-            if abs(value) > MAX_INTEGER:
-                raise ConfigError(
-                    f"{flag(f.name)} {value}: absurdly large (the most any setting takes is 2^53)"
-                )
+            if isinstance(value, tuple | list):
+                for index, item in enumerate(value, 1):
+                    if problem := out_of_bounds(f, item):
+                        raise ConfigError(
+                            f"{flag(f.name)} {shown(value)}: item {index} is {item}; {problem}"
+                        )
+            elif problem := out_of_bounds(f, value):
+                raise ConfigError(f"{flag(f.name)} {value}: {problem}")
 
     def as_config(self) -> dict[str, Any]:
         """The settings as plain JSON values (enums by value, paths as strings)."""
@@ -155,7 +154,13 @@ class Settings:
         values = {f.name: config[f.name] for f in fields(cls) if f.name in config} | overrides
         if isinstance(config, RecordedConfig):  # a converted checkpoint's: name what it lacks
             config.tell_defaults(cls, set(values))
-        return cls(**{k: convert(hints[k], v) for k, v in values.items()})
+        converted = {}
+        for name, value in values.items():
+            try:
+                converted[name] = convert(hints[name], value)
+            except ItemError as err:  # a list setting's item: named by flag and position
+                raise ConfigError(f"{flag(name)} {shown(value)}: {err}") from None
+        return cls(**converted)
 
 
 class RecordedConfig(dict):
@@ -214,15 +219,21 @@ def out_of_bounds(f: Field, value: Any) -> str | None:
 
 
 def plain(value: Any) -> Any:
-    """A setting's value as JSON holds it: an enum by its value, a path as a string."""
+    """A setting's value as JSON holds it: an enum by its value, a path as a string, a list
+    setting's tuple as a list."""
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, tuple | list):
+        return [plain(item) for item in value]
     return str(value) if isinstance(value, Path) else value
 
 
 def convert(annotation: Any, value: Any) -> Any:
-    """A JSON/YAML value as the field's Python type (enum, path, float from an int, ...)."""
+    """A JSON/YAML value as the field's Python type (enum, path, float from an int, a list
+    setting's tuple from a list or comma text, ...); a list's bad item raises ItemError."""
     kind = base_type(annotation)
+    if value is not None and (items := item_kind(kind)) is not None:
+        return parse_items(value, items)
     if value is None or not isinstance(kind, type):
         return value
     if issubclass(kind, Enum):
@@ -285,10 +296,10 @@ def describe_differences(
     keys = sorted(set(saved) | set(current), key=str)
     missing = object()
     parts = [
-        f"{recorded_name(key, derived)} {saved.get(key, 'unset')} in the checkpoint, "
-        f"{current.get(key, 'unset')} now"
+        f"{recorded_name(key, derived)} {shown(saved.get(key, 'unset'))} in the checkpoint, "
+        f"{shown(current.get(key, 'unset'))} now"
         for key in keys
-        if saved.get(key, missing) != current.get(key, missing)
+        if plain(saved.get(key, missing)) != plain(current.get(key, missing))  # a tuple as a list
     ]
     return "; ".join(parts)
 

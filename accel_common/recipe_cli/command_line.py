@@ -14,6 +14,7 @@ import typer
 
 from accel_common.errors import ConfigError
 from accel_common.recipe_cli.panels import COMMAND
+from accel_common.setting_lists import is_sequence_type, item_kind, shown
 from accel_common.settings import (
     Settings,
     base_type,
@@ -38,15 +39,19 @@ def settings_parameters(
     panel: str | None = None,
 ) -> list[inspect.Parameter]:
     """One keyword-only Typer parameter per field of `cls`, from its declaration; in the `--help`
-    panel it declares, else in `panel` (a recipe's own)."""
+    panel it declares, else in `panel` (a recipe's own). A list setting (`tuple[int, ...]`) is
+    one flag of comma-separated text, read into its tuple with the other settings
+    (accel_common.settings.convert), so that a bad item is one line naming it."""
     hints = cls.hints()
     parameters = []
     for f in fields(cls):
         meta = f.metadata
         numeric = base_type(hints[f.name]) in (int, float)
         switch = base_type(hints[f.name]) is bool  # on/off: --x and --no-x
+        items = list_option(cls, f.name, hints[f.name])
+        default = defaults.get(f.name, f.default)
         option = typer.Option(
-            defaults.get(f.name, f.default),
+            shown(default) if items and default else default,  # [default: 32,64]
             f"{flag(f.name)}/--no-{flag(f.name)[2:]}" if switch else flag(f.name),
             *meta.get("aliases", ()),
             *aliases.get(f.name, []),
@@ -54,11 +59,29 @@ def settings_parameters(
             min=meta.get("min") if numeric else None,
             max=meta.get("max") if numeric else None,
             rich_help_panel=meta.get("panel") or panel,
+            # the text as given, or a --config file's list as it is
+            parser=(lambda value: value) if items else None,
+            metavar=f"<{items.__name__},...>" if items else None,
+            show_default="none: ''" if items and default == () else True,
         )
         annotation = meta.get("cli_type") or hints[f.name]
+        if items:
+            annotation = str if base_type(annotation) is annotation else str | None
         kind = inspect.Parameter.KEYWORD_ONLY
         parameters.append(inspect.Parameter(f.name, kind, default=option, annotation=annotation))
     return parameters
+
+
+def list_option(cls: type[Settings], name: str, annotation: Any) -> type | None:
+    """The item type of a list setting (int for `tuple[int, ...]`), None for other settings; a
+    sequence of another form is refused where the recipe declares it."""
+    kind = item_kind(base_type(annotation))
+    if kind is None and is_sequence_type(base_type(annotation)):
+        raise TypeError(
+            f"{cls.__name__}.{name}: a list setting is typed tuple[int, ...], tuple[float, ...] "
+            f"or tuple[str, ...], with a tuple default; not {annotation}"
+        )
+    return kind
 
 
 def show_help(ctx: typer.Context, value: bool) -> None:
