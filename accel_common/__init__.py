@@ -28,6 +28,7 @@ _FACE = {
         "total_optimizer_steps", "BatchRequest", "BatchPlan", "plan_batch",
     ),
     "accel_common.batch_lr.lr": ("Decay", "LRSettings", "make_lr_schedule"),
+    "accel_common.batch_lr.warmup": ("WarmupStyle",),
     "accel_common.batch_lr.losses": ("GlobalItemMean",),
     "accel_common.batch_lr.batchnorm": ("GlobalBatchNorm", "sync_batchnorm"),
     # the export, and loading it

@@ -11,7 +11,7 @@ fraction s (--warmup-start), hold H steps, decay start D = W + H, horizon T
 (--decay-steps, else the run's last step) and floor m (--min-lr-ratio, a fraction of P), the LR
 of optimizer step k (from 0) is
 
-    k < W:        P x (s + (1 - s) x (k + 1) / W)
+    k < W:        P x (s + (1 - s) x (k + 1) / W)      (k / W with --warmup-style hf: warmup.py)
     D <= k:       constant     P
                   cosine       P x (m + (1 - m) x (1 + cos(pi x min(1, (k - D) / (T - D)))) / 2)
                   exponential  P x gamma ^ min(k - D, T - D)
@@ -44,6 +44,7 @@ from accelerate import Accelerator
 
 from accel_common.batch_lr.batching import BatchPlan, total_optimizer_steps
 from accel_common.batch_lr.onecycle import OneCycle, require_momentum, set_momentum
+from accel_common.batch_lr.warmup import WarmupStyle, refuse_without_warmup, warmup_multiplier
 from accel_common.errors import ConfigError
 
 
@@ -111,6 +112,7 @@ class LRSettings:
     milestones: tuple[int, ...] = ()
     onecycle: OneCycle = field(default_factory=OneCycle)
     warmup_epochs: int = 0
+    warmup_style: WarmupStyle = WarmupStyle.one_step_ahead
 
     def __post_init__(self) -> None:
         decay = Decay(self.decay)
@@ -122,6 +124,7 @@ class LRSettings:
             )
         if decay is Decay.onecycle:
             self.refuse_with_onecycle()
+        refuse_without_warmup(self.warmup_style, self.warmup_steps, self.warmup_epochs)
         if decay is Decay.step and self.step_size < 1:
             raise ConfigError(
                 "--schedule step needs --step-size N: multiply the LR by --gamma every N "
@@ -163,10 +166,16 @@ class LRSettings:
             ("--hold-epochs", self.hold_epochs, 0),
             ("--min-lr-ratio", self.min_lr_ratio, 0.0),
             ("--decay-per-epoch", self.decay_per_epoch, False),
+            ("--warmup-style", WarmupStyle(self.warmup_style), WarmupStyle.one_step_ahead),
         ):
             if value != default:
-                given = flag if value is True else f"{flag} {value:g}"
-                fix = f"--no-{flag[2:]}" if value is True else f"{flag} {default}"
+                shown = value.value if isinstance(value, WarmupStyle) else f"{value:g}"
+                given = flag if value is True else f"{flag} {shown}"
+                fix = (
+                    f"--no-{flag[2:]}"
+                    if value is True
+                    else f"{flag} {getattr(default, 'value', default)}"
+                )
                 raise ConfigError(
                     f"--schedule onecycle takes no {given}: it rises over --pct-start of the "
                     "run from peak / --div-factor to the peak, then falls to peak / --div-factor "
@@ -205,6 +214,8 @@ class LRSettings:
             steps = self.warmup_epochs if warmup_steps is None else warmup_steps
         if self.warmup_start and steps:
             warmup += f" from {self.warmup_start:g} x peak"
+        if WarmupStyle(self.warmup_style) is WarmupStyle.hf and steps:
+            warmup += " (hf style: step 0 at its start, the peak at the first step after it)"
         if self.hold_epochs:
             warmup += f", {self.hold_epochs} epochs at the peak"
         peak = self.peak(global_batch_size)
@@ -255,7 +266,8 @@ class Schedule:
     `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
     factor of exponential decay per step, and of step and multistep decay at each change (1.0
     keeps the LR constant after warmup). `warmup_start` is the fraction of the peak that warmup
-    rises from (torch's LinearLR start_factor; 0 by default). `onecycle` is torch's OneCycleLR,
+    rises from (torch's LinearLR start_factor; 0 by default), and `warmup_style` which point of
+    that rise step k trains at (accel_common.batch_lr.warmup). `onecycle` is torch's OneCycleLR,
     shaped by `cycle` over `decay_steps` or the run (then held at its floor); the warmup, hold
     and floor above do not apply to it (LRSettings refuses them).
     """
@@ -272,6 +284,7 @@ class Schedule:
     step_size: int = 1
     milestones: tuple[int, ...] = ()
     cycle: OneCycle = field(default_factory=OneCycle)
+    warmup_style: WarmupStyle = WarmupStyle.one_step_ahead
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -317,13 +330,9 @@ class Schedule:
             return self.cycle.multiplier(step, self.decay_steps or self.total_steps)
         warmup = self.warmup_steps
         if step < warmup:
-            rise_from = self.warmup_start
-            if self.decay_every > 1:  # a scheduler stepped per epoch: epoch e at e epochs' rise
-                return (
-                    rise_from
-                    + (1.0 - rise_from) * (step // self.decay_every) * self.decay_every / warmup
-                )
-            return rise_from + (1.0 - rise_from) * (step + 1) / warmup
+            return warmup_multiplier(
+                step, warmup, self.warmup_start, self.decay_every, self.warmup_style
+            )
         start = warmup + self.hold_steps
         if decay is Decay.constant or step < start:
             return 1.0
@@ -445,6 +454,7 @@ def make_lr_schedule(
         step_size=max(1, settings.step_size),
         milestones=settings.milestones,
         cycle=settings.onecycle,
+        warmup_style=settings.warmup_style,
     )
     description = settings.describe(plan.global_batch_size, schedule.warmup_steps)
     scheduler = build_scheduler(optimizer, schedule)

@@ -14,6 +14,7 @@ from pathlib import Path
 from accel_common.batch_lr.batching import BATCH_FLAG_HELP, BatchRequest
 from accel_common.batch_lr.lr import Decay, LRScaling, LRSettings, parse_milestones
 from accel_common.batch_lr.onecycle import Anneal, OneCycle
+from accel_common.batch_lr.warmup import WarmupStyle
 from accel_common.checkpoints.checkpoint_files import ALLOW_UNVERIFIED_HELP
 from accel_common.errors import ConfigError
 from accel_common.hardware.compilation import COMPILE_HELP
@@ -127,8 +128,9 @@ class SharedSettings(Settings, RunObjects):
         "multistep (x --gamma at each of --milestones) or onecycle (torch's OneCycleLR: "
         "--pct-start, --div-factor, --final-div-factor, --anneal). LR of optimizer step k "
         "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
-        "peak x (s + (1 - s)(k + 1)/W) while k < W, s = --warmup-start; then cosine: peak x (m "
-        "+ (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))/2), m = --min-lr-ratio.",
+        "peak x (s + (1 - s)(k + 1)/W) while k < W (k/W with --warmup-style hf), s = "
+        "--warmup-start; then cosine: peak x (m + (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))"
+        "/2), m = --min-lr-ratio.",
         panel=SCHEDULE,
     )
     warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0, panel=SCHEDULE)
@@ -144,6 +146,15 @@ class SharedSettings(Settings, RunObjects):
         "start_factor; 0 = from zero).",
         min=0.0,
         max=1.0,
+        panel=SCHEDULE,
+    )
+    warmup_style: WarmupStyle = setting(
+        WarmupStyle.one_step_ahead,
+        "Which point of the warm-up's rise optimizer step k (from 0) trains at: one-step-ahead "
+        "(s + (1 - s)(k + 1)/W: the last warm-up step at the peak) or hf (s + (1 - s)k/W: step "
+        "0 at --warmup-start x peak, 0 by default, the peak at step W), as transformers' and "
+        "diffusers' get_scheduler (the HF Trainer) and torch's LinearLR stepped from step 0. "
+        "For porting an HF script; the same with --decay-per-epoch.",
         panel=SCHEDULE,
     )
     min_lr_ratio: float = setting(
@@ -414,7 +425,7 @@ class SharedSettings(Settings, RunObjects):
                 self.pct_start, self.div_factor, self.final_div_factor, self.anneal,
                 self.cycle_momentum, self.base_momentum, self.max_momentum,
             ),
-            warmup_epochs=self.warmup_epochs,
+            warmup_epochs=self.warmup_epochs, warmup_style=self.warmup_style,
         )  # fmt: skip
 
     @property
