@@ -14,11 +14,14 @@ of optimizer step k (from 0) is
     k < W:        P x (s + (1 - s) x (k + 1) / W)      (k / W with --warmup-style hf: warmup.py)
     D <= k:       constant     P
                   cosine       P x (m + (1 - m) x (1 + cos(pi x min(1, (k - D) / (T - D)))) / 2)
+                  linear       P x (m + (1 - m) x max(0, 1 - (k - D) / (T - D)))
                   exponential  P x gamma ^ min(k - D, T - D)
                   step         P x gamma ^ ((k - D) // step_size)           (torch's StepLR)
                   multistep    P x gamma ^ (milestones <= k - D, counted)   (torch's MultiStepLR)
 
-and P between. `onecycle` is torch's OneCycleLR instead, its own shape from step 0 to T
+and P between. linear's line is computed as (T - k) / (T - D) of whole steps: at m = 0 and
+D = W, transformers' and diffusers' "linear" (get_linear_schedule_with_warmup) bit for bit.
+`onecycle` is torch's OneCycleLR instead, its own shape from step 0 to T
 (accel_common.batch_lr.onecycle: --pct-start, --div-factor, --final-div-factor, --anneal, and
 --cycle-momentum, which sets the optimizer's momentum at every step too); it takes no
 warmup, hold or floor of the above (refused), nor --decay-per-epoch. With --decay-per-epoch,
@@ -57,6 +60,7 @@ class LRScaling(str, Enum):
 class Decay(str, Enum):
     constant = "constant"
     cosine = "cosine"
+    linear = "linear"
     exponential = "exponential"
     onecycle = "onecycle"
     step = "step"
@@ -152,8 +156,8 @@ class LRSettings:
             )
         if self.decay_steps and decay in (Decay.step, Decay.multistep, Decay.constant):
             raise ConfigError(
-                f"--decay-steps {self.decay_steps} ends a cosine, onecycle or exponential "
-                f"decay; --schedule {decay.value} has none to end: drop --decay-steps"
+                f"--decay-steps {self.decay_steps} ends a cosine, linear, onecycle or "
+                f"exponential decay; --schedule {decay.value} has none to end: drop --decay-steps"
             )
 
     def refuse_with_onecycle(self) -> None:
@@ -239,7 +243,7 @@ class LRSettings:
             return (
                 f"onecycle {self.onecycle.describe(peak)} {end}{self.onecycle.describe_momentum()}"
             )
-        if decay is Decay.cosine:
+        if decay in (Decay.cosine, Decay.linear):
             floor = peak * self.min_lr_ratio
             return f"{name} to {floor:.4g} ({self.min_lr_ratio:g} x peak) {end}"
         if decay is Decay.exponential:
@@ -258,18 +262,18 @@ class Schedule:
     formula is in the module docstring).
 
     `hold_steps` keep the peak LR after the warmup before the decay starts. `decay_steps` > 0 is
-    the optimizer step where cosine or exponential decay ends (then holds; nanoGPT's
+    the optimizer step where cosine, linear or exponential decay ends (then holds; nanoGPT's
     lr_decay_iters), else the run's last step. `decay_every` > 1 changes the LR, warmup
     included, only every that many steps (one epoch's: a torch scheduler stepped after each
     epoch, as cricketmodel's CosineAnnealingLR and pcdiff's LinearLR warmup: in epoch e the
     warmup is e epochs along); `step_size` and `milestones` then count such periods.
-    `min_lr_ratio` is the floor that cosine decays to (e.g. 0.1 means 0.1 x peak). `gamma` is the
-    factor of exponential decay per step, and of step and multistep decay at each change (1.0
-    keeps the LR constant after warmup). `warmup_start` is the fraction of the peak that warmup
-    rises from (torch's LinearLR start_factor; 0 by default), and `warmup_style` which point of
-    that rise step k trains at (accel_common.batch_lr.warmup). `onecycle` is torch's OneCycleLR,
-    shaped by `cycle` over `decay_steps` or the run (then held at its floor); the warmup, hold
-    and floor above do not apply to it (LRSettings refuses them).
+    `min_lr_ratio` is the floor that cosine and linear decay to (e.g. 0.1 means 0.1 x peak).
+    `gamma` is the factor of exponential decay per step, and of step and multistep decay at each
+    change (1.0 keeps the LR constant after warmup). `warmup_start` is the fraction of the peak
+    that warmup rises from (torch's LinearLR start_factor; 0 by default), and `warmup_style`
+    which point of that rise step k trains at (accel_common.batch_lr.warmup). `onecycle` is
+    torch's OneCycleLR, shaped by `cycle` over `decay_steps` or the run (then held at its floor);
+    the warmup, hold and floor above do not apply to it (LRSettings refuses them).
     """
 
     total_steps: int
@@ -345,6 +349,9 @@ class Schedule:
         span = max(1, (self.decay_steps or self.total_steps) - start)
         if decay is Decay.exponential:
             return self.gamma ** min(since, span)
+        if decay is Decay.linear:  # (T - k) / (T - W) in integers, as transformers' "linear"
+            line = max(0, span - since) / span
+            return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * line
         progress = min(1.0, since / span)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine

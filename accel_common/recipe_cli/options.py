@@ -123,14 +123,15 @@ class SharedSettings(Settings, RunObjects):
     )
     schedule: Decay = setting(
         Decay.cosine,
-        "Decay after warmup: constant, cosine (to --min-lr-ratio x the peak at --decay-steps or "
-        "the last step), exponential (x --gamma per step), step (x --gamma every --step-size), "
+        "Decay after warmup: constant, cosine or linear (to --min-lr-ratio x the peak at "
+        "--decay-steps or the last step; linear is HF's get_scheduler('linear'), the Trainer's "
+        "default), exponential (x --gamma per step), step (x --gamma every --step-size), "
         "multistep (x --gamma at each of --milestones) or onecycle (torch's OneCycleLR: "
         "--pct-start, --div-factor, --final-div-factor, --anneal). LR of optimizer step k "
         "(from 0), with W warmup steps, D = W + hold, T = --decay-steps or the run's last step: "
         "peak x (s + (1 - s)(k + 1)/W) while k < W (k/W with --warmup-style hf), s = "
         "--warmup-start; then cosine: peak x (m + (1 - m)(1 + cos(pi min(1, (k - D)/(T - D))))"
-        "/2), m = --min-lr-ratio.",
+        "/2); linear: peak x (m + (1 - m) max(0, 1 - (k - D)/(T - D))), m = --min-lr-ratio.",
         panel=SCHEDULE,
     )
     warmup_steps: int = setting(0, "Optimizer steps of linear warmup.", min=0, panel=SCHEDULE)
@@ -159,7 +160,7 @@ class SharedSettings(Settings, RunObjects):
     )
     min_lr_ratio: float = setting(
         0.0,
-        "Floor of cosine decay, as a fraction of the peak LR (the scaled --lr): "
+        "Floor of cosine and linear decay, as a fraction of the peak LR (the scaled --lr): "
         "0.1 ends at 0.1 x peak.",
         min=0,
         max=1,
@@ -167,8 +168,9 @@ class SharedSettings(Settings, RunObjects):
     )
     decay_steps: int = setting(
         0,
-        "Optimizer step where cosine or exponential decay ends and the LR then holds its floor "
-        "(nanoGPT's lr_decay_iters), apart from the run's length; 0 = the run's last step.",
+        "Optimizer step where cosine, linear or exponential decay ends and the LR then holds "
+        "its floor (nanoGPT's lr_decay_iters), apart from the run's length; 0 = the run's last "
+        "step.",
         min=0,
         panel=SCHEDULE,
     )

@@ -49,11 +49,13 @@ def ours(warmup: int, **flags) -> list[float]:
 @pytest.mark.parametrize("library", ["transformers", "diffusers"])
 @pytest.mark.parametrize("warmup", WARMUPS)
 @pytest.mark.parametrize(
-    ("hf_name", "schedule"), [("cosine", "cosine"), ("constant_with_warmup", "constant")]
+    ("hf_name", "schedule"),
+    [("linear", "linear"), ("cosine", "cosine"), ("constant_with_warmup", "constant")],
 )
 def test_hf_style_is_hfs_get_scheduler_at_every_step(library, warmup, hf_name, schedule):
-    """cosine and constant-with-warm-up: equal (==, not close) at every optimizer step, warm-up
-    and decay; step 0 trains at LR 0."""
+    """linear (the HF Trainer's default), cosine and constant-with-warm-up: equal (==, not close)
+    at every optimizer step, warm-up and decay; step 0 trains at LR 0. linear's line is HF's
+    (T - k) / (T - W), the same integers divided, so no rounding parts them."""
     expected = hf_lrs(library, hf_name, warmup)
     used = ours(warmup, schedule=schedule)
     assert used == expected
@@ -81,6 +83,7 @@ def test_hf_style_is_hfs_cosine_with_min_lr(warmup):
 @pytest.mark.parametrize(
     "flags",
     [
+        {"schedule": "linear"},
         {"schedule": "cosine"},
         {"schedule": "constant"},
         {"schedule": "exponential", "gamma": 0.9},
@@ -90,12 +93,15 @@ def test_hf_style_is_hfs_cosine_with_min_lr(warmup):
 )
 def test_every_schedules_hf_warmup_is_hfs_linear_warmup(warmup, flags):
     """HF's linear: its warm-up (steps 0 to W, the peak at W) is every schedule's with
-    --warmup-style hf; its decay, linear to 0 at the last step, is none of ours (cosine is
-    the closest), so after step W they part."""
+    --warmup-style hf; its decay, linear to 0 at the last step, is --schedule linear's, so
+    that one is HF's over the whole run, and the others part after step W."""
     expected = hf_lrs("transformers", "linear", warmup)
     used = ours(warmup, **flags)
     assert used[: warmup + 1] == expected[: warmup + 1]
-    assert used[warmup + 2] != expected[warmup + 2]
+    if flags["schedule"] == "linear":
+        assert used == expected
+    else:
+        assert used[warmup + 2] != expected[warmup + 2]
 
 
 @pytest.mark.parametrize(("warmup", "start"), [(10, 0.0), (10, 0.1), (7, 0.01)])
