@@ -29,8 +29,11 @@ from recipes.cricket.vocab import VOCAB_FILE, build_vocab, keyed_by_registry
 
 FORMAT = 3  # bump when the cached columns change
 # the modules whose code builds the tables, in the cache key: a fixed reader never reuses an
-# old table
-BUILDERS = ("parsing.py", "innings.py", "split.py", "vocab.py", "loading.py")
+# old table. features.py computes the original's columns (o_ctx, o_ball, o_y; parsing's
+# wicket_kind) and schema.py sizes them (FEATURE_DIMS, BALL_FEATURE_DIM)
+BUILDERS = (
+    "parsing.py", "innings.py", "features.py", "schema.py", "split.py", "vocab.py", "loading.py",
+)  # fmt: skip
 READER = cache_key(*(code_digest(Path(__file__).with_name(name)) for name in BUILDERS))
 
 PARSED = datasets.Features(

@@ -263,6 +263,51 @@ def test_a_changed_reader_builds_its_tables_again(folder, monkeypatch):
     assert not loading.load_innings(folder, **options, **SPLIT)[1]["cached"]
 
 
+def modules_building_the_tables() -> list[str]:
+    """The recipe's modules that loading.py imports, directly or through one another (ast)."""
+    import ast
+
+    here = Path(loading.__file__).parent
+    found, todo = {"loading.py"}, ["loading.py"]
+    while todo:
+        for node in ast.walk(ast.parse((here / todo.pop()).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "recipes.cricket."
+            ):
+                name = node.module.rsplit(".", 1)[1] + ".py"
+                if name not in found:
+                    found.add(name)
+                    todo.append(name)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("module", modules_building_the_tables())
+def test_an_edit_to_any_module_that_builds_the_tables_changes_the_cache_key(module, monkeypatch):
+    """READER digested parsing, innings, split, vocab and loading but not features.py (which
+    computes the original's cached columns o_ctx, o_ball, o_y and parsing's wicket_kind) nor
+    schema.py (which sizes them): an edit there reused tables the old code built. loading.py is
+    run afresh, under another name, with that one module's digest changed."""
+    import importlib.util
+
+    import accel_common.data
+
+    digest = accel_common.data.code_digest
+
+    def reader(edited: str) -> str:
+        monkeypatch.setattr(
+            accel_common.data,
+            "code_digest",
+            lambda path: "edited" if Path(path).name == edited else digest(path),
+        )
+        spec = importlib.util.spec_from_file_location("loading_edited", loading.__file__)
+        fresh = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fresh)
+        return fresh.READER
+
+    assert reader("graphs.py") == loading.READER  # not a builder: the same key
+    assert reader(module) != loading.READER
+
+
 def test_split_by_match_and_by_date_and_vocabulary_from_training_only(folder):
     options = dict(match_types=list(T20), strict=False)
     rows, info = loading.load_innings(folder, **options, **{**SPLIT, "split_by_date": True})
