@@ -29,6 +29,7 @@ from accelerate.utils import (
 from accel_common.batch_lr.batching import BatchPlan, BatchRequest
 from accel_common.errors import ConfigError
 from accel_common.hardware.determinism import make_deterministic
+from accel_common.hardware.group_release import release_at_exit
 from accel_common.hardware.launch_guard import (
     exit_when_launcher_dies,
     require_requested_devices,
@@ -88,6 +89,9 @@ def make_accelerator(
     group_kwargs |= restarted_group_store()
     world = PartialState(cpu=cpu, **group_kwargs).num_processes
     exit_when_launcher_dies()
+    # end_training destroys the group, but torch keeps it (and gloo's threads) alive until
+    # Python finalises, where gloo could abort a finished worker: freed at exit instead
+    release_at_exit()
     plan = batch.plan(world, warn_small=False)  # the banner warns, once, on the main process
     accelerator = Accelerator(
         cpu=cpu,
