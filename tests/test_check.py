@@ -143,3 +143,105 @@ def test_a_run_that_times_out_is_a_row_not_a_traceback(monkeypatch, capsys):
     assert runner.run_check("template", None, Console(width=200)) == 1
     line = next(line for line in capsys.readouterr().out.splitlines() if "│ h " in line)
     assert "not held" in line and "a run took over 600 s" in line
+
+
+# what a 2-process `accelerate launch` leaves on stderr when a worker aborts after its work: the
+# worker's last words, torch elastic's log lines, the launcher's traceback and its report, whose
+# last line is a rule of `=` (the only thing CI's "FSDP = plain" row said: "exit 1: ====")
+ABORTED_LAUNCH = """\
+exported /tmp/check/runs/fsdp/model
+terminate called without an active exception
+W1207 17:12:45.100000 21392 torch/distributed/elastic/multiprocessing/api.py:1028] Sending \
+process 21505 closing signal SIGTERM
+E1207 17:12:45.416000 21392 torch/distributed/elastic/multiprocessing/api.py:1002] failed \
+(exitcode: -6) local_rank: 1 (pid: 21506) of binary: /usr/bin/python
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 386, in x
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+accel_common/tools/check/fsdp_on_cpu.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-07_17:12:45
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 21505)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 21505
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-07_17:12:45
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 21506)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 21506
+============================================================
+"""
+
+
+@pytest.mark.parametrize(
+    ("stderr", "line"),
+    [
+        (
+            ABORTED_LAUNCH,
+            "terminate called without an active exception "
+            "(rank 1: exitcode -6, Signal 6 (SIGABRT) received by PID 21506)",
+        ),
+        (  # a worker's exception: its last line, and the rank's exit code (no signal)
+            ABORTED_LAUNCH.replace(
+                "terminate called without an active exception",
+                'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+                "AttributeError: 'Settings' object has no attribute 'bs'",
+            )
+            .replace("-6 (pid", "1 (pid")
+            .replace("Signal 6 (SIGABRT) received by PID 21506", "To enable traceback see: x"),
+            "AttributeError: 'Settings' object has no attribute 'bs' (rank 1: exitcode 1)",
+        ),
+        (  # an uncaught exception after the group exists: torch prefixes it with the rank
+            ABORTED_LAUNCH.replace(
+                "terminate called without an active exception",
+                "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4242",
+            ).replace("Signal 6 (SIGABRT) received by PID 21506", "To enable traceback see: x"),
+            "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4242 "
+            "(rank 1: exitcode -6)",
+        ),
+        (  # the library's one-line error says it all
+            "error: --bs 0: no batch\n" + ABORTED_LAUNCH,
+            "error: --bs 0: no batch",
+        ),
+        (  # the rank died with nothing of its own said: the report's root cause
+            ABORTED_LAUNCH.replace("terminate called without an active exception\n", ""),
+            "rank 1: exitcode -6, Signal 6 (SIGABRT) received by PID 21506",
+        ),
+        (  # no launcher (the check's own ranks): the last error line, never a rule
+            "RuntimeError: gloo: connection closed by peer\nnothing more\n=====\n-----\n",
+            "RuntimeError: gloo: connection closed by peer",
+        ),
+        ("some output\n  last words  \n==========\n", "last words"),
+        ("", ""),
+    ],
+    ids=[
+        "abort",
+        "exception",
+        "ranked",
+        "error-line",
+        "signal-only",
+        "no-launcher",
+        "rules",
+        "empty",
+    ],
+)
+def test_a_failed_run_is_named_by_the_line_that_says_why(stderr, line):
+    """CI's FSDP row said `the FSDP run failed (exit 1): ====...`, the last line of torch
+    elastic's report, which says nothing: the line shown is the one naming the cause."""
+    from accel_common.tools.check.processes import failure_line, finished
+
+    assert failure_line(stderr) == line
+    failed = subprocess.CompletedProcess(["launch"], 1, "", stderr)
+    with pytest.raises(RuntimeError) as raised:
+        finished(failed, "the FSDP run")
+    assert str(raised.value) == f"the FSDP run failed (exit 1): {line}"

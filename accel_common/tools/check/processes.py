@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,10 +178,63 @@ def kill_once_written(
 
 
 def finished(result: subprocess.CompletedProcess, what: str) -> Any:
-    """`result`, or a RuntimeError naming `what` and the run's last error line."""
+    """`result`, or a RuntimeError naming `what` and the line that says why it failed."""
     if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        raise RuntimeError(
-            f"{what} failed (exit {result.returncode}): {lines[-1] if lines else ''}"
-        )
+        why = failure_line(result.stderr)
+        raise RuntimeError(f"{what} failed (exit {result.returncode}): {why}")
     return result
+
+
+# the library's own one-line errors: `error: ...`, `error (rank N): ...`
+WORKER_ERROR = re.compile(r"^error( \(rank \d+\))?: ")
+# a line that says what went wrong: an exception (a traceback's last line; torch prefixes a
+# worker's uncaught one with its rank), C++'s std::terminate, a fatal Python error
+ERROR_LINE = re.compile(
+    r"^(\[rank\d+\]:\s*)?"
+    r"([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b|terminate called|Fatal Python error)"
+)
+# torch elastic's report (a launch through `accelerate launch` or `torchrun`): its log lines, and
+# the first failed rank's block, whose exit code and signal the report names
+ELASTIC_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/")
+ROOT_CAUSE = "Root Cause (first observed failure):"
+ROOT_CAUSE_LINE = re.compile(r"^(rank|exitcode|traceback)\s*: ")
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed run's stderr that says why: a worker's `error: ...`; else the last
+    error line the workers printed (an exception, `terminate called ...`), with the exit code or
+    signal of the rank torch elastic's report names first, where there is one (`rank 1: exitcode
+    -6, Signal 6 (SIGABRT) received by PID 42`); else the last line that is not a rule of `=` or
+    `-` (the report's frame, which says nothing)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip(" \t=-")]
+    if errors := [line for line in lines if WORKER_ERROR.match(line)]:
+        return errors[-1]
+    root_cause = elastic_root_cause(stderr)
+    # the workers' own lines come before the launcher's report (its log lines and traceback)
+    report = next((i for i, line in enumerate(lines) if ELASTIC_LOG.match(line)), len(lines))
+    own = lines[:report] if root_cause else lines
+    errors = [line for line in own if ERROR_LINE.match(line)]
+    if root_cause:
+        return f"{errors[-1]} ({root_cause})" if errors else root_cause
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def elastic_root_cause(stderr: str) -> str:
+    """The first failed rank in torch elastic's report, as `rank 1: exitcode -6, Signal 6
+    (SIGABRT) received by PID 42` (its traceback line only where it names a signal); '' where
+    the stderr holds no such report."""
+    found: dict[str, str] = {}
+    lines = stderr.splitlines()
+    if ROOT_CAUSE not in (line.strip() for line in lines):
+        return ""
+    start = next(i for i, line in enumerate(lines) if line.strip() == ROOT_CAUSE)
+    for line in lines[start + 1 :]:
+        if not line.strip(" \t=-"):
+            break  # the report's closing rule
+        if match := ROOT_CAUSE_LINE.match(line.strip()):
+            found[match.group(1)] = line.strip()[match.end() :].strip()
+    rank = found.get("rank", "?").split()[0]
+    exitcode = found.get("exitcode", "?").split(" (pid")[0]
+    killed = found.get("traceback", "")  # "Signal 6 (SIGABRT) received by PID 42", or a hint
+    said = f", {killed}" if killed.startswith("Signal") else ""
+    return f"rank {rank}: exitcode {exitcode}{said}"
