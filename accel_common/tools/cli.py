@@ -24,7 +24,6 @@ from accel_common.checkpoints.export import (
     write_export,
 )
 from accel_common.conversion.convert import convert_checkpoint, parse_given, tell
-from accel_common.conversion.recipe_settings import foreign_config, is_recipe, unrecorded_note
 from accel_common.errors import ConfigError, RecipeError, exit_on_error
 from accel_common.hardware.launch_guard import require_new_file, require_writable_folder
 from accel_common.run_folder.outputs import exclusive_outputs, new_file
@@ -35,6 +34,7 @@ from accel_common.tools.doctor.report import run_doctor
 from accel_common.tools.example_data import make_data, workloads
 from accel_common.tools.launch import run as run_launch
 from accel_common.tools.originals import converter, import_from
+from accel_common.tools.recipe_settings import foreign_config, is_recipe, unrecorded_note
 
 app = typer.Typer(
     add_completion=False,
