@@ -66,6 +66,9 @@ ONE_PROCESS_EXIT = re.compile(
 # torch elastic's lines that belong to a failure report (not progress, such as a restart)
 ELASTIC_FAILURE = re.compile(ELASTIC_LOG.pattern + r".*(closing signal|failed \(exitcode)")
 TRACEBACK = "Traceback (most recent call last):"
+# the line between a chained exception's two parts (Accelerate 1.16's one-process launcher raises
+# its CalledProcessError from the worker's stderr): the launcher's, never a worker's last line
+CHAINED = re.compile(r"^(The above exception was the direct cause|During handling of the above)")
 # a traceback's last line, the exception (frames are indented; chained ones are announced)
 EXCEPTION_LINE = re.compile(r"^(?!Traceback|During handling|The above exception)[^\s]")
 # a frame of the launcher's own code: the traceback is its failure report, not a worker's
@@ -161,7 +164,8 @@ class _Reader:
         if self.full or not (held or failure_log):
             yield line
         if not (held or failure_log):
-            if not ELASTIC_LOG.match(line) and (text := line.strip(BOX)):
+            text = line.strip(BOX)
+            if text and not ELASTIC_LOG.match(line) and not CHAINED.match(text):
                 summary.last_output = text
             return
         if ELASTIC_LOG.match(line):

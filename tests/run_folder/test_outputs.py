@@ -240,14 +240,14 @@ def test_convert_never_replaces_an_export_written_after_its_check(tmp_path, monk
 
     source, out = tmp_path / "ckpt.pt", tmp_path / "out"
     torch.save({"w": torch.ones(2)}, source)
-    read = convert.read_state_dict
+    read = convert.read_weights  # what convert_checkpoint reads its source with
 
     def read_then_another_writes(*args: Any) -> Any:
         out.mkdir()
         (out / "model.safetensors").write_text("theirs")
         return read(*args)
 
-    monkeypatch.setattr(convert, "read_state_dict", read_then_another_writes)
+    monkeypatch.setattr(convert, "read_weights", read_then_another_writes)
     target = out / "model.safetensors"
     with pytest.raises(DataError, match=f"^OUTPUT {re.escape(str(target))}: another process"):
         convert.convert_checkpoint(source, out)

@@ -220,8 +220,10 @@ def test_sigterm_to_the_launch_saves_the_step_and_exits_75(tmp_path, template_da
     assert (checkpoints[-1] / "progress.json").exists() and not (out / "model").exists()
     last = stderr.splitlines()[-1]
     assert last.startswith("launcher: preempted, the checkpoint is saved; exit code 75")
-    # the launcher's own traceback (SignalException) only where the full report was asked for
-    assert ("Traceback" in stderr) is full_report
+    # the launcher's own traceback (SignalException: Accelerate 1.15; 1.16 prints none) only
+    # where the full report was asked for
+    if not full_report:
+        assert "Traceback" not in stderr
 
 
 # a launcher whose workers have not started training: on SIGTERM it stops them and exits 1 with
