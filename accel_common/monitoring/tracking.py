@@ -27,6 +27,11 @@ from accel_common.monitoring.throughput import StepFlops, device_peak, mfu
 from accel_common.run_folder.outputs import append_file, unfit_output
 
 METRICS_FILE = "metrics.jsonl"
+# where an epoch's mean training loss is logged (0.4 and before: eval/train_loss)
+EPOCH_LOSS_KEYS = {
+    "train_loss": "train/epoch_loss",
+    "train_loss_partial": "train/epoch_loss_partial",
+}
 
 
 # the trackers Accelerate integrates (accelerate.tracking.LOGGER_TYPE_TO_CLASS), in its order
@@ -292,7 +297,8 @@ class StepLogger:
             postfix["TFLOP/s"] = f"{record['train/tflops_per_device']:.3g}"
         if "train/mfu" in record:
             postfix["MFU"] = f"{100 * record['train/mfu']:.1f}%"
-        self.bar.set_postfix(postfix, refresh=False)
+        # redrawn now: left to the bar's own 0.5 s refresh, fast steps showed a stale loss
+        self.bar.set_postfix(postfix)
         return record["train/loss"]
 
     def flops_record(self, flops: float, samples_per_s: float) -> dict[str, float]:
@@ -322,7 +328,10 @@ class StepLogger:
             if again and self.last_epoch_loss is not None:
                 train["train_loss"] = self.last_epoch_loss
         metrics = {**train, **eval_metrics}
-        self.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+        # the epoch's training loss is a training metric: logged beside train/loss, not as an
+        # evaluation (the returned metrics, the printed line and the export keep `train_loss`)
+        logged = {EPOCH_LOSS_KEYS[k]: v for k, v in train.items()}
+        self.accelerator.log(logged | {f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
         if self.accelerator.is_main_process:
             self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")
         return metrics

@@ -200,7 +200,7 @@ def test_a_finished_run_without_its_export_is_evaluated_and_exported_again(run, 
     assert exported["step"] == 12 and exported["metrics"]["epoch"] == 3.0
     assert exported["metrics"]["train_loss"] == expected["train_loss"]
     logged = [json.loads(line, parse_constant=refuse) for line in metrics_lines(tmp_path)]
-    assert logged[-1]["eval/train_loss"] == expected["train_loss"]
+    assert logged[-1]["train/epoch_loss"] == expected["train_loss"]
     assert logged[-1]["eval/epoch"] == 3.0
 
 
@@ -227,7 +227,7 @@ def test_an_epoch_resumed_at_its_end_reports_its_training_loss(run, tmp_path, ca
     printed = capsys.readouterr().out
     assert "nan" not in printed
     logged = [json.loads(line, parse_constant=refuse) for line in metrics_lines(tmp_path)]
-    first, resumed = [r["eval/train_loss"] for r in logged if r.get("eval/epoch") == 1.0]
+    first, resumed = [r["train/epoch_loss"] for r in logged if r.get("eval/epoch") == 1.0]
     assert resumed == first
 
     forget_loss_sums(tmp_path / "checkpoints" / "step_5")
@@ -319,7 +319,7 @@ def test_a_checkpoint_without_loss_sums_resumes_and_marks_its_means_partial(run,
     windows = [r for r in logged if "train/loss" in r]
     assert [r.get("train/loss_partial") for r in windows] == [True, None]
     epochs = [r for r in logged if "eval/epoch" in r]
-    assert [r.get("eval/train_loss_partial") for r in epochs] == [True, None]
+    assert [r.get("train/epoch_loss_partial") for r in epochs] == [True, None]
     assert "train_loss_partial" not in metrics  # the last epoch was trained whole
 
 

@@ -89,7 +89,7 @@ def evaluations(output_dir: Path) -> dict[int, dict]:
     return {
         record["step"]: {k: v for k, v in record.items() if k != "time"}
         for record in metrics_log(output_dir)
-        if "eval/train_loss" in record
+        if "train/epoch_loss" in record
     }
 
 
