@@ -330,6 +330,19 @@ def convert_to(
     console.print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
+# the template's lines that name it, and what `new` writes in their place
+NEW_DOCSTRINGS = (
+    (
+        '"""Template recipe: the smallest complete training recipe.',
+        '"""The {name} recipe, started from the template (WORKLOAD: say what it trains, on what).',
+    ),
+    (
+        '"""Train the template MLP regressor on CSV data (or a generated example)."""',
+        '"""Train the {name} model (WORKLOAD: say on what data; --help shows this line)."""',
+    ),
+)
+
+
 @app.command()
 @exit_on_error
 def new(
@@ -346,6 +359,8 @@ def new(
         raise RecipeError(f"template not found at {TEMPLATE}; install the repo with pip -e")
     text = TEMPLATE.read_text()
     text = text.replace('RECIPE = "template"', f'RECIPE = "{name}"')
+    for old, new_text in NEW_DOCSTRINGS:  # its own name in --help, not the template's
+        text = text.replace(old, new_text.format(name=name))
     for old, new_text in (
         ("runs/template", f"runs/{name}"),
         ("data/example/template", f"data/example/{name}"),

@@ -76,6 +76,8 @@ def test_new_copies_the_template_and_never_overwrites(tmp_path):
     created = tmp_path / "train_skulls.py"
     text = created.read_text()
     assert 'RECIPE = "skulls"' in text and "runs/skulls" in text
+    assert text.startswith('"""The skulls recipe, started from the template')
+    assert '"""Train the skulls model' in text and "template MLP" not in text
     created.write_text(text + "# my edits\n")
     again = runner.invoke(app, ["new", "skulls", "--dest", str(tmp_path)])
     assert again.exit_code == 2
@@ -110,6 +112,11 @@ def test_a_new_recipe_trains_out_of_the_box(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "runs" / "demo" / "model" / "model.safetensors").is_file()
+    shown = subprocess.run(
+        [sys.executable, str(tmp_path / "train_demo.py"), "--help"],
+        cwd=tmp_path, env=recipe_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "Train the demo model" in shown.stdout and "template" not in shown.stdout.lower()
 
 
 def test_make_data_writes_the_format_and_refuses_to_overwrite(tmp_path):
