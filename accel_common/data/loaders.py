@@ -41,11 +41,17 @@ def make_train_loader(
     costs: Sequence[float] | None = None,
     plan: BatchPlan | None = None,
     replacement: bool = False,
+    drop_last: bool = True,
 ) -> DataLoader:
     """The training DataLoader every recipe needs, before `prepare`; `batch_size` is the plan's
     per-device batch.
 
-    - drop_last, so every optimizer step sees exactly the global batch;
+    - drop_last, so every optimizer step sees exactly the global batch; `drop_last=False` trains
+      on the epoch's last incomplete batch too, as an original that keeps it (a smaller last
+      step), for one process taking one batch per step only: on several, Accelerate would fill
+      that batch up with items from the epoch's start (even_batches), so N processes would no
+      longer take one process's steps; with accumulation its window would weigh it as a full
+      micro-batch. `costs` then change nothing (one slot per step: nothing to balance);
     - the shuffle order depends only on (seed, epoch): 1 or N processes see the same global
       batches, and a resumed run the same order;
     - its own generator: creating a loader iterator draws a seed, and drawing it from the global
@@ -56,13 +62,20 @@ def make_train_loader(
     - with `replacement`, each epoch draws len(dataset) items with replacement (EpochDrawSampler)
       instead of a permutation: iteration-sampled training, with --epochs 0 --max-steps N.
     """
+    if not drop_last and plan is not None and plan.num_processes * plan.grad_accum_steps > 1:
+        raise ValueError(
+            "make_train_loader: drop_last=False is for one process taking one batch per step, "
+            f"not {plan.describe()}"
+        )
     kind = EpochDrawSampler if replacement else EpochShuffleSampler
     sampler = kind(len(dataset), seed)  # type: ignore[arg-type]
     dataset = FetchRngLog(dataset)  # a resume draws a transform's global-RNG values exactly
     generator = torch.Generator().manual_seed(seed)
     common = {"num_workers": workers, "collate_fn": collate_fn, "generator": generator}
-    if costs is None:
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
+    if costs is None or not drop_last:
+        return DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common
+        )
     if plan is None or plan.per_device_batch_size != batch_size:
         raise ValueError("make_train_loader: costs need the plan whose per-device batch this is")
     batches = BalancedBatchSampler(sampler, costs, plan)

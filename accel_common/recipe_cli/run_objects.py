@@ -77,13 +77,16 @@ class RunObjects:
         collate_fn: Callable | None = None,
         costs: Sequence[float] | None = None,
         replacement: bool = False,
+        drop_last: bool = True,
     ) -> DataLoader:
         """The shuffled, drop-last training loader (data.loaders.make_train_loader); with `costs`
         (one per item), each step's items balanced over processes by cost; with `replacement`,
-        each epoch's items drawn with replacement (iteration-sampled training)."""
+        each epoch's items drawn with replacement (iteration-sampled training); `drop_last=False`
+        (one process, no accumulation only) keeps the epoch's last incomplete batch."""
         return loaders.make_train_loader(
             dataset, plan.per_device_batch_size, seed=self.seed, workers=self.workers,
             collate_fn=collate_fn, costs=costs, plan=plan, replacement=replacement,
+            drop_last=drop_last,
         )  # fmt: skip
 
     def make_lr_schedule(
