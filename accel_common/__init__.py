@@ -60,6 +60,7 @@ _FACE = {
     "accel_common.training.loop": ("TrainLoop",),
     "accel_common.training.policy": ("LoopPolicy", "SavePolicy"),
     "accel_common.training.run": ("Run", "RunConfig"),
+    "accel_common.training.ema": ("EmaSettings", "EmaWarmup", "WeightEMA", "make_ema"),
 }  # fmt: skip
 
 __all__ = [name for names in _FACE.values() for name in names]

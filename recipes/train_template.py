@@ -281,7 +281,7 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
     # WORKLOAD: every file the data readers open
     data_files = named_files([data_dir / "train.csv", data_dir / "test.csv"], data_dir)
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule,
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
         recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
     )  # fmt: skip
     for _epoch in loop.epochs():
@@ -294,8 +294,12 @@ def train(args: SharedSettings, settings: MLPSettings) -> dict[str, float]:
                 optimizer.zero_grad()
             loop.record(loss)
             if loop.eval_due():  # --eval-every N optimizer steps, besides the epoch end
-                loop.log_eval(evaluate(accelerator, model, test_loader, train_mean))
-        loop.end_epoch(evaluate(accelerator, model, test_loader, train_mean))  # WORKLOAD
+                with loop.ema.applied():
+                    loop.log_eval(evaluate(accelerator, model, test_loader, train_mean))
+        # with --ema-decay the model holds the EMA of its weights for the block: what is scored
+        # (and exported by finish); else the model as it is
+        with loop.ema.applied():
+            loop.end_epoch(evaluate(accelerator, model, test_loader, train_mean))  # WORKLOAD
     return loop.finish(model)
 
 

@@ -241,12 +241,14 @@ def export_model(
     step: int,
     metrics: dict[str, float],
     derived: Iterable[str] = (),
+    ema: dict[str, Any] | None = None,
 ) -> Path:
     """Export the trained model; every process calls this (gathering shards is collective).
     Its metadata records what `--dry-run` promises of the run (parameter counts as it counts
     them, the batch plan, `schedule`: the LR line and optimizer steps), so each can be held to
     the other. `derived`: the config's values computed from the data (not flags: the model
-    card's command leaves them out). A diffusers or transformers model's export is also that
+    card's command leaves them out). `ema`: the weights are an EMA of the trained ones, so
+    recorded (training.ema). A diffusers or transformers model's export is also that
     library's `from_pretrained` folder (`hf_layout`); every export gets a README.md."""
     state = accelerator.get_state_dict(model)
     path = Path(out_dir) / MODEL_FILE
@@ -260,6 +262,8 @@ def export_model(
             "step": step,
             "metrics": metrics,
         } | ({"derived": sorted(derived)} if derived else {})
+        if ema:
+            metadata["ema"] = ema
         layout = hf_layout(accelerator.unwrap_model(model))
         path = write_export(state, out_dir, metadata, layout, card=True)
     accelerator.wait_for_everyone()

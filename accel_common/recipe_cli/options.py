@@ -37,6 +37,7 @@ from accel_common.recipe_cli.panels import (
 )
 from accel_common.recipe_cli.run_objects import RunObjects
 from accel_common.settings import Settings, setting
+from accel_common.training.ema import EmaSettings, EmaWarmup
 from accel_common.training.policy import OnNonFinite, SavePolicy
 from accel_common.training.run import StartRequest
 
@@ -273,6 +274,33 @@ class SharedSettings(Settings, RunObjects):
         adjustable=True,
         panel=TRAINING,
     )
+    ema_decay: float = setting(
+        0.0,
+        "Keep an exponential moving average (EMA) of the weights with this decay (e.g. 0.999; 0 "
+        "= off): updated after each optimizer step and checkpointed; evaluation scores it and the "
+        "export holds it (model.json: ema).",
+        min=0.0,
+        max=0.99999,
+        panel=TRAINING,
+    )
+    ema_warmup: EmaWarmup = setting(
+        EmaWarmup.none,
+        "The EMA's decay over its first updates: none (--ema-decay from the initial weights, as "
+        "pcdiff), ratio (min(decay, (1 + k)/(10 + k)) after update k's copy, diffusers' "
+        "EMAModel default) or power (min(decay, 1 - (1 + k/--ema-inv-gamma)^-(--ema-power)), "
+        "diffusers' use_ema_warmup).",
+        panel=TRAINING,
+    )
+    ema_power: float = setting(
+        2 / 3,
+        "With --ema-warmup power: its power (diffusers' 2/3; 3/4 for shorter runs, as its DDPM "
+        "example).",
+        above=0.0,
+        panel=TRAINING,
+    )
+    ema_inv_gamma: float = setting(
+        1.0, "With --ema-warmup power: its inv_gamma (diffusers' 1).", above=0.0, panel=TRAINING
+    )
     mixed_precision: MixedPrecision | None = setting(
         None, "no, fp16 or bf16; default: the accelerate config / launcher's choice.", panel=SPEED
     )
@@ -429,6 +457,11 @@ class SharedSettings(Settings, RunObjects):
             ),
             warmup_epochs=self.warmup_epochs, warmup_style=self.warmup_style,
         )  # fmt: skip
+
+    @property
+    def ema_settings(self) -> EmaSettings:
+        """--ema-decay and its warm-up (accel_common.training.ema)."""
+        return EmaSettings(self.ema_decay, self.ema_warmup, self.ema_power, self.ema_inv_gamma)
 
     @property
     def save_policy(self) -> SavePolicy:

@@ -24,6 +24,7 @@ from accel_common.deprecation import warn_deprecated
 from accel_common.hardware.compilation import requested_compilation
 from accel_common.hardware.speed import make_optimizer
 from accel_common.settings import Settings
+from accel_common.training.ema import make_ema
 from accel_common.training.loop import TrainLoop
 from accel_common.training.policy import EarlyStopping, LoopPolicy
 from accel_common.training.run import Run, RunConfig, Tracking
@@ -123,6 +124,7 @@ class RunObjects:
         patience: int = 0,
         min_epochs: int = 0,
         min_delta: float = 0.0,
+        model: torch.nn.Module | None = None,
     ) -> TrainLoop:
         """The run's TrainLoop (loop.TrainLoop). `data_files` are every file the run's data
         reader opens, by name (accel_common.data.named_files): their contents are the
@@ -132,7 +134,7 @@ class RunObjects:
         the checkpoints and the export, and is the run's identity but for the adjustable
         settings. `monitor` and `patience` keep the best epoch's model and stop early, not before
         epoch `min_epochs` + 1; an epoch resets the patience only when better by more than
-        `min_delta`."""
+        `min_delta`. `model` (prepared): what --ema-decay averages (`loop.ema`)."""
         own = [settings] if settings is not None else []
         run_config = RunConfig(
             recipe,
@@ -144,6 +146,8 @@ class RunObjects:
         stopping = EarlyStopping(monitor, patience, min_epochs, min_delta)
         policy = LoopPolicy(self.save_policy, self.clip_grad, self.on_nonfinite, stopping)
         policy.check(accelerator)  # before the run claims its folder
+        # registered for checkpointing before the resume restores it
+        ema = make_ema(accelerator, model, self.ema_settings, f"recipes/train_{recipe}.py")
         run = Run.open(
             accelerator,
             plan,
@@ -155,6 +159,7 @@ class RunObjects:
             start=self.start_request,
             monitored=bool(monitor),
             tracking=Tracking(self.wandb_project, self.wandb_name),
+            ema=ema,
         )
         return TrainLoop(accelerator, plan, loader, schedule, run, policy)
 

@@ -18,14 +18,14 @@ A recipe's loop keeps in view what is about its workload and hands the rest to a
         loop.end_epoch(evaluate(model, test_loader))
     return loop.finish(model)
 
-All in that order, in the recipe's own loop: no callbacks. The run's identity, folder,
-checkpoints and exports belong to the `Run` (accel_common.training.run). `batches()` does its
+All in that order, in the recipe's own loop: no callbacks. The run's identity, folder, saves,
+exports and EMA (`loop.ema`: training.ema) are the `Run`'s (training.run). `batches()` does its
 bookkeeping when the recipe asks for the next batch (after the previous one's optimizer step):
 
 - every micro-batch: count the samples seen in this epoch (the resume position);
 - after a micro-batch that ends an accumulation window (an optimizer step happened): step the
-  LR scheduler once, count the optimizer step, log loss / LR / grad norm / samples/s every
-  `log_every` steps, save resumable state every `save_every` steps;
+  LR scheduler once, count the optimizer step, update the EMA, log loss / LR / grad norm /
+  samples/s every `log_every` steps, save resumable state every `save_every` steps;
 - when the run's optimizer steps are done, stop in the middle of the epoch, so the final
   checkpoint records exactly where it ended; accumulation windows run across epoch ends.
 - in the run's first optimizer step: count its FLOPs (for TFLOP/s, MFU: throughput.py).
@@ -37,13 +37,12 @@ model)` keep an export of the best model (`OUTPUT/best`), and `finish` exports t
 every process stops at the same step; a resume restores best and count.
 
 `epochs()` sets the epoch on the loader and a dataset with `set_epoch` (so epoch-dependent
-samples match on 1 or N processes), and skips what a resumed run trained on. A run resumed
-after it had finished yields no epoch and `finish` leaves its export as it was (it says so);
-only if that export is missing (a crash between the final save and the export) does it yield
-one epoch with no batches, so the recipe's evaluation runs again and the export carries its
-metrics (the last training loss too). Checkpoints keep the logged means' running sums, so a
-resumed epoch's train_loss is the uninterrupted run's (an older checkpoint's: partial, or none
-if nothing was trained since). A NaN metric stops the run like a NaN loss.
+samples match on 1 or N processes), and skips what a resumed run trained on. A run resumed after
+it had finished yields no epoch and `finish` leaves its export as it was (it says so); only if
+that export is missing (a crash between the final save and the export) does it yield one epoch
+with no batches, so the recipe's evaluation runs again and the export carries its metrics. The
+logged means' running sums are checkpointed (a resumed epoch's train_loss is the uninterrupted
+run's). A NaN metric stops the run like a NaN loss.
 
 Runs heal themselves (docs/multinode.md, "Recovery"): at the end of every optimizer step the
 processes all-reduce one small flag vector (any non-finite loss in the step, any stop signal
@@ -104,6 +103,7 @@ class TrainLoop:
     ) -> None:
         policy.check(accelerator)
         self.accelerator, self.plan, self.loader, self.run = accelerator, plan, loader, run
+        self.ema = run.ema  # `with loop.ema.applied():` evaluates the EMA of the weights
         self.scheduler, self.total_steps = schedule.scheduler, schedule.total_steps
         self.policy, self.stopping = policy, policy.early_stopping
         self.clip_grad, self.on_nonfinite = policy.clip_grad, policy.on_nonfinite
@@ -159,12 +159,11 @@ class TrainLoop:
             self._timing_since = now
 
     def eval_generator(self, *, per_process: bool = True) -> torch.Generator:
-        """A CPU generator for this evaluation's random draws (sampling noise, random baselines):
-        seeded by the run's --seed, the optimizer step being evaluated and, unless
-        `per_process=False`, the process index. What an evaluation draws then depends only on
-        the step it scores, never on how many evaluations ran before it in this process, so a
-        resumed run exports the metrics of the uninterrupted one. The global RNG (dropout,
-        restored by a resume) is left alone."""
+        """A CPU generator for this evaluation's random draws (sampling noise, random baselines),
+        seeded by --seed, the step evaluated and (unless `per_process=False`) the process index:
+        what it draws depends only on the step scored, not on how many evaluations this process
+        ran before, so a resumed run exports the uninterrupted one's metrics. The global RNG
+        (dropout, restored by a resume) is left alone."""
         index = self.accelerator.process_index if per_process else 0
         seed = int(self.run.config.values.get("seed", 0))
         return evaluation_generator(seed, self.step, index)
@@ -303,6 +302,7 @@ class TrainLoop:
         else:
             for loss, count in zip(losses, items, strict=True):
                 self.log.add_loss(loss, count)
+            self.ema.update()  # a step taken: not skipped (nor diverged, which stopped above)
         logged = self.log.step(self.progress.step, lr, self._grad_norm)
         self._grad_norm = None
         if logged is not None and fp16:
@@ -386,6 +386,7 @@ class TrainLoop:
         With a `monitor`, pass the model: this evaluation may be the best model, and counts
         towards `patience` (then evaluations, not epochs: a run by iterations stops early too)."""
         check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        self.ema.require_scored(eval_metrics)
         logged = self.log.log_eval(self.step, eval_metrics)
         if self.stopping.monitor and model is not None:
             self._track_best(model, eval_metrics)
@@ -397,10 +398,11 @@ class TrainLoop:
         self, eval_metrics: dict[str, float], model: torch.nn.Module | None = None
     ) -> dict[str, float]:
         """Log the mean training loss since the last call and `eval_metrics` (reduced across
-        processes by the recipe); print them once. They become the export's metrics. With a
-        `monitor`, pass the model: its best epoch is kept, and `patience` may stop the run."""
-        # before they are logged
+        processes by the recipe; with --ema-decay, of `loop.ema.applied()`); print them once.
+        They become the export's metrics. With a `monitor`, pass the model: its best epoch is
+        kept, and `patience` may stop the run."""
         check_eval_metrics(eval_metrics, self._epoch_number, self.step, self.run.last_saved)
+        self.ema.require_scored(eval_metrics)  # before they are logged
         again = self._finished_before_epoch
         self.metrics = self.log.end_epoch(self._epoch_number, self.step, eval_metrics, again=again)
         if "train_loss" in self.metrics:  # none when nothing was trained (after a resume)
@@ -412,8 +414,8 @@ class TrainLoop:
         return self.metrics
 
     def _restore_loss_sums(self) -> None:
-        """Continue the logged loss means where the checkpoint left them; one saved before
-        they were stored gives means over the steps since the resume: marked, and said once."""
+        """Continue the logged loss means where the checkpoint left them (an older checkpoint's:
+        over the steps since the resume, marked, and said once)."""
         self.log.restore(self.progress.loss_sums)
         self.log.flops.restore(self.progress.flops_per_step)  # counted by the run's first launch
         if self.progress.loss_sums is None:
@@ -440,10 +442,8 @@ class TrainLoop:
             say(self.accelerator, self.stopping.stopped(self.progress, self.policy.saves))
 
     def save(self) -> Path:
-        """Save resumable state at the current step (collective: every process calls it).
-
-        Called only after the step's non-finite check, so the last checkpoint is always one to
-        resume from."""
+        """Save resumable state at the current step (collective: every process calls it), only
+        after the step's non-finite check, so the last checkpoint is always one to resume from."""
         self._count_time()  # the checkpoint records the training time up to here
         self.progress.loss_sums = self.log.state()
         self.progress.flops_per_step = self.log.flops.per_step
@@ -451,12 +451,10 @@ class TrainLoop:
         return self.run.save(self.policy.saves.keep_last, fetched_ahead(self.loader, consumed))
 
     def finish(self, model: torch.nn.Module) -> dict[str, float]:
-        """Save the final resumable state, export `model` with the last metrics, close trackers.
-
-        Returns the metrics the export records. Every process calls it (gathering shards is
-        collective). A resumed run that had finished and exported (`Run.finished_export`) saves
-        and exports nothing: it returns the metrics its export records.
-        """
+        """Save the final resumable state, export `model` (with --ema-decay, its EMA) with the
+        last metrics, close trackers; return the metrics the export records. Every process calls
+        it (gathering shards is collective). A resumed run that had finished and exported
+        (`Run.finished_export`) saves and exports nothing: it returns its export's metrics."""
         self.log.close()
         self.stop_signals.release()
         if self.run.finished_export is not None:

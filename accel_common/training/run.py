@@ -60,6 +60,7 @@ from accel_common.hardware.speed import speed_lines
 from accel_common.monitoring.tracking import METRICS_FILE, start_tracking
 from accel_common.run_folder.outputs import hold_output_dir
 from accel_common.settings import DATA_KEY, describe_differences
+from accel_common.training.ema import WeightEMA
 
 # what a resume never reports as changed: how this launch was asked to start
 LAUNCH_SETTINGS = frozenset({"resume", "overwrite", "overwrite_later", "allow_unverified"})
@@ -123,6 +124,7 @@ class Run:
         self.last_saved: Path | None = None
         self.finished_export: Path | None = None  # a finished run's export, left as it is
         self.resumed_state: dict[str, Any] | None = None  # this process's, from the checkpoint
+        self.ema = WeightEMA()  # --ema-decay's (Run.open's `ema`): what the exports hold
 
     @classmethod
     def open(
@@ -138,6 +140,7 @@ class Run:
         start: StartRequest = StartRequest(),
         monitored: bool = False,
         tracking: Tracking = Tracking(),
+        ema: WeightEMA | None = None,
     ) -> Run:
         """Print the plan, resume or claim `output_dir`, start the trackers (only after a
         successful resume, so a bad --resume leaves the folder as it was). `monitored`: the run
@@ -145,7 +148,8 @@ class Run:
         Every process calls it, after `accelerator.prepare` (a resume restores the prepared
         objects). `data_files` are the files the run's reader opens, by name
         (accel_common.data.named_files): their contents are part of the identity;
-        `data_dir` (--data) names them in messages."""
+        `data_dir` (--data) names them in messages. `ema`: the EMA of the weights (training.ema,
+        registered for checkpointing before this resume), which the exports then hold."""
         hold_output_dir(accelerator, output_dir)  # first: one live run per folder, for its life
         # read by the main process (once: the per-file digests are cached), the same for all
         found: list[Any] = [None, None]
@@ -156,6 +160,7 @@ class Run:
         fingerprint, digests = broadcast_object_list(found)
         identity = run_identity(config.recipe, config.values, plan, config.adjustable, fingerprint)
         run = cls(accelerator, plan, config, output_dir, identity, schedule, digests)
+        run.ema = ema or run.ema
         print_banner(
             accelerator,
             recipe=config.recipe,
@@ -201,23 +206,26 @@ class Run:
         return self.last_saved
 
     def export(self, model: torch.nn.Module, folder: Path, metrics: dict[str, float]) -> Path:
-        """Export `model` at the run's step, its metadata recording the config (collective)."""
-        return export_model(
-            self.accelerator,
-            model,
-            folder,
-            recipe=self.recipe,
-            config=self.config.values,
-            plan=self.plan,
-            # the banner's LR line and step count: what --dry-run's are held to
-            schedule={
-                "learning_rate": self.schedule.description,
-                "optimizer_steps": self.total_steps,
-            },
-            step=self.progress.step,
-            metrics=metrics,
-            derived=self.config.derived,
-        )
+        """Export `model` at the run's step, its metadata recording the config (collective); with
+        --ema-decay, its EMA (`ema.applied()`), and model.json's "ema" says so."""
+        with self.ema.applied():
+            return export_model(
+                self.accelerator,
+                model,
+                folder,
+                recipe=self.recipe,
+                config=self.config.values,
+                plan=self.plan,
+                # the banner's LR line and step count: what --dry-run's are held to
+                schedule={
+                    "learning_rate": self.schedule.description,
+                    "optimizer_steps": self.total_steps,
+                },
+                step=self.progress.step,
+                metrics=metrics,
+                derived=self.config.derived,
+                ema=self.ema.record(),
+            )
 
     def export_best(self, metrics: dict[str, float]) -> Path:
         """The best epoch's export becomes the run's export, with the run's final metrics."""
