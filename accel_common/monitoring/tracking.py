@@ -250,6 +250,7 @@ class StepLogger:
         self.window_loss, self.epoch_loss = RunningMean(), RunningMean()
         self.initial_step = initial_step
         self.last_epoch_loss: float | None = None  # a finished run evaluated again reports it
+        self.postfix: dict[str, str] = {}  # what the bar shows after its counts: the last loss
         self.throughput = Throughput()
         self.flops = StepFlops(accelerator)  # the loop counts its first step
         self.peak, peak_line = device_peak(accelerator)
@@ -292,13 +293,13 @@ class StepLogger:
         if self.flops.per_step is not None:
             record |= self.flops_record(self.flops.per_step, record["train/samples_per_s"])
         self.accelerator.log(record, step=step)
-        postfix = {"loss": f"{record['train/loss']:.4f}"}
+        self.postfix = {"loss": f"{record['train/loss']:.4f}"}
         if "train/tflops_per_device" in record:
-            postfix["TFLOP/s"] = f"{record['train/tflops_per_device']:.3g}"
+            self.postfix["TFLOP/s"] = f"{record['train/tflops_per_device']:.3g}"
         if "train/mfu" in record:
-            postfix["MFU"] = f"{100 * record['train/mfu']:.1f}%"
+            self.postfix["MFU"] = f"{100 * record['train/mfu']:.1f}%"
         # redrawn now: left to the bar's own 0.5 s refresh, fast steps showed a stale loss
-        self.bar.set_postfix(postfix)
+        self.bar.set_postfix(self.postfix)
         return record["train/loss"]
 
     def flops_record(self, flops: float, samples_per_s: float) -> dict[str, float]:
@@ -331,6 +332,9 @@ class StepLogger:
         # the epoch's training loss is a training metric: logged beside train/loss, not as an
         # evaluation (the returned metrics, the printed line and the export keep `train_loss`)
         logged = {EPOCH_LOSS_KEYS[k]: v for k, v in train.items()}
+        if "train_loss" in train:  # the bar shows the latest loss logged, this epoch's mean
+            self.postfix["loss"] = f"{train['train_loss']:.4f}"
+            self.bar.set_postfix(self.postfix)
         self.accelerator.log(logged | {f"eval/{k}": v for k, v in eval_metrics.items()}, step=step)
         if self.accelerator.is_main_process:
             self.bar.write(f"epoch {epoch}: {format_metrics(metrics)}")

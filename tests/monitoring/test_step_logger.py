@@ -42,4 +42,5 @@ def test_the_epoch_loss_is_logged_under_train_not_eval(logger):
     metrics = logger.end_epoch(1, 2, {"test_mse": 0.5})
     assert metrics == {"train_loss": 3.0, "test_mse": 0.5}  # the export's names
     assert logger.logged == [(2, {"train/epoch_loss": 3.0, "eval/test_mse": 0.5})]
+    assert logger.screen.getvalue().split("\r")[-1].endswith("loss=3.0000]")  # the latest
     logger.bar.close()
