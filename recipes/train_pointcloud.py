@@ -163,18 +163,11 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
         )
 
     model = build_model(args, settings)
-    if settings.init_from:  # before the optimizer and the EMA copy see the weights
+    if settings.init_from:  # before the optimizer and the EMA (make_loop) see the weights
         recorded = initialise_from(model, Path(settings.init_from))
         accelerator.print(
             f"initialised from {settings.init_from}{unshaped_differences(recorded, settings)}"
         )
-    ema = (
-        torch.optim.swa_utils.AveragedModel(
-            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(settings.ema_decay)
-        )
-        if settings.ema_decay
-        else None
-    )
     optimizer = args.make_optimizer(
         torch.optim.Adam,
         model.parameters(),
@@ -190,17 +183,14 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
     )
     diffusion = Diffusion(settings.timesteps, accelerator.device)
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
-    if ema is not None:
-        ema.to(accelerator.device)
-        accelerator.register_for_checkpointing(ema)
     data_files = named_files([*train_set.files, *test_set.files], data_dir)
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule,
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
         recipe=RECIPE, data_files=data_files, settings=settings,
     )  # fmt: skip
 
     def score() -> dict[str, float]:
-        scored = accelerator.unwrap_model(model) if ema is None else ema.module
+        scored = accelerator.unwrap_model(model)
         steps, unit = settings.sample_steps, test_set.unit
         noise = loop.eval_generator()  # depends only on the step evaluated: resumes report alike
         return evaluate(
@@ -218,12 +208,11 @@ def train(args: SharedSettings, settings: PointCloudSettings) -> dict[str, float
                 loop.clip_gradients(model)
                 optimizer.step()
                 optimizer.zero_grad()
-                if ema is not None and accelerator.sync_gradients:
-                    ema.update_parameters(accelerator.unwrap_model(model))
             loop.record(loss)
         if epoch % settings.eval_every == 0 or loop.done:
-            loop.end_epoch(score())
-    return loop.finish(model if ema is None else ema.module)
+            with loop.ema.applied():  # --ema-decay: the EMA of the weights is scored (exported)
+                loop.end_epoch(score())
+    return loop.finish(model)
 
 
 def initialise_from(model: PVCNN2, source: Path) -> dict[str, Any]:

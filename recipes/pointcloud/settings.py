@@ -95,9 +95,6 @@ class PointCloudSettings(Settings):
         min=1,
         adjustable=True,
     )
-    ema_decay: float = setting(
-        0.0, "EMA of the weights (e.g. 0.999; 0 = off).", min=0.0, max=0.9999
-    )
 
     def validate(self) -> None:
         super().validate()
