@@ -186,7 +186,12 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     if settings.reliability == "gold":
         records, gold = gold_votes(accelerator, records, data.categories, annotators)
     index = {name: i for i, name in enumerate(names)}
-    train_records, held_records = split_comparisons(records, settings.held_out, args.seed)
+    stratified = settings.split == "stratified"
+    train_records, held_records = split_comparisons(
+        records, settings.held_out, args.seed, stratified
+    )
+    held = f"{len(held_records)} held out ({settings.split} split, seed {args.seed})"
+    say(accelerator, f"split: {len(train_records)} comparisons to train on, {held}")
 
     model = build_scorer(
         settings.backbone,

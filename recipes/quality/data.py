@@ -1,5 +1,6 @@
 """Pairwise image-quality data for the Crowd-BT recipe: the reader of the original's layout (and
-of this project's earlier one), the train/held-out split and the dataset of pairs.
+of this project's earlier one), the train/held-out split (the original's) and the dataset of
+pairs.
 
 The original project (hituldesai03/crowd-bt, data_loader.py) keeps one folder per annotator,
 synced from S3 (`quack_v2_data_user_logs/<annotator>/comparison_data.json`), and the images in a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +85,12 @@ class Comparisons:
 
 def annotation_files(root: Path) -> tuple[str, list[tuple[Path, str | None]]]:
     """The layout found in `root` and its files, each with its annotator (None: per record)."""
-    folders = sorted(p for p in root.iterdir() if is_present(p / ORIGINAL_FILE))
+    # in S3's listing order, as the original reads them (its keys compared as bytes, each name
+    # with its "/": ann-2/ before ann/), for its split draws from the records in that order
+    folders = sorted(
+        (p for p in root.iterdir() if is_present(p / ORIGINAL_FILE)),
+        key=lambda p: (p.name + "/").encode(errors="surrogateescape"),
+    )
     flat = root / "annotations"
     flat_files = sorted(flat.glob("*.json")) if flat.is_dir() else []
     if folders and flat_files:
@@ -260,11 +267,38 @@ def read_truth(path: Path, images: list[str], annotators: list[str]) -> dict | N
 # --------------------------------------------------------------------------- training pairs
 
 
-def split_comparisons(records: list, held_out: float, seed: int) -> tuple[list, list]:
-    """A fixed random split of the comparisons into training and held-out ones."""
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
-    cut = int(len(records) * (1 - held_out))
-    return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
+def split_comparisons(
+    records: list[Vote], held_out: float, seed: int, stratified: bool = True
+) -> tuple[list[Vote], list[Vote]]:
+    """Training and held-out comparisons, by the original's split_comparisons (dataset.py
+    260-308) with Python's random seeded at `seed`, so the same records land on each side as in
+    its runs for the same seed and share. Stratified (its train.py's): each pair type's records
+    (types in the order first met, a record without one under "unknown") shuffled in turn, the
+    first int(n x train share) of each for training, then both sides shuffled; else one shuffle
+    of all. `records` must be in the original's order (annotation_files, read_comparisons)."""
+    rng = random.Random(seed)
+    share = round(1 - held_out, 12)  # the train share as written (1 - 0.9 is 0.0999...98)
+    groups: dict[str, list[Vote]] = {}
+    for vote in records:
+        groups.setdefault((vote.pair_type or "unknown") if stratified else "", []).append(vote)
+    train: list[Vote] = []
+    held: list[Vote] = []
+    for group in groups.values():
+        rng.shuffle(group)
+        cut = int(len(group) * share)
+        train += group[:cut]
+        held += group[cut:]
+    if stratified:
+        rng.shuffle(train)
+        rng.shuffle(held)
+    if not train or not held:
+        side = "training" if not train else "held-out"
+        raise DataError(
+            f"--held-out {held_out}: no {side} comparisons among {len(records)} (split "
+            f"{'per pair type' if stratified else 'as one'}); change --held-out, or pass "
+            "--split plain where the pair types are many and small"
+        )
+    return train, held
 
 
 class ImageReader:

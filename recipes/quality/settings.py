@@ -15,6 +15,7 @@ RECIPE = "quality"
 RELIABILITY = ("full", "global", "fixed", "gold")
 CHOICES = {"reliability": RELIABILITY, "head_init": ("kaiming", "torch")}
 CHOICES["pair_forward"] = ("joint", "separate")
+CHOICES["split"] = ("stratified", "plain")
 
 
 @dataclass
@@ -71,7 +72,18 @@ class QualitySettings(Settings):
         2e-2, "Learning rate of the annotator reliabilities (no weight decay).", min=0.0
     )
     held_out: float = setting(
-        0.15, "Share of comparisons held out for evaluation.", min=0.01, max=0.9
+        0.15,
+        "Share of comparisons held out for evaluation (the original's 1 - train_split).",
+        min=0.01,
+        max=0.9,
+    )
+    split: str = setting(
+        "stratified",
+        "Which comparisons are held out, by the original's split_comparisons (dataset.py "
+        "260-308) at --seed, the same records as its runs: stratified (its train.py's: each "
+        "pair type apart, so gold and real pairs keep their shares on both sides) or plain (one "
+        "shuffle of all: for many small pair types, which rounding down per type would send "
+        "wholly to the held-out side).",
     )
     image_dir: Path | None = setting(
         None,
