@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from accel_common import DataError, SharedSettings
-from accel_common.settings import read_config_file
+import recipes.train_quality as recipe
+from accel_common import DataError
 from recipes.quality.data import Vote, annotation_files, read_comparisons, split_comparisons
 from recipes.quality.example import write_dataset
-from recipes.quality.settings import QualitySettings
+from tests.original_step import preset
 from tests.processes import QUALITY, REPO, run_recipe
 
 FIXTURE = REPO / "tests" / "fixtures" / "quality" / "split.json"
 ORIGINAL = REPO / "recipes" / "quality" / "configs" / "original.yaml"
-
-
-def preset() -> tuple[QualitySettings, int]:
-    """The preset's workload settings and its --seed, as --config reads them."""
-    names = [f.name for f in (*fields(QualitySettings), *fields(SharedSettings))]
-    config = read_config_file(ORIGINAL, names)
-    return QualitySettings.from_config(config), int(config["seed"])
 
 
 def ids(records: list[Vote], read: list[Vote]) -> list[str]:
@@ -43,12 +35,13 @@ def ids(records: list[Vote], read: list[Vote]) -> list[str]:
 
 def test_the_presets_split_holds_out_the_originals_comparisons(quality_data):
     fixture = json.loads(FIXTURE.read_text())
-    settings, seed = preset()
+    args, settings = preset(recipe.train, ORIGINAL)  # as --config resolves it
+    seed, stratified = args.seed, settings.split == "stratified"  # as the run passes them
     assert (settings.split, seed, 1 - settings.held_out) == ("stratified", 42, 0.8)
     assert fixture["seed"] == seed and fixture["train_ratio"] == 0.8
     data = read_comparisons(quality_data, quality_data / "images")
     assert len(data.records) == len(fixture["train"]) + len(fixture["val"]) == 1800
-    train, held = split_comparisons(list(data.records), settings.held_out, seed)
+    train, held = split_comparisons(list(data.records), settings.held_out, seed, stratified)
     # the same records on each side, in the original's order (its last shuffles included)
     assert ids(train, data.records) == fixture["train"]
     assert ids(held, data.records) == fixture["val"]
