@@ -24,12 +24,15 @@ def check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def rows(output: str) -> dict[str, list[str]]:
-    """The table's rows by promise letter: [promise, result, measured, why]."""
-    found = {}
+    """The table's rows by promise letter: [promise, result, measured, why], a cell's lines
+    (its own and rich's wrapping) joined by spaces."""
+    found: dict[str, list[str]] = {}
     for line in output.splitlines():
         cells = [cell.strip() for cell in line.split("│")[1:-1]]
         if len(cells) == 5 and len(cells[0]) == 1:
-            found[cells[0]] = cells[1:]
+            found[cells[0]] = last = cells[1:]
+        elif len(cells) == 5 and not cells[0] and found:  # the row above, continued
+            last[:] = [" ".join(filter(None, pair)) for pair in zip(last, cells[1:], strict=True)]
     return found
 
 
@@ -90,6 +93,86 @@ def test_a_bad_name_or_promise_is_one_line(args, message):
     result = CliRunner().invoke(app, ["check", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
+
+
+def waiving(tmp_path: Path, declaration: str) -> Path:
+    """A copy of the template that ends with `declaration` (CHECK_WAIVE, CHECK_NOISE)."""
+    script = tmp_path / "train_waiving.py"
+    script.write_text(TEMPLATE.read_text() + f"\n{declaration}\n")
+    return script
+
+
+WHY = "neighbour sampling: a seed's subgraph depends on the other seeds of its batch"
+
+
+def test_a_waived_row_shows_its_reason_is_not_run_and_the_rest_are(tmp_path, monkeypatch, capsys):
+    from rich.console import Console
+
+    from accel_common.tools.check import runner
+    from accel_common.tools.check.promises import Outcome
+
+    def never(session) -> None:
+        raise AssertionError("a waived promise was run")
+
+    ran = []
+    promises = {
+        "a": ("2 processes = 1", never),
+        "c": ("--dry-run = the run", lambda session: ran.append("c") or Outcome("held", "ok")),
+    }
+    monkeypatch.setattr(runner, "PROMISES", promises)
+    script = waiving(tmp_path, f"CHECK_WAIVE = {{'a': {WHY!r}}}")
+    assert runner.run_check(str(script), None, Console(width=250)) == 0
+    out = capsys.readouterr().out
+    assert ran == ["c"] and "check template: 2 processes = 1 ..." not in out
+    assert rows(out)["a"] == ["2 processes = 1", "waived", "", WHY]
+    assert out.splitlines()[-1] == "accel-recipes check template: 1 held, 1 waived (a)"
+
+
+def test_the_summary_line_counts_each_result_and_names_all_but_the_held():
+    from accel_common.tools.check.promises import Outcome
+    from accel_common.tools.check.runner import summary
+
+    results = dict.fromkeys("bcdfh", "held") | {"a": "waived", "e": "skipped", "g": "not held"}
+    outcomes = {letter: Outcome(results[letter]) for letter in sorted(results)}
+    assert summary(outcomes) == "5 held, 1 not held (g), 1 waived (a), 1 skipped (e)"
+    assert summary({k: v for k, v in outcomes.items() if k != "g"}).startswith("5 held, 1 waiv")
+
+
+@pytest.mark.slow
+def test_a_recipe_that_waives_row_a_passes_with_the_reason_shown(tmp_path):
+    script = waiving(tmp_path, f"CHECK_WAIVE = {{'a': {WHY!r}}}")
+    result = check(tmp_path, str(script), "--only", "a,c")
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = rows(result.stdout)
+    assert found["a"] == ["2 processes = 1", "waived", "", WHY]
+    assert found["c"][1] == "held"
+    assert "accel-recipes check template: 1 held, 1 waived (a)" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("declaration", "message"),
+    [
+        ("CHECK_WAIVE = {'a': ''}", "row 'a' has no reason; say why it cannot hold"),
+        ("CHECK_WAIVE = {'a': '  '}", "row 'a' has no reason; say why it cannot hold"),
+        ("CHECK_WAIVE = {'z': 'why'}", "'z' is no row; give letters among a,b,c,d,e,f,g,h"),
+        ("CHECK_WAIVE = ['a']", 'give a dict of row to reason, e.g. {"a": "why"}'),
+        ("CHECK_NOISE = 'to_k.bias'", 'give a tuple of name endings, e.g. CHECK_NOISE = ("to_k'),
+        ("CHECK_NOISE = ('',)", 'give a tuple of name endings, e.g. CHECK_NOISE = ("to_k'),
+    ],
+    ids=["empty", "blank", "unknown-row", "not-a-dict", "noise-string", "noise-empty"],
+)
+def test_a_malformed_waiver_or_noise_declaration_is_one_line(tmp_path, declaration, message):
+    """Refused before any run, naming the declaration and the recipe's file."""
+    from accel_common.tools.cli import app
+
+    script = waiving(tmp_path, declaration)
+    result = CliRunner().invoke(app, ["check", str(script), "--only", "c"])
+    assert result.exit_code == 2, result.output
+    name = declaration.split(" = ")[0]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(
+        f"error: {name} in {script}: {message}"
+    ), result.stderr
 
 
 def test_the_template_shows_a_new_recipe_what_to_declare():

@@ -27,19 +27,28 @@ def per_step(output_dir: Path, key: str = "train/loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in metrics_log(output_dir) if key in r}
 
 
-def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest ||a - b|| / ||a|| over the floating-point tensors. Integer and boolean tensors
-    (BatchNorm's `num_batches_tracked`, index buffers) have no norm and no rounding: they must be
-    equal, or the comparison fails (ValueError) naming the tensor; so must the keys."""
+def relative_differences(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """||a - b|| / ||a|| of each floating-point tensor (0 where both are equal, inf where `a` is
+    zero and `b` is not). Integer and boolean tensors (BatchNorm's `num_batches_tracked`, index
+    buffers) have no norm and no rounding: they must be equal, or the comparison fails
+    (ValueError) naming the tensor; so must the keys."""
     if a.keys() != b.keys():
         raise ValueError(f"other tensors: {sorted(a.keys() ^ b.keys())[:3]}")
-    differences = [0.0]
+    differences = {}
     for name in a:
         if a[name].is_floating_point() or a[name].is_complex():
-            differences.append(((a[name] - b[name]).norm() / a[name].norm()).item())
+            size, distance = a[name].norm().item(), (a[name] - b[name]).norm().item()
+            differences[name] = distance / size if size else (0.0 if not distance else math.inf)
         elif not torch.equal(a[name], b[name]):
             raise ValueError(f"{name}: {a[name]} != {b[name]}")
-    return max(differences)
+    return differences
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest of `relative_differences` (0 if none is floating-point)."""
+    return max(relative_differences(a, b).values(), default=0.0)
 
 
 def global_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

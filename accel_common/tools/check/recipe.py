@@ -5,8 +5,10 @@ A recipe declares, at module level, what makes its run small and deterministic f
 (`CHECK_ARGS`: tiny sizes, dropout off, the global batch), how small its example is
 (`CHECK_DATA`: its generator's options), the single-device command that loads its export
 (`CHECK_COMMAND`: {model}, {data} and {out} are filled in) and what its kill-and-resume test adds
-to CHECK_ARGS (`CHECK_RESUME`: the randomness and state one process must restore exactly). The
-tests read the same declarations, so a new recipe joins them by existing.
+to CHECK_ARGS (`CHECK_RESUME`: the randomness and state one process must restore exactly), the
+tensors whose N-vs-1 difference is rounding noise the check cannot find itself (`CHECK_NOISE`)
+and the promises that cannot hold for the workload, each with why (`CHECK_WAIVE`). The tests
+read the same declarations, so a new recipe joins them by existing.
 """
 
 from __future__ import annotations
@@ -71,11 +73,40 @@ class Recipe:
         so what CHECK_ARGS turns off for N-vs-1 equality, dropout, may be on again)."""
         return [*self.args, *getattr(self.module, "CHECK_RESUME", [])]
 
+    def __post_init__(self) -> None:
+        """A malformed CHECK_NOISE is refused when the recipe is found, before any run: a bare
+        string would match by its characters, an empty ending every tensor."""
+        noise = getattr(self.module, "CHECK_NOISE", ())
+        if isinstance(noise, str) or not all(isinstance(end, str) and end for end in noise):
+            raise RecipeError(
+                f"CHECK_NOISE in {self.script}: give a tuple of name endings, e.g. "
+                'CHECK_NOISE = ("to_k.bias",)'
+            )
+
     @property
     def noise(self) -> tuple[str, ...]:
         """Name endings of the tensors whose N-vs-1 difference is rounding noise amplified on
-        purpose-free gradients (CHECK_NOISE, each with its reason in the recipe)."""
+        purpose-free gradients (CHECK_NOISE, each with its reason in the recipe): a tensor is
+        left out when its exported name ends with one (`str.endswith`: "to_k.bias" matches
+        "down.0.attn.to_k.bias")."""
         return tuple(getattr(self.module, "CHECK_NOISE", ()))
+
+    def waivers(self, rows: list[str]) -> dict[str, str]:
+        """CHECK_WAIVE: the promises (row letters among `rows`) that cannot hold for this
+        workload, each with the reason the table shows; one without a reason, or for a row
+        that does not exist, is refused."""
+        waive = getattr(self.module, "CHECK_WAIVE", {})
+        where = f"CHECK_WAIVE in {self.script}"
+        if not isinstance(waive, dict):
+            raise RecipeError(f'{where}: give a dict of row to reason, e.g. {{"a": "why"}}')
+        for row, reason in waive.items():
+            if row not in rows:
+                raise RecipeError(
+                    f"{where}: {row!r} is no row; give letters among {','.join(rows)}"
+                )
+            if not isinstance(reason, str) or not reason.strip():
+                raise RecipeError(f"{where}: row {row!r} has no reason; say why it cannot hold")
+        return dict(waive)
 
     @property
     def data_options(self) -> dict:
