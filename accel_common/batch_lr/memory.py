@@ -24,6 +24,13 @@ from accel_common.settings import describe_differences
 MEMORY_DIR = Path("runs/memory")
 # memory kept free: the CUDA context, the allocator's rounding and fragmentation, other processes
 MARGIN = 0.10
+# the fit is trusted up to this multiple of the largest measured batch, no further: memory that
+# is not linear in the batch (sampled subgraphs: 94.5 nodes per seed at 64 seeds, 14.6 at 2048)
+# made a straight line through small batches promise 100,000 seeds per device on 18,000 nodes
+EXTRAPOLATION = 2
+# per-sample memory between neighbouring measured batches that differs by more than this factor
+# is not a line (fixed-size samples: equal to the byte, the template 76 B at 8-16 and 16-32)
+NONLINEAR = 1.5
 
 
 @dataclass
@@ -43,14 +50,24 @@ class MemoryFit:
     peaks: list[int]
     flags: dict[str, Any]  # the recipe's own flags and precision when measured
 
-    def largest_batch(self, memory_bytes: float, processes: int = 1, sharing: int = 0) -> int:
-        """The largest per-device batch whose predicted peak fits `memory_bytes` less MARGIN.
-        `sharing`: that many processes share the memory (CPU RAM), each holding the baseline."""
+    @property
+    def ceiling(self) -> int:
+        """The largest per-device batch the fit answers for (EXTRAPOLATION x the measured)."""
+        return EXTRAPOLATION * max(self.batches)
+
+    def predicted_batch(self, memory_bytes: float, processes: int = 1, sharing: int = 0) -> int:
+        """The largest per-device batch whose predicted peak fits `memory_bytes` less MARGIN,
+        by the line alone. `sharing`: that many processes share the memory (CPU RAM), each
+        holding the baseline."""
         usable = memory_bytes * (1 - MARGIN)
         if sharing:
             usable = usable / sharing - self.baseline_bytes
         fixed = self.fixed_bytes + (self.grad_bytes if processes > 1 else 0)
         return max(0, math.floor((usable - fixed) / self.per_sample_bytes))
+
+    def largest_batch(self, memory_bytes: float, processes: int = 1, sharing: int = 0) -> int:
+        """`predicted_batch`, at most the `ceiling`: beyond it, measure larger batches."""
+        return min(self.ceiling, self.predicted_batch(memory_bytes, processes, sharing))
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +82,28 @@ def fit_line(batches: list[int], peaks: list[float]) -> tuple[float, float]:
     spread = sum((b - mean_b) ** 2 for b in batches)
     slope = sum((b - mean_b) * (p - mean_p) for b, p in zip(batches, peaks, strict=True)) / spread
     return mean_p - slope * mean_b, slope
+
+
+def nonlinearity(batches: list[int], peaks: list[int]) -> str | None:
+    """Why a straight line does not describe the peaks (per-sample memory between neighbouring
+    batches differing by more than NONLINEAR x, or not growing), or None; two batches cannot
+    tell, and say so."""
+    kib = [
+        (peaks[i + 1] - peaks[i]) / (batches[i + 1] - batches[i]) / 1024
+        for i in range(len(batches) - 1)
+    ]
+    if len(kib) < 2:
+        return "two batches cannot show whether memory grows linearly; measure three (--measure-bs)"
+    steps = ", ".join(
+        f"{k:.1f} KiB at {a}-{b}" for k, a, b in zip(kib, batches, batches[1:], strict=False)
+    )
+    if min(kib) <= 0 or max(kib) > NONLINEAR * min(kib):
+        return (
+            f"memory is not linear in the batch (per sample: {steps}): samples whose size "
+            "depends on the batch (sampled subgraphs, padding to the longest)? The table trusts "
+            f"the line only up to {EXTRAPOLATION}x the largest measured batch"
+        )
+    return None
 
 
 def present_device() -> tuple[str, str, int]:

@@ -25,11 +25,13 @@ from typer.core import TyperCommand
 from accel_common.batch_lr.batching import BatchPlanError, plan_batch
 from accel_common.batch_lr.lr import LRScaling, scale_lr
 from accel_common.batch_lr.memory import (
+    EXTRAPOLATION,
     MARGIN,
     MEMORY_DIR,
     MemoryFit,
     fit_line,
     memory_flags,
+    nonlinearity,
     present_device,
 )
 from accel_common.errors import RecipeError
@@ -210,6 +212,8 @@ def plan_rows(fit: MemoryFit, params: dict[str, Any], devices: list[int]) -> lis
                     row.lr = scale_lr(lr, ref_bs, plan.global_batch_size, scaling)
                     within = plan.per_device_batch_size <= max(fit.batches)
                     row.basis = "measured" if within and index == 0 else "extrapolated"
+                    if fits < fit.predicted_batch(memory, count, sharing):
+                        row.basis = "capped"
             rows.append(row)
     return rows
 
@@ -235,8 +239,13 @@ def describe(fit: MemoryFit) -> list[str]:
             "as this CPU run: a rough guide (CUDA workspaces and the allocator's rounding are not "
             "in it); measure on the GPU for real numbers."
         )
+    warning = nonlinearity(fit.batches, fit.peaks)
+    if warning:
+        lines.append(f"warning: {warning}.")
     lines.append(
-        "'measured': on this device within the measured batches; 'extrapolated': from the fit. "
+        "'measured': on this device within the measured batches; 'extrapolated': from the fit; "
+        f"'capped': at {EXTRAPOLATION}x the largest measured batch, past which the fit is not "
+        "trusted (measure larger batches for more). "
         f"Saved to {MEMORY_DIR / (fit.recipe + '.json')}: recipes take --max-per-device-bs auto."
     )
     return lines

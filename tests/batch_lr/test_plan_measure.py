@@ -20,6 +20,7 @@ from accel_common.batch_lr.batching import BatchPlan
 from accel_common.batch_lr.memory import (
     MemoryFit,
     memory_flags,
+    nonlinearity,
     parse_max_per_device_bs,
     present_device,
 )
@@ -45,7 +46,8 @@ def cli_fit(tmp: Path, data: Path) -> MemoryFit:
         text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "measured" in result.stdout and "extrapolated" in result.stdout
+    assert "measured" in result.stdout and "capped" in result.stdout
+    assert "warning: two batches cannot show whether memory grows linearly" in result.stdout
     return MemoryFit(**json.loads((tmp / "runs" / "memory" / "template.json").read_text()))
 
 
@@ -69,7 +71,7 @@ def test_fitted_memory_per_sample_predicts_a_larger_batch(tmp_path, template_dat
     defaults = MLPSettings().as_config()  # every template setting, as the measurement records
     flags = memory_flags({**defaults, "hidden": 256}, None)
     cap = parse_max_per_device_bs("auto", "template", flags)
-    assert cap == wide_fit.largest_batch(present_device()[2], 1, 1) > LARGER
+    assert cap == wide_fit.largest_batch(present_device()[2], 1, 1) == 2 * max(FIT_BATCHES)
     with pytest.raises(ConfigError, match="--hidden 256 in the measurement, 64 now"):
         parse_max_per_device_bs("auto", "template", memory_flags(defaults, None))
     with pytest.raises(ConfigError, match=r"no memory measurement at runs/memory/quality\.json"):
@@ -81,7 +83,7 @@ def test_every_row_keeps_global_equal_per_device_times_processes_times_accumulat
     fit = MemoryFit(
         recipe="x", device_kind="cuda", device_name="GPU", device_bytes=80 * gib,
         baseline_bytes=0, fixed_bytes=6 * gib, per_sample_bytes=0.3 * gib, grad_bytes=gib,
-        batches=[4, 8], peaks=[0, 0], flags={},
+        batches=[32, 64], peaks=[0, 0], flags={},
     )  # fmt: skip
     params = {"lr": 1e-3, "ref_bs": 64, "lr_scaling": "linear", "grad_accum": 1}
     for batch in ({"bs": 1024, "per_device_bs": None}, {"bs": None, "per_device_bs": 96}):
@@ -97,3 +99,29 @@ def test_every_row_keeps_global_equal_per_device_times_processes_times_accumulat
         assert [r.fits for r in rows if r.memory == "24 GB" and r.devices == 2] == [43]
         three = {r.basis == "batch not divisible" for r in rows if r.devices == 3}
         assert three == {bool(batch["bs"])}  # 1024 does not split over 3 devices; 96 x 3 does
+
+
+def test_the_fit_promises_no_batch_past_twice_the_largest_measured():
+    """A line through small batches is not evidence about large ones: rows stop at 2x."""
+    gib = 2**30
+    fit = MemoryFit(
+        recipe="x", device_kind="cuda", device_name="GPU", device_bytes=80 * gib,
+        baseline_bytes=0, fixed_bytes=gib, per_sample_bytes=2**20, grad_bytes=gib,
+        batches=[16, 32, 64], peaks=[0, 0, 0], flags={},
+    )  # fmt: skip
+    assert fit.predicted_batch(80e9) > 60_000 and fit.largest_batch(80e9) == 128
+    params = {"lr": 1e-3, "ref_bs": 64, "lr_scaling": "linear", "grad_accum": 1}
+    rows = plan_rows(fit, {**params, "bs": None, "per_device_bs": 64}, [1, 2])
+    assert {r.fits for r in rows} == {128}
+    assert {r.basis for r in rows} == {"capped"}
+
+
+def test_memory_that_is_not_linear_in_the_batch_is_named():
+    seeds = [64, 512, 2048]  # nodes per seed a sampled subgraph holds: 94.5, 30, 14.6
+    nonlinear = [int(4096 * n * s) for n, s in zip([94.5, 30, 14.6], seeds, strict=True)]
+    warning = nonlinearity(seeds, nonlinear)
+    assert warning.startswith("memory is not linear in the batch (per sample: ")
+    assert "at 64-512" in warning and "2x the largest measured batch" in warning
+    assert nonlinearity([8, 16, 32], [289636, 290244, 291460]) is None  # the template, measured
+    assert "two batches cannot show" in nonlinearity([8, 16], [289636, 290244])
+    assert nonlinearity([8, 16, 32], [500, 400, 300]).startswith("memory is not linear")
