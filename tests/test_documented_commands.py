@@ -12,6 +12,7 @@ block, and every number on it must be what the dry run prints:
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import shlex
@@ -302,7 +303,7 @@ def porting_workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     code)."""
     work = tmp_path / "work"
     ignore = shutil.ignore_patterns("__pycache__")
-    for package in ("accel_common", "recipes"):
+    for package in ("accel_common", "recipes", "examples"):
         shutil.copytree(REPO / package, work / package, ignore=ignore)
     (work / "accelerate_configs").symlink_to(REPO / "accelerate_configs")
     (_, script), *_ = guide_blocks(PORTING, "python")
@@ -350,7 +351,11 @@ def test_the_porting_guide_runs_step_by_step(tmp_path):
             require_stated_plan(command, result.stdout)
         ran.append(text)
     steps = ["accel-recipes new mymodel", "accel-recipes convert", "--init-from", "accelerate"]
+    steps += ["examples/train_graph.py --epochs", "accel-recipes check examples/train_graph.py"]
     assert all(any(step in text for text in ran) for step in steps), ran
     assert (work / "recipes" / "mymodel" / "original" / "train_ddp.py").is_file()
     assert script_importers(work) == {} and originals_without_license(work) == []
     assert (work / "runs" / "mymodel-finetuned" / "model" / "model.safetensors").is_file()
+    graph = json.loads((work / "runs" / "graph" / "model" / "model.json").read_text())
+    assert graph["ema"]["decay"] == 0.99  # the second shape: its EMA exported, and it learned
+    assert graph["metrics"]["val_accuracy"] > graph["metrics"]["majority_accuracy"] + 0.3
