@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file
 from torch import nn
 
@@ -25,6 +26,7 @@ from accel_common.checkpoints.checkpoint import list_checkpoints
 from accel_common.errors import CheckpointError
 from accel_common.tools.check.recipe import find_recipe
 from recipes.train_template import MLPRegressor, load_split
+from tests.hardware import test_sharded
 from tests.hardware.test_sharded import checked, launch_fsdp
 from tests.processes import kill_once_written, run_recipe, run_to_the_end
 from tests.results import exported_params, max_relative_difference, metrics_log
@@ -300,15 +302,32 @@ def test_two_processes_average_as_one(tmp_path, template_data):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_fsdp_averages_as_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path, template_data):
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fsdp_averages_as_ddp_and_resumes_from_its_sharded_checkpoint(
+    reshard_after_forward, tmp_path, template_data, monkeypatch
+):
     """Under FSDP2 every process averages its own shard of each weight (fsdp_min_num_params 1000
     makes each Linear a unit of its own); the checkpoint holds the average gathered whole, which
-    a resume splits again; the evaluation swaps the shards in (all-gathered by its forward)."""
+    a resume splits again; the evaluation swaps the shards in (all-gathered by its forward).
+    Without resharding after the forward (the config's option), an evaluation leaves the units'
+    gathered weights (the average) in place, which the next training forward would use: the
+    swap drops them."""
+    config_for = test_sharded.fsdp_cpu_config
+
+    def config(folder: Path, min_num_params: int = 1000) -> Path:
+        path = config_for(folder, min_num_params)
+        settings = yaml.safe_load(path.read_text())
+        settings["fsdp_config"]["fsdp_reshard_after_forward"] = reshard_after_forward
+        path.write_text(yaml.safe_dump(settings))
+        return path
+
+    monkeypatch.setattr(test_sharded, "fsdp_cpu_config", config)
     args = ["--data", str(template_data), "--bs", "128", "--max-steps", "8", "--log-every", "1"]
     args += ["--ema-decay", "0.9", "--ema-warmup", "ratio", "--save-every", "4"]
     args += ["--keep-last", "5", "--eval-every", "3"]
     run_recipe([*args, "--output-dir", "ddp"], cwd=tmp_path, nproc=2)
-    checked(launch_fsdp(tmp_path, [*args, "--output-dir", "fsdp"]))
+    printed = checked(launch_fsdp(tmp_path, [*args, "--output-dir", "fsdp"])).stdout
+    assert any(line.split()[:2] == ["distributed", "FSDP"] for line in printed.splitlines())
     ddp, fsdp = exported_params(tmp_path / "ddp"), exported_params(tmp_path / "fsdp")
     assert max_relative_difference(ddp, fsdp) <= TOLERANCE
     evaluations = [
