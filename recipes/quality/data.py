@@ -293,10 +293,10 @@ def split_comparisons(
         rng.shuffle(held)
     if not train or not held:
         side = "training" if not train else "held-out"
+        plain = ", or pass --split plain (many small pair types)" if stratified else ""
         raise DataError(
-            f"--held-out {held_out}: no {side} comparisons among {len(records)} (split "
-            f"{'per pair type' if stratified else 'as one'}); change --held-out, or pass "
-            "--split plain where the pair types are many and small"
+            f"--held-out {held_out}: no {side} comparisons among {len(records)} "
+            f"(--split {'stratified' if stratified else 'plain'}); change --held-out{plain}"
         )
     return train, held
 
