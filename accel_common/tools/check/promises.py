@@ -9,6 +9,9 @@ two halves is (its distance is the sum-order floor): at most 2 x floor + 1e-6, a
 to less than 1e-5 (the template's bound in tests/test_distributed.py). A real difference (a
 wrong batch split, a gradient not averaged, a scheduler stepped twice) shows at 1e-2 or more.
 FSDP reduce-scatters where DDP all-reduces: held to the same bound against the 2-process run.
+The tensors whose true gradient is zero are found by their own sum-order spread and held to it
+(noise.py); the floor is that of the others. A row says which criterion held, or names the
+tensors furthest over their bounds.
 """
 
 from __future__ import annotations
