@@ -52,6 +52,17 @@ def test_each_tensor_is_held_to_its_bound_and_the_worst_are_named_first():
     assert over({"to_k.bias": 3e-2}, bounds) == [("to_k.bias", 3e-2, pytest.approx(2e-2))]
 
 
+def test_a_tensor_of_zeros_compares_without_dividing_by_zero():
+    """A bias initialised to zeros and never moved (nn.MultiheadAttention's in_proj_bias can
+    be) is equal, not nan; moved from zero it is infinitely far."""
+    from accel_common.tools.check.compare import relative_differences
+
+    zero, one = {"b": torch.zeros(4)}, {"b": torch.ones(4)}
+    assert relative_differences(zero, {"b": torch.zeros(4)}) == {"b": 0.0}
+    assert relative_differences(zero, one) == {"b": float("inf")}
+    assert relative_differences(one, zero) == {"b": 1.0}
+
+
 class Runs:
     """A stand-in for the check's Session: runs named as the promises name them, each a folder
     holding an export and a metrics log as a real run leaves them."""
