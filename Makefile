@@ -48,8 +48,8 @@ SUITE_TIMEOUT ?= 270
 KERNELS_TIMEOUT ?= 60
 # pcdiff's pcdiff/ folder, for the comparison with its CUDA kernels (docs/gpu.md)
 PCDIFF_SRC ?=
-# the other originals' source, for `make bench-gpu`'s runs of their own trainers (none of these
-# has an adapter in benchmarks/bench_trainers.py yet: it lists them as not run)
+# the other originals' source, for the runs of their own trainers (`make bench` on the CPU:
+# cricketmodel's and ComFormer's, from .originals/ when not given; Crowd-BT's: no adapter)
 COMFORMER_SRC ?=
 CROWDBT_SRC ?=
 CRICKET_SRC ?=
@@ -268,13 +268,32 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# each benchmark rewrites only its own section of docs/BENCHMARKS.md
+# each benchmark rewrites only its own section of docs/BENCHMARKS.md; the last, the originals'
+# own trainers against the recipes' presets on the CPU (benchmarks/bench_trainers.py --cpu):
+# their source under .originals/ unless CRICKET_SRC / COMFORMER_SRC are given, ComFormer's
+# Python dependencies (not this project's) in .originals/deps/comformer
+bench: CPU_CRICKET_SRC = $(or $(CRICKET_SRC),.originals/cricketmodel)
+bench: CPU_COMFORMER_SRC = $(or $(COMFORMER_SRC),.originals/comformer)
+bench: COMFORMER_DEPS = jarvis-tools pymatgen pymatgen-core monty spglib pytorch-ignite \
+  scikit-learn joblib threadpoolctl pydantic-settings python-dotenv typing-inspection xmltodict \
+  ruamel.yaml uncertainties tabulate cloudpickle narwhals orjson
+bench: TRAINERS_CPU_ARGS ?= --steps 2 --warmup 1 --repeats 2 --timeout 900
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_overhead.py --out docs/BENCHMARKS.md
 	OMP_NUM_THREADS=1 $(BIN)/accel-recipes bench --out docs/BENCHMARKS.md --plot docs/scaling.png
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_graphs.py --out docs/BENCHMARKS.md
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_checkpoint_manifest.py --out docs/BENCHMARKS.md
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_quality_pairs.py --out docs/BENCHMARKS.md
+	@test -f $(CPU_CRICKET_SRC)/train.py || echo "bench: cricketmodel's trainer is skipped: \
+	  $(CPU_CRICKET_SRC) has no train.py; fetch lyndonkl/cricketmodel and run \
+	  git archive a97d68e src train.py | tar -x -C $(CPU_CRICKET_SRC) in it (or set CRICKET_SRC)"
+	@test -f $(CPU_COMFORMER_SRC)/comformer/custom_train.py || echo "bench: ComFormer's trainer \
+	  is skipped: $(CPU_COMFORMER_SRC) has no comformer/; fetch jwchen25/comformer and run \
+	  git archive 7241ae8 | tar -x -C $(CPU_COMFORMER_SRC) in it (or set COMFORMER_SRC), then \
+	  pip install --no-deps --target .originals/deps/comformer $(COMFORMER_DEPS)"
+	OMP_NUM_THREADS=1 CRICKET_SRC=$(CPU_CRICKET_SRC) COMFORMER_SRC=$(CPU_COMFORMER_SRC) \
+	  $(BIN)/python benchmarks/bench_trainers.py --cpu --out runs/trainers-cpu \
+	  --docs docs/BENCHMARKS.md $(TRAINERS_CPU_ARGS)
 
 clean:
 	rm -rf runs data/example .pytest_cache
