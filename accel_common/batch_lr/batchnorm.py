@@ -75,13 +75,19 @@ class GlobalBatchNorm(_BatchNorm):
 
 
 def to_global(layer: _BatchNorm) -> GlobalBatchNorm:
-    """`layer` as a GlobalBatchNorm with its parameters and buffers (the same state-dict keys)."""
+    """`layer` as a GlobalBatchNorm holding the same parameter and buffer objects (so the same
+    state-dict keys, device and values), as torch's convert_sync_batchnorm does: an optimizer
+    built before the conversion (the template's order: optimizer, then `adapt_model`) still
+    steps its weight and bias. New parameters would get gradients that no optimizer applies, and
+    the layer would train with weight 1 and bias 0 for ever."""
     new = GlobalBatchNorm(
         layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats
     )
-    new.load_state_dict(layer.state_dict())
-    device = next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device
-    return new.to(device)
+    state = [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]
+    for name, value in state:
+        setattr(new, name, value)
+    new.train(layer.training)
+    return new
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

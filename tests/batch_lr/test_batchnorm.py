@@ -46,3 +46,26 @@ def test_the_flag_converts_plain_batchnorms_and_leaves_a_recipes_own():
     untouched = nn.Sequential(nn.BatchNorm2d(2))
     SharedSettings().adapt_model(untouched)
     assert type(untouched[0]) is nn.BatchNorm2d
+
+
+def test_an_optimizer_built_before_the_conversion_trains_the_converted_layers():
+    """The template builds its optimizer, then calls `adapt_model` (--sync-batchnorm): the
+    converted layer must hold the optimizer's parameter objects (and the same buffers, and its
+    mode), or its weight and bias get gradients that no optimizer applies and stay 1 and 0 (the
+    ResNet port of issue 57 trained every BatchNorm so; torch's convert_sync_batchnorm keeps
+    them, so only gloo runs were hit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.BatchNorm1d(2).eval())
+    original, frozen = model[1], model[2]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync_batchnorm(model, torch.device("cpu"))
+    converted = model[1]
+    assert isinstance(converted, GlobalBatchNorm) and converted is not original
+    assert converted.weight is original.weight and converted.bias is original.bias
+    assert converted.running_mean is original.running_mean
+    assert not model[2].training and model[2] is not frozen
+    out = model[:2](torch.randn(4, 2, 5, 5))
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(converted.weight, torch.ones(3))
+    assert not torch.equal(converted.bias, torch.zeros(3))
