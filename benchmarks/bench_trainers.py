@@ -58,6 +58,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 SECTION_START = "<!-- trainers benchmark: written by benchmarks/bench_trainers.py -->"
 SECTION_END = "<!-- end of trainers benchmark -->"
+# the CPU workloads' own section: `make bench` and `make bench-gpu` each rewrite only theirs
+CPU_SECTION_START = "<!-- CPU trainers benchmark: written by benchmarks/bench_trainers.py --cpu -->"
+CPU_SECTION_END = "<!-- end of CPU trainers benchmark -->"
 QUALITY_WHY = (
     "not run: no adapter for Crowd-BT's trainer yet (its train.py could run offline at a small "
     "timm backbone: --backbone, and pretrained: false in its --config YAML; the bench does not "
@@ -234,14 +237,21 @@ def _num(value: float | None, form: str) -> str:
     return "" if value is None else form.format(value)
 
 
+def markers(cpu: bool) -> tuple[str, str]:
+    return (CPU_SECTION_START, CPU_SECTION_END) if cpu else (SECTION_START, SECTION_END)
+
+
 def section(record: dict[str, Any], command: str) -> str:
     """The markdown section for docs/BENCHMARKS.md (under --smoke, a check's record only)."""
     steps, warmup = record["steps"], record["warmup"]
-    title = "## The originals' trainers against the recipes, end to end"
+    start, end = markers(record["cpu"])
+    title = "## The originals' trainers against the recipes, end to end" + (
+        " on the CPU" if record["cpu"] else ""
+    )
     if record["smoke"]:
         title = "## Trainers end to end, smoke run: small sizes, a few steps, not a measurement"
     lines = [
-        SECTION_START, title, "",
+        start, title, "",
         f"Run on {record['device']} ({record['machine']}), {record['versions']}, "
         f"{record['date']}, with", "", f"    {command}", "",
         f"each trainer as its own process for {warmup} warm-up + {steps} optimizer steps, on",
@@ -284,7 +294,7 @@ def section(record: dict[str, Any], command: str) -> str:
             notes.append(f"- {entry['workload']}: recipe / original (min-max over the repeats; "
                          f"time to first step below 1 = sooner): {', '.join(found)}")  # fmt: skip
     lines += ["", *notes] if notes else []
-    return "\n".join([*lines, "", SECTION_END])
+    return "\n".join([*lines, "", end])
 
 
 def cpu_model() -> str:
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and args.docs:
         print("error: --smoke measures nothing worth a table: leave out --docs", file=sys.stderr)
         return 2
-    trainers = [t for t in TRAINERS if t.gpu != args.cpu]
+    trainers = [t for t in TRAINERS if t.workload is None or t.gpu != args.cpu]
     names = [t.name for t in trainers]
     unknown = sorted(set(args.only or []) - set(names))
     if unknown:
@@ -341,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "CPU", "machine": cpu_model(),
         "versions": f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if cuda else ""),
-        "date": datetime.date.today().isoformat(), "smoke": args.smoke, "repeats": args.repeats,
+        "date": datetime.date.today().isoformat(), "smoke": args.smoke, "cpu": args.cpu,
+        "repeats": args.repeats,
         "steps": args.steps, "warmup": args.warmup, "workloads": [],
     }  # fmt: skip
     for trainer in trainers:
@@ -360,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         e["workload"] for e in record["workloads"] if any("why" in r for r in e.get("recipe", []))
     ]
     if args.docs and not failed:
-        write_section(args.docs, text, SECTION_START, SECTION_END)
+        write_section(args.docs, text, *markers(args.cpu))
     if failed:  # the recipe's side is this project's: it must run; an original's may not
         print(f"error: the recipe's trainer failed for {', '.join(failed)}", file=sys.stderr)
         return 1

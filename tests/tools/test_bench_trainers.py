@@ -46,7 +46,8 @@ def test_smoke_runs_the_recipe_end_to_end_and_lists_what_did_not_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "out" / "trainers_bench.json").read_text())
     entries = {e["workload"]: e for e in record["workloads"]}
-    assert list(entries) == ["pointcloud"]  # the CPU workloads: --cpu
+    assert list(entries) == ["pointcloud", "quality"]  # cricket, crystal: --cpu
+    assert entries["quality"]["why"] == bench_trainers.QUALITY_WHY
     (recipe,) = entries["pointcloud"]["recipe"]
     assert "why" not in recipe and recipe["logged_steps"] == 3, recipe
     assert recipe["wall_s"] > 0 and recipe["steps_per_s"] == pytest.approx(3 / recipe["wall_s"])
@@ -199,6 +200,7 @@ def test_cpu_smoke_runs_the_cricket_and_crystal_recipes_and_skips_absent_origina
     table = (tmp_path / "out" / "trainers_bench.md").read_text()
     assert "| cricket | recipe | 1 |" in table and "| crystal | original | 1 |" in table
     assert "--cpu --smoke" in table and "cores" in table
+    assert table.startswith(bench_trainers.CPU_SECTION_START)
     assert docs.read_text() == before
 
 
@@ -298,3 +300,20 @@ def test_with_the_originals_source_their_own_trainers_run_beside_the_recipes(tmp
         (original,) = entry["original"]
         assert "why" not in original and original["logged_steps"] == 3, original
         assert set(entry["ratios"]) == {"samples_per_s", "steady_samples_per_s", "first_step_s"}
+
+
+def test_the_cpu_and_gpu_parts_each_rewrite_only_their_own_section(tmp_path):
+    """`make bench` (--cpu) and `make bench-gpu` write the same docs/BENCHMARKS.md: neither
+    replaces the other's table."""
+    from accel_common.tools.bench.report import write_section
+
+    record = {"device": "CPU", "machine": "m", "versions": "v", "date": "d", "smoke": False,
+              "steps": 2, "warmup": 1, "repeats": 2, "workloads": []}  # fmt: skip
+    docs = tmp_path / "BENCHMARKS.md"
+    for cpu in (False, True, True):
+        text = bench_trainers.section(record | {"cpu": cpu}, f"run {cpu}")
+        write_section(docs, text, *bench_trainers.markers(cpu))
+    written = docs.read_text()
+    assert written.count("run False") == 1 and written.count("run True") == 1
+    assert written.count(bench_trainers.SECTION_START) == 1
+    assert written.count(bench_trainers.CPU_SECTION_START) == 1
