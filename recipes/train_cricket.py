@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accel_common import (
+    BatchPlan,
     ConfigError,
     DataError,
     Decay,
@@ -120,8 +121,10 @@ def innings_options(args: SharedSettings, settings: CricketSettings) -> dict[str
     return {
         "match_types": [t for t in settings.match_types.split(",") if t],
         "strict": settings.strict,
-        "ratios": (1 - settings.val_ratio - settings.test_ratio, settings.val_ratio),
-        "split_seed": settings.split_seed,
+        # rounded: 1 - 0.15 - 0.05 is 0.7999999999999999, whose int(n x ratio) the original's
+        # 0.8 would not give
+        "ratios": (round(1 - settings.val_ratio - settings.test_ratio, 12), settings.val_ratio),
+        "split_seed": args.seed if settings.split_seed is None else settings.split_seed,
         "split_by_date": settings.split_by_date,
         "min_matches": settings.min_matches,
         "workers": args.workers,
@@ -151,6 +154,14 @@ def build_model(args: SharedSettings, settings: CricketSettings) -> nn.Module:
         if shown:
             datasets.enable_progress_bars()
     return network(settings, vocab_sizes(info["vocab"]))
+
+
+def keeps_last_batch(settings: CricketSettings, plan: BatchPlan) -> bool:
+    """Whether the run trains on each epoch's last incomplete batch: with --keep-last-batch, as
+    cricketmodel on one GPU, where one process takes one batch per step; on several processes
+    (or with accumulation) it is dropped, as cricketmodel drops it under DDP, so that N
+    processes still take one process's steps (make_train_loader)."""
+    return settings.keep_last_batch and plan.num_processes * plan.grad_accum_steps == 1
 
 
 # --------------------------------------------------------------------------- WORKLOAD: quality
@@ -277,7 +288,18 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     # history's ball nodes vary, one node of every other type)
     nodes = np.minimum(deliveries.pos[train_set.index], settings.history)
     nodes += len(train_set.graph(0).node_types) - 1
-    loaders = [args.make_train_loader(train_set, plan, train_set.collate, costs=nodes)]
+    keep_last = keeps_last_batch(settings, plan)
+    if settings.keep_last_batch and not keep_last:
+        say(
+            accelerator,
+            f"--keep-last-batch: dropped on {plan.describe()}; kept on one process without "
+            "accumulation only (as cricketmodel drops it under DDP)",
+        )
+    loaders = [
+        args.make_train_loader(
+            train_set, plan, train_set.collate, costs=nodes, drop_last=not keep_last
+        )
+    ]
     loaders += [
         DataLoader(s, plan.per_device_batch_size, collate_fn=s.collate) for s in (val_set, test_set)
     ]
@@ -289,6 +311,7 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     # what predict needs besides the settings: vocabulary sizes, target statistics, baseline
     derived = {"vocab_sizes": sizes, "mean": baseline.mean, "std": std}
     derived["baseline"] = baseline.table.tolist()
+    derived["split_members"] = info["split_members"]  # a resume on other members is refused
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
         data_files=info["data_files"], derived=derived, monitor="val_mae",

@@ -194,7 +194,8 @@ def build_features(
         )
     dates = dict(zip(parsed["file"], parsed["date"], strict=True))
     used = sorted({status["file"][i] for i in ok})
-    split = split_matches(used, [dates[f] for f in used], ratios, split_seed, split_by_date)
+    every = list(dict.fromkeys(status["file"]))  # every .json file, in the folder's name order
+    split = split_matches(every, used, dates, ratios, split_seed, split_by_date)
     if vocab is None:
         vocab = build_vocab(parsed, [i for i in ok if split[status["file"][i]] == 0], min_matches)
     usable = parsed.select(ok)
@@ -219,6 +220,8 @@ def build_features(
         "super_over_innings": status["status"].count("super_over"),
         **{k: list(per_file.values()).count(k) for k in SKIPPED},
     }
-    info = {"vocab": vocab, "summary": summary}
+    # the members of each split, digested: part of the run's identity (a resume on other
+    # members, another version's split, is refused)
+    info = {"vocab": vocab, "summary": summary, "split_members": cache_key(sorted(split.items()))}
     save_whole(rows, target, {VOCAB_FILE: json.dumps(info)})
     return info

@@ -31,7 +31,12 @@ class CricketSettings(Settings):
     )
     val_ratio: float = setting(0.1, "Share of matches to validate.", min=0.01, max=0.5)
     test_ratio: float = setting(0.1, "Share of matches to test.", min=0.01, max=0.5)
-    split_seed: int = setting(42, "Seed of the split by match.")
+    split_seed: int | None = setting(
+        42,
+        "Seed of the split by match, cricketmodel's procedure (Python's random.shuffle of the "
+        "folder's .json files in name order); none (the presets: `split-seed: null`): --seed's, "
+        "as cricketmodel splits with its --seed.",
+    )
     min_matches: int = setting(
         2, "Training matches a player, venue or team needs for its own embedding.", min=1
     )
@@ -75,6 +80,13 @@ class CricketSettings(Settings):
         "Beta of the SmoothL1 loss, in runs (10), as the original's --huber-delta: the Huber "
         "loss with this delta, divided by it.",
         min=0.01,
+    )
+    keep_last_batch: bool = setting(
+        False,
+        "Train on each epoch's last incomplete batch too, as cricketmodel on one GPU (the "
+        "presets). One process without accumulation only: on several, Accelerate would fill it "
+        "up with repeated deliveries and N processes would no longer take one's steps, so it is "
+        "dropped there, as cricketmodel drops it under DDP. Off: every step the global batch.",
     )
     head_bias_init: bool = setting(
         True,
