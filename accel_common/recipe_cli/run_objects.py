@@ -58,7 +58,7 @@ class RunObjects:
         """What the launch asks of `model`, in place: --sync-batchnorm's BatchNorms over the
         global batch (accel_common.batch_lr.batchnorm), then --compile (or the launch config's
         dynamo backend: accel_common.hardware.compilation). Call it after any copy of the model is
-        made (an EMA copies the compiled function too, which would run the original), before
+        made (a deepcopy copies the compiled function too, which would run the original), before
         accelerator.prepare."""
         if self.sync_batchnorm:
             sync_batchnorm(model, PartialState().device)
