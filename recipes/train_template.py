@@ -29,7 +29,8 @@ the values the export needs besides the settings (`derived`), the forward pass a
 evaluation at each epoch's end. Keep the rest: `accelerator.backward`, the optimizer step inside
 `accelerator.accumulate`, and the `loop` calls, which do the bookkeeping every recipe shares
 (epochs, step counting, LR schedule, logging: accel_common/training/loop.py; the run's identity,
-resume, checkpoints and export: accel_common/training/run.py).
+resume, checkpoints and export: accel_common/training/run.py; with `model=model` and `with
+loop.ema.applied():`, the EMA of the weights that --ema-decay keeps: accel_common/training/ema.py).
 A recipe is found by existing: `accel-recipes make-data`, `accel-recipes check NAME` (what the
 library promises every recipe, proved on the CPU) and the tests discover every
 `recipes/train_*.py`, no list to edit; they run it as `CHECK_ARGS`, `CHECK_DATA`,
