@@ -74,7 +74,7 @@ from accel_common import (
     total_optimizer_steps,
     train_command,
 )
-from accel_common.data import list_lengths, named_files, resolve_data
+from accel_common.data import cache_key, list_lengths, named_files, resolve_data
 from recipes.crystal.convert import ORIGINAL
 from recipes.crystal.data import (
     CrystalGraphs,
@@ -247,6 +247,9 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
         )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     derived = {"mean": mean, "std": std}  # the target's scale, which predict needs too
+    # the members of each split, digested: a resume on other members (another version's split)
+    # is refused
+    derived["split_members"] = cache_key([part.tolist() for part in parts])
     loop = args.make_loop(
         accelerator, plan, train_loader, schedule,
         recipe=RECIPE, data_files=named_files([path], path.parent), settings=settings,

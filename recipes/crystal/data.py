@@ -21,6 +21,7 @@ The generator of the example structures is in recipes/crystal/example.py.
 from __future__ import annotations
 
 import math
+import random
 import time
 import warnings
 from pathlib import Path
@@ -463,8 +464,14 @@ class CrystalGraphs(Dataset):
 
 
 def split_indices(n: int, ratios: tuple[float, float, float], seed: int) -> list[np.ndarray]:
-    """Train/val/test indices by ratio, from a permutation fixed by `seed`."""
-    order = np.random.default_rng(seed).permutation(n)
+    """Train/val/test indices by ratio, as ComFormer's API splits (custom_train.py 599-618,
+    `train_from_list`): the frame indices in file order shuffled by Python's `random` seeded
+    with `seed` (`random.seed(split_seed); random.shuffle(indices)`: the same draws), the first
+    int(ratio x n) for training, the next int(ratio x n) for validation, the rest for testing;
+    so a run holds out the same structures as the original for the same seed and ratios."""
+    indices = list(range(n))
+    random.Random(seed).shuffle(indices)
+    order = np.asarray(indices, dtype=np.int64)
     n_train, n_val = int(ratios[0] * n), int(ratios[1] * n)
     parts = [order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]]
     if any(len(p) == 0 for p in parts):

@@ -35,7 +35,11 @@ class CrystalSettings(Settings):
     train_ratio: float = setting(0.8, "Share for training.", min=0.01, max=0.98)
     val_ratio: float = setting(0.1, "Share for validation.", min=0.01, max=0.98)
     test_ratio: float = setting(0.1, "Share for testing.", min=0.01, max=0.98)
-    split_seed: int = setting(123, "Seed of the train/val/test split.")
+    split_seed: int = setting(
+        123,
+        "Seed of the train/val/test split, ComFormer's procedure (Python's random.shuffle of the "
+        "frame indices in file order): the original's structures in each split for its seed.",
+    )
     model: str = setting(
         "iComformer",
         "The original's network: iComformer, or eComformer (equivariant, e3nn; its preset: "
