@@ -7,12 +7,22 @@ from __future__ import annotations
 import json
 
 import pytest
+from accelerate.state import AcceleratorState
 
+import recipes.train_crystal as recipe
+from accel_common.checkpoints.checkpoint_files import (
+    PROGRESS_FILE,
+    read_manifest,
+    write_manifest,
+)
+from accel_common.errors import CheckpointError
+from accel_common.recipe_cli.entry import train_in_python
 from recipes.crystal.data import load_graphs, split_indices
 from recipes.crystal.example import write_dataset
 from recipes.crystal.settings import CrystalSettings
 from recipes.crystal_api import PRESETS, original_defaults
-from tests.processes import REPO
+from tests.processes import CRYSTAL, CRYSTAL_TINY, REPO
+from tests.recipes.crystal.helpers import write_volumes
 
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "crystal" / "split.json").read_text())
 STRUCTURES = 60  # the fixture's data: write_dataset(DIR, structures=60)
@@ -46,3 +56,26 @@ def test_another_seed_splits_as_the_original_with_it():
     want = FIXTURE["splits"]["7"]
     parts = split_indices(STRUCTURES, (0.8, 0.1, 0.1), 7)
     assert [p.tolist() for p in parts] == [frames(want[k]) for k in ("train", "val", "test")]
+
+
+def test_a_checkpoint_of_other_split_members_is_refused_naming_them(tmp_path):
+    """A checkpoint that records no split members (saved before the split was ComFormer's, on
+    numpy's permutation: other structures) or other ones is not resumed on this split."""
+    path = tmp_path / "v.extxyz"
+    write_volumes(path, 30)
+    out = tmp_path / "run"
+    argv = ["--data", str(path), "--target", "volume", "--no-cache-graphs", *CRYSTAL_TINY]
+    argv += ["--bs", "8", "--output-dir", str(out)]
+    try:
+        train_in_python(recipe.train, [*argv, "--max-steps", "2"], out, script=CRYSTAL)
+        (progress,) = out.glob(f"checkpoints/*/{PROGRESS_FILE}")
+        record = json.loads(progress.read_text())
+        del record["run"]["identity"]["split_members"]  # as a checkpoint from before
+        progress.write_text(json.dumps(record))
+        write_manifest(progress.parent, read_manifest(progress.parent)["progress"])  # as saved
+        again = [*argv, "--max-steps", "3", "--resume", "latest"]
+        with pytest.raises(CheckpointError, match=r"belongs to another run") as refused:
+            train_in_python(recipe.train, again, out, script=CRYSTAL)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert "split_members (computed from the data): unset in the checkpoint" in str(refused.value)
