@@ -199,7 +199,8 @@ def test_cpu_smoke_runs_the_cricket_and_crystal_recipes_and_skips_absent_origina
     assert entries["quality"]["why"] == bench_trainers.QUALITY_WHY
     table = (tmp_path / "out" / "trainers_bench.md").read_text()
     assert "| cricket | recipe | 1 |" in table and "| crystal | original | 1 |" in table
-    assert "--cpu --smoke" in table and "cores" in table
+    assert f"CRICKET_SRC={absent} python benchmarks/bench_trainers.py --smoke" in table
+    assert " --cpu" in table and "cores" in table
     assert table.startswith(bench_trainers.CPU_SECTION_START)
     assert docs.read_text() == before
 
