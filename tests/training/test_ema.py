@@ -30,6 +30,7 @@ from tests.hardware import test_sharded
 from tests.hardware.test_sharded import checked, launch_fsdp
 from tests.processes import kill_once_written, run_recipe, run_to_the_end
 from tests.results import exported_params, max_relative_difference, metrics_log
+from tests.training.test_nonfinite import run_injected
 
 EMA_STATE = "custom_checkpoint_1.pkl"  # registered after the LR scheduler (custom_checkpoint_0)
 SMALL = ["--bs", "256", "--hidden", "8", "--depth", "1", "--log-every", "1"]
@@ -281,6 +282,18 @@ def test_kill_and_resume_ends_bit_for_bit_where_the_uninterrupted_run_ends(
         for run in (full, killed)
     ]
     assert logged[0] == logged[1] and len(logged[0]) >= 5  # every evaluation, the EMA's
+
+
+@pytest.mark.dist
+def test_a_step_skipped_for_a_non_finite_loss_is_not_averaged(tmp_path, template_data):
+    """tests/scripts/nan_injection.py: a NaN loss on rank 1 at step 6 of 12, skipped on both."""
+    flags = ("--on-nonfinite", "skip", "--ema-decay", "0.9")
+    result, ranks = run_injected(tmp_path, template_data, *flags)
+    assert result.returncode == 0, result.stderr
+    assert [r["updates"] for r in ranks] == [11, 11]  # the optimizer's
+    meta = json.loads((tmp_path / "out" / "model" / "model.json").read_text())
+    assert meta["ema"] == {"decay": 0.9, "warmup": "none", "updates": 11}
+    assert all(torch.isfinite(t).all() for t in exported_params(tmp_path / "out").values())
 
 
 @pytest.mark.slow
