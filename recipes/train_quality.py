@@ -54,7 +54,7 @@ from accel_common import (
     say,
     train_command,
 )
-from accel_common.data import existing_data, named_files, resolve_data
+from accel_common.data import cache_key, existing_data, named_files, resolve_data
 from recipes.quality.commands import compare, export_onnx, score_folder
 from recipes.quality.convert import ORIGINAL
 from recipes.quality.data import (
@@ -229,6 +229,11 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     )
     schedule = args.make_lr_schedule(accelerator, optimizer, plan, len(train_loader))
     derived = {"annotators": annotators}  # the score command builds the model from these too
+    # the members of each side, digested: a resume on other members (a checkpoint from before
+    # the original's split) is refused
+    derived["split_members"] = cache_key(
+        [[list(v) for v in part] for part in (train_records, held_records)]
+    )
     read = [*data.files, *([data_dir / TRUTH_FILE] if truth is not None else [])]
     data_files = named_files(read, data_dir)
     data_files |= named_files([image_dir / n for n in names], image_dir, "--image-dir/")

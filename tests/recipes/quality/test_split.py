@@ -6,6 +6,7 @@ refused."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 import recipes.train_quality as recipe
 from accel_common import DataError
+from accel_common.checkpoints.checkpoint_files import PROGRESS_FILE, read_manifest, write_manifest
 from recipes.quality.data import Vote, annotation_files, read_comparisons, split_comparisons
 from recipes.quality.example import write_dataset
 from tests.original_step import preset
@@ -76,17 +78,32 @@ def test_a_split_that_leaves_a_side_empty_names_the_flag():
 
 
 @pytest.mark.slow
-def test_resuming_on_another_split_is_refused(tmp_path: Path):
+def test_resuming_on_another_split_or_other_members_is_refused(tmp_path: Path):
     data = write_dataset(tmp_path / "data", images=12, comparisons_per_annotator=16, size=16)
     args = ["--data", str(data), "--output-dir", str(tmp_path / "run"), "--image-size", "16"]
     args += ["--bs", "8"]
     first = run_recipe([*args, "--max-steps", "2"], cwd=tmp_path, script=QUALITY)
-    assert "split: 79 comparisons to train on, 17 held out (stratified split, seed 0)" in (
-        first.stdout
+    split = "split: 79 comparisons to train on, 17 held out (stratified split, seed 0)"
+    assert split in first.stdout
+    again = [*args, "--max-steps", "4", "--resume", "latest"]
+    refused = refusal(
+        run_recipe([*again, "--split", "plain"], cwd=tmp_path, script=QUALITY, check=False)
     )
-    again = [*args, "--max-steps", "4", "--resume", "latest", "--split", "plain"]
-    result = run_recipe(again, cwd=tmp_path, script=QUALITY, check=False)
+    assert "--split stratified in the checkpoint, plain now" in refused
+    # a checkpoint that records no members (saved before the split was the original's, on
+    # torch's permutation: other comparisons held out) is not resumed on this split
+    (progress,) = (tmp_path / "run").glob(f"checkpoints/*/{PROGRESS_FILE}")
+    record = json.loads(progress.read_text())
+    del record["run"]["identity"]["split_members"]
+    progress.write_text(json.dumps(record))
+    write_manifest(progress.parent, read_manifest(progress.parent)["progress"])  # as saved
+    refused = refusal(run_recipe(again, cwd=tmp_path, script=QUALITY, check=False))
+    assert "split_members (computed from the data): unset in the checkpoint" in refused
+
+
+def refusal(result: subprocess.CompletedProcess) -> str:
+    """The one error line of a run refused with exit code 2."""
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "belongs to another run" in errors[0], result.stderr
-    assert "--split stratified in the checkpoint, plain now" in errors[0]
+    return errors[0]
