@@ -260,7 +260,7 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
         path = tokenizer_path(settings.init_from)
         data_files |= named_files([path], path.parent, "--init-from/")
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule,
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
         recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
     )  # fmt: skip
     token_mean = GlobalItemMean(accelerator, plan)  # exact over varying caption lengths
@@ -276,7 +276,8 @@ def train(args: SharedSettings, settings: CaptioningSettings) -> dict[str, float
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(summed.detach() / n_tokens, items=n_tokens)  # logged: per token
-        loop.end_epoch(evaluate(accelerator, model, test_loader, majority, derived))
+        with loop.ema.applied():  # --ema-decay: the EMA's weights are scored (and exported)
+            loop.end_epoch(evaluate(accelerator, model, test_loader, majority, derived))
     metrics = loop.finish(model)
     if accelerator.is_main_process:
         tokenizer.save(str(args.output_dir / "model" / TOKENIZER_FILE))

@@ -313,8 +313,9 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
     derived["baseline"] = baseline.table.tolist()
     derived["split_members"] = info["split_members"]  # a resume on other members is refused
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule, recipe=RECIPE, settings=settings,
-        data_files=info["data_files"], derived=derived, monitor="val_mae",
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
+        recipe=RECIPE, settings=settings, data_files=info["data_files"], derived=derived,
+        monitor="val_mae",
         patience=settings.patience, min_epochs=settings.min_epochs,
         min_delta=settings.min_delta,
     )  # fmt: skip
@@ -328,12 +329,13 @@ def train(args: SharedSettings, settings: CricketSettings) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
-        val = evaluate(accelerator, model, val_loader, baseline.mean)
-        test = evaluate(accelerator, model, test_loader, baseline.mean)
-        metrics = {f"val_{k}": v for k, v in val.items()} | {
-            f"test_{k}": v for k, v in test.items()
-        }
-        loop.end_epoch(metrics, model)
+        with loop.ema.applied():  # --ema-decay: the EMA's weights are scored (and exported)
+            val = evaluate(accelerator, model, val_loader, baseline.mean)
+            test = evaluate(accelerator, model, test_loader, baseline.mean)
+            metrics = {f"val_{k}": v for k, v in val.items()} | {
+                f"test_{k}": v for k, v in test.items()
+            }
+            loop.end_epoch(metrics, model)
     metrics = loop.finish(model)
     if accelerator.is_main_process:  # predict maps names with the training vocabulary
         vocab = start[1] if start else info["vocab"]  # a fine-tuned model keeps its own

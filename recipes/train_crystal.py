@@ -251,7 +251,7 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
     # is refused
     derived["split_members"] = cache_key([part.tolist() for part in parts])
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule,
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
         recipe=RECIPE, data_files=named_files([path], path.parent), settings=settings,
         derived=derived,
     )  # fmt: skip
@@ -265,9 +265,10 @@ def train(args: SharedSettings, settings: CrystalSettings) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
-        val = evaluate(accelerator, model, val_loader, mean, std)
-        test = evaluate(accelerator, model, test_loader, mean, std)
-        loop.end_epoch({"val_mae": val["mae"], **{f"test_{k}": v for k, v in test.items()}})
+        with loop.ema.applied():  # --ema-decay: the EMA's weights are scored (and exported)
+            val = evaluate(accelerator, model, val_loader, mean, std)
+            test = evaluate(accelerator, model, test_loader, mean, std)
+            loop.end_epoch({"val_mae": val["mae"], **{f"test_{k}": v for k, v in test.items()}})
     return loop.finish(model)
 
 

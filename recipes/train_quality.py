@@ -238,7 +238,7 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
     data_files = named_files(read, data_dir)
     data_files |= named_files([image_dir / n for n in names], image_dir, "--image-dir/")
     loop = args.make_loop(
-        accelerator, plan, train_loader, schedule,
+        accelerator, plan, train_loader, schedule, model=model,  # model: what --ema-decay averages
         recipe=RECIPE, data_files=data_files, settings=settings, derived=derived,
     )  # fmt: skip
     loss_of = likelihood(mode)
@@ -267,7 +267,8 @@ def train(args: SharedSettings, settings: QualitySettings) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
-        loop.end_epoch(score())
+        with loop.ema.applied():  # --ema-decay: the EMA's weights are scored (and exported)
+            loop.end_epoch(score())
     return loop.finish(model)
 
 

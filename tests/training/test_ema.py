@@ -24,7 +24,7 @@ from torch import nn
 from accel_common import ConfigError, EmaSettings, EmaWarmup, WeightEMA, make_ema
 from accel_common.checkpoints.checkpoint import list_checkpoints
 from accel_common.errors import CheckpointError
-from accel_common.tools.check.recipe import find_recipe
+from accel_common.tools.check.recipe import discovered, find_recipe
 from recipes.train_template import MLPRegressor, load_split
 from tests.hardware import test_sharded
 from tests.hardware.test_sharded import checked, launch_fsdp
@@ -357,3 +357,16 @@ def test_fsdp_averages_as_ddp_and_resumes_from_its_sharded_checkpoint(
     resumed = exported_params(tmp_path / "resumed")
     for name in fsdp:
         assert torch.equal(resumed[name], fsdp[name]), name
+
+
+@pytest.mark.parametrize("recipe", discovered())
+def test_every_recipe_switches_the_ema_on(recipe, tmp_path, check_example, capsys, monkeypatch):
+    """--ema-decay is one switch for every recipe there is: each passes its model to make_loop
+    and scores inside loop.ema.applied() (else the flag is refused), and its export says so."""
+    found = find_recipe(recipe)
+    out = tmp_path / "run"
+    args = ["--data", str(check_example(recipe)), *found.args, "--ema-decay", "0.5"]
+    args += ["--epochs", "1", "--max-steps", "2", "--output-dir", str(out)]
+    run_to_the_end(found, args, tmp_path, capsys, monkeypatch)
+    export = json.loads((out / "model" / "model.json").read_text())
+    assert export["ema"]["decay"] == 0.5 and export["ema"]["updates"] == export["step"] == 2
