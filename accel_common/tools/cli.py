@@ -388,7 +388,9 @@ def check(
     resume exact (b), --dry-run = the run (c), files opened = data_files (d), the export (e) and
     a converted checkpoint (f) load in its own command, FSDP = plain (g), --compile keeps plain
     keys and bf16 trains (h). Runs its example at the size it declares (CHECK_ARGS, CHECK_DATA,
-    CHECK_COMMAND); prints a table; exit 1 if a promise does not hold."""
+    CHECK_COMMAND); a row the recipe waives (CHECK_WAIVE = {"a": "why"}) is shown with its reason
+    and not run. Prints a table whose failing rows name their worst tensors, and a summary line;
+    exit 1 if a promise does not hold."""
     from accel_common.tools.check.runner import run_check  # imported here: it loads torch
 
     raise typer.Exit(run_check(name, only, console))

@@ -184,6 +184,23 @@ def test_a_real_fault_fails_naming_its_worst_tensors_under_either_criterion(tmp_
     assert fsdp.why.startswith("FSDP trained otherwise than DDP: worst tensors net.2.bias ")
 
 
+def test_a_failure_where_the_halves_are_another_computation_says_to_check_in_float64(tmp_path):
+    """BatchNorm over halves (the floor above CAP): only one batch can hold, and a ReLU
+    network's float32 runs drift from rounding; the row says what to do (issue 57's ResNet)."""
+    base = weights()
+    runs = Runs(tmp_path, {
+        "single": (base, LOSSES),
+        "halves": (moved(base, {k: 5e-2 for k in base}, 1), [v * 1.1 for v in LOSSES]),
+        "double": (moved(base, {k: 2e-2 for k in base}, 2), [v * 1.05 for v in LOSSES]),
+    })  # fmt: skip
+    outcome = row_a(runs)
+    assert outcome.status == NOT_HELD, outcome
+    assert outcome.why.splitlines()[-1].startswith(
+        "the halves are another computation (BatchNorm statistics per half)"
+    )
+    assert "run CHECK_ARGS in float64" in outcome.why
+
+
 @pytest.mark.slow
 def test_attention_and_a_one_channel_groupnorm_hold_with_their_noise_named(tmp_path):
     """The Done-when of issue 57: rows a and g hold on real 1- and 2-process runs (and FSDP)

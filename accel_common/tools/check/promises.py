@@ -36,6 +36,7 @@ from accel_common.tools.check.compare import (
 )
 from accel_common.tools.check.noise import Bounds, largest, named, noise_line, over, rounding_noise
 from accel_common.tools.check.opened import data_files_read
+from accel_common.tools.check.processes import failure_line
 from accel_common.tools.check.session import AUDIT, SHORT, STEPS, Session
 
 HELD, NOT_HELD, SKIPPED, WAIVED = "held", "not held", "skipped", "waived"
@@ -149,6 +150,12 @@ def two_processes_equal_one(session: Session) -> Outcome:
         failed(batch[0], by_batch, batch_bounds, batch_losses),
         failed(split[0], by_halves, halves_bounds, halves_losses),
     ]
+    if floor.weights > CAP:  # the halves are another computation: BatchNorm over each half
+        why.append(
+            "the halves are another computation (BatchNorm statistics per half), so only one "
+            "batch can hold; a ReLU network's float32 runs drift apart from rounding alone: "
+            "run CHECK_ARGS in float64 (docs/porting.md, 'A BatchNorm network')"
+        )
     noise = noise_line(by_batch, batch_bounds)
     return Outcome(NOT_HELD, "\n".join(filter(None, [*lines, noise])), "\n".join(why))
 
@@ -175,7 +182,8 @@ def dry_run_is_the_run(session: Session) -> Outcome:
     result = session.process([*session.flags("--output-dir", str(single)), "--dry-run"])
     plan = parse_plan(result.stdout)
     if result.returncode != 0 or plan is None:
-        return Outcome(NOT_HELD, "", f"the dry run failed (exit {result.returncode})")
+        line = failure_line(result.stderr) if result.returncode else "it printed no plan"
+        return Outcome(NOT_HELD, "", f"the dry run failed (exit {result.returncode}): {line}")
     export = json.loads((single / "model" / "model.json").read_text())
     found = plan_differences(plan, export, STEPS)
     measured = f"parameters {plan.get('parameters')}, {plan.get('batch')}"
