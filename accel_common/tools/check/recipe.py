@@ -135,7 +135,7 @@ def find_recipe(recipe: str, what: str = "NAME") -> Recipe:
             f"{what} {recipe} defines no recipe command `train` (a function decorated by "
             "accel_common.recipe_cli.options.train_command, as in recipes/train_template.py)"
         )
-    return Recipe(name, script, module)
+    return Recipe(name, script.resolve(), module)  # the runs start in a folder of their own
 
 
 def discovered() -> list[str]:
