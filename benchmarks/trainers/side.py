@@ -56,9 +56,11 @@ def stepped_times(cwd: Path) -> list[float]:
 
 
 def recipe_side(script: str, flags: list[str], work: Path, steps: int, notes: list[str]) -> Side:
-    """recipes/`script` with `flags` for exactly `steps` optimizer steps, a record per step."""
+    """recipes/`script` with `flags` for exactly `steps` optimizer steps, a record per step. Its
+    prepared-data cache in `work` (HF_DATASETS_CACHE): each run prepares its data afresh, as
+    the originals' runs do, so that its time to first step includes that work."""
     command = [sys.executable, str(REPO / "recipes" / script), *flags]
     command += ["--output-dir", str(work / "recipe"), "--overwrite", "--epochs", "0"]
     command += ["--max-steps", str(steps), "--log-every", "1"]
-    env = {"PYTHONPATH": str(REPO)}
+    env = {"PYTHONPATH": str(REPO), "HF_DATASETS_CACHE": str(work / "datasets-cache")}
     return Side(command, work, env, recipe_step_times, notes, stop_when_logged=True)

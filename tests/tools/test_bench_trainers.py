@@ -197,6 +197,9 @@ def test_cpu_smoke_runs_the_cricket_and_crystal_recipes_and_skips_absent_origina
         }
     ]
     assert entries["quality"]["why"] == bench_trainers.QUALITY_WHY
+    # its graphs built in the run, not read from a cache an earlier run left: as the originals'
+    (crystal,) = entries["crystal"]["recipe"]
+    assert " graphs built in " in Path(crystal["log"]).read_text()
     table = (tmp_path / "out" / "trainers_bench.md").read_text()
     assert "| cricket | recipe | 1 |" in table and "| crystal | original | 1 |" in table
     assert f"CRICKET_SRC={absent} python benchmarks/bench_trainers.py --smoke" in table
