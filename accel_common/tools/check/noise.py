@@ -15,8 +15,10 @@ magnitude as the comparisons do (measured on tests/fixtures/check_recipes/train_
 FSDP-vs-DDP over own spread 0.4 to 1.4 for its four such tensors). A tensor is noise when its
 spread is NOISE_RATIO times the median tensor's (the lower median: a model of two tensors, one
 of them noise, still counts) and over FLOOR / NOISE_FACTOR (below that, FLOOR already allows
-NOISE_FACTOR times its spread). Each noise tensor is held to NOISE_FACTOR times its own spread:
-two draws of the same noise, with room for their scatter.
+NOISE_FACTOR times its spread). Each noise tensor is held to NOISE_FACTOR times its own spread
+(two draws of the same noise, with room for their scatter), and never to less than twice the
+largest noise spread, what every tensor was held to before noise was told apart: one draw is a
+poor estimate of its scale (cricket's GNN under FSDP: 25 times one tensor's own spread).
 
 Why not a float64 reference step (a gradient at rounding level relative to its tensor): the
 check runs a recipe as its own processes and has neither its model nor its loss in hand, and a
@@ -49,9 +51,15 @@ class Bounds:
 
     default: float
     noise: dict[str, float] = field(default_factory=dict)
+    # nor less, for a noise tensor, than every tensor was held to before noise was told apart
+    # (twice the largest spread): one draw of noise is not its bound (cricket's GNN under FSDP
+    # moved a noise tensor 25x its own spread, within the largest)
+    noise_least: float = 0.0
 
     def of(self, name: str) -> float:
-        return max(self.default, NOISE_FACTOR * self.noise.get(name, 0.0))
+        if name not in self.noise:
+            return self.default
+        return max(self.default, NOISE_FACTOR * self.noise[name], self.noise_least)
 
 
 def rounding_noise(spread: dict[str, float], floor: float) -> dict[str, float]:

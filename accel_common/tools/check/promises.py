@@ -84,7 +84,7 @@ class Floor:
 
     def bounds(self) -> Bounds:
         """What a comparison with the one-batch run is held to, tensor by tensor."""
-        return Bounds(bound(self.weights), self.noise)
+        return Bounds(bound(self.weights), self.noise, bound(max(self.noise.values(), default=0)))
 
 
 def sum_order_floor(session: Session) -> Floor:
