@@ -14,11 +14,12 @@ computation in another sum order, so it moves exactly these tensors by the same 
 magnitude as the comparisons do (measured on tests/fixtures/check_recipes/train_attention.py:
 FSDP-vs-DDP over own spread 0.4 to 1.4 for its four such tensors). A tensor is noise when its
 spread is NOISE_RATIO times the median tensor's (the lower median: a model of two tensors, one
-of them noise, still counts) and over FLOOR / NOISE_FACTOR (below that, FLOOR already allows
-NOISE_FACTOR times its spread). Each noise tensor is held to NOISE_FACTOR times its own spread
-(two draws of the same noise, with room for their scatter), and never to less than twice the
-largest noise spread, what every tensor was held to before noise was told apart: one draw is a
-poor estimate of its scale (cricket's GNN under FSDP: 25 times one tensor's own spread).
+of them noise, still counts) and over NOISE_LEAST (a tenth of FLOOR: FLOOR already allows ten
+times such a spread). Each noise tensor is held to NOISE_FACTOR times its own spread
+(two draws of the same noise, with room for their scatter: FSDP against DDP measured 0.4 to 1.4
+times it on the attention test recipe, up to 25 times on cricket's GNN, where one draw is a poor
+estimate of the noise's scale), and never to less than twice the largest noise spread, what
+every tensor was held to before noise was told apart. A real fault moves the other tensors too.
 
 Why not a float64 reference step (a gradient at rounding level relative to its tensor): the
 check runs a recipe as its own processes and has neither its model nor its loss in hand, and a
@@ -40,7 +41,8 @@ import statistics
 from dataclasses import dataclass, field
 
 NOISE_RATIO = 100.0  # a sum-order spread this many times the median tensor's is noise
-NOISE_FACTOR = 10.0  # what a noise tensor is held to, times its own spread
+NOISE_LEAST = 0.1  # x FLOOR: a spread below it is no outlier worth naming
+NOISE_FACTOR = 100.0  # what a noise tensor is held to, times its own spread (measured: 0.4-25)
 SHOWN = 3  # tensors a row names
 
 
@@ -67,7 +69,7 @@ def rounding_noise(spread: dict[str, float], floor: float) -> dict[str, float]:
     batch against the same run on accumulated halves) marks them rounding noise, with it."""
     if not spread:
         return {}
-    least = max(NOISE_RATIO * statistics.median_low(spread.values()), floor / NOISE_FACTOR)
+    least = max(NOISE_RATIO * statistics.median_low(spread.values()), NOISE_LEAST * floor)
     return {name: s for name, s in spread.items() if s > least}
 
 
