@@ -57,6 +57,9 @@ def chamfer_with_own_and_other_skull(model_dir, data) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.dist
+# 367 s alone on a 2-core AMD EPYC; past the suite's 600 s when CI's other worker runs a
+# multi-process check (the ResNet and attention check tests) beside it
+@pytest.mark.timeout(1200)
 def test_learns_to_place_the_implant_in_the_defect(pointcloud_data, tmp_path):
     """`make train`'s run (PVCNN2 at width 0.25, voxel grids 16^3 / 8^3 / 4^3, 675 steps) on the
     example skulls, on 2 processes of one thread (the same run as 1 process, to the sum order).
