@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 from benchmarks.trainers.side import (
-    REPO,
     STEPPED,
     Side,
     missing_modules,
-    recipe_side,
+    preset_side,
     stepped_times,
 )
 
@@ -38,12 +37,7 @@ def write_data(folder: Path, steps: int, smoke: bool) -> Path:
 
 def recipe(data: Path, work: Path, steps: int, smoke: bool) -> Side:
     """The preset (the recipe's CPU defaults at batch 8 under --smoke)."""
-    flags = ["--data", str(data), "--bs", str(batch(smoke))]
-    if not smoke:
-        flags += ["--config", str(REPO / "recipes/cricket/configs/original.yaml")]
-    preset = "its CPU defaults" if smoke else "recipes/cricket/configs/original.yaml"
-    notes = [f"{preset}; stopped once its steps are logged"]
-    return recipe_side("train_cricket.py", flags, work, steps, notes)
+    return preset_side("cricket", data, work, steps, batch(smoke), smoke)
 
 
 def original(src: Path, data: Path, work: Path, steps: int, smoke: bool) -> Side:

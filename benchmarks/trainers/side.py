@@ -64,3 +64,14 @@ def recipe_side(script: str, flags: list[str], work: Path, steps: int, notes: li
     command += ["--max-steps", str(steps), "--log-every", "1"]
     env = {"PYTHONPATH": str(REPO), "HF_DATASETS_CACHE": str(work / "datasets-cache")}
     return Side(command, work, env, recipe_step_times, notes, stop_when_logged=True)
+
+
+def preset_side(workload: str, data: Path, work: Path, steps: int, batch: int, smoke: bool) -> Side:
+    """A recipe's side: its preset configs/original.yaml at `batch`, or under --smoke its CPU
+    defaults at the smoke batch."""
+    flags = ["--data", str(data), "--bs", str(batch)]
+    config = f"recipes/{workload}/configs/original.yaml"
+    if not smoke:
+        flags += ["--config", str(REPO / config)]
+    notes = [f"{'its CPU defaults' if smoke else config}; stopped once its steps are logged"]
+    return recipe_side(f"train_{workload}.py", flags, work, steps, notes)
