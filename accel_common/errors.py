@@ -6,6 +6,7 @@ import functools
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -19,6 +20,11 @@ EXIT_LAUNCHER_GONE = 4  # the launcher was killed; the worker stopped on its own
 # preempted (SIGTERM/SIGUSR1): a checkpoint of the step in progress was saved; requeue the job.
 # 75 is EX_TEMPFAIL in sysexits.h, "try again later"; the SLURM scripts requeue on it
 EXIT_PREEMPTED = 75
+# how long a rank other than 0 waits, after a RecipeError, before it exits: the launcher stops
+# every process as soon as one exits, so a rank 1 that left first took rank 0's `error:` line
+# with it (CI, 2 loaded cores: the GPU-config refusal printed nothing). Rank 0 prints and exits
+# within this; a rank still alive after it raised alone and prints its own line.
+PEER_GRACE_SECONDS = 10.0
 # torch's refusal under use_deterministic_algorithms(True) (accel_common.hardware.determinism)
 _REFUSED = re.compile(r"^(?P<op>\S.*?) does not have a deterministic implementation")
 
@@ -96,7 +102,8 @@ def error_message(err: RecipeError) -> str:
 
 
 def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0) and exit code 2,
+    """Turn a RecipeError into `error: ...` on stderr (printed once, by rank 0; by another rank
+    only if it raised alone, see PEER_GRACE_SECONDS) and exit code 2,
     a failed collective into `error (rank N): ...` from each process that sees it, exit code 3,
     and a preemption into `preempted: ...` (rank 0) and exit code 75.
 
@@ -111,6 +118,10 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
         except RecipeError as err:
             if is_main_launch_process():
                 print(f"error: {error_message(err)}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(PEER_GRACE_SECONDS)
+                rank = os.environ.get("RANK", "?")
+                print(f"error (rank {rank}): {error_message(err)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except Preempted as stop:
             if is_main_launch_process():

@@ -1,11 +1,13 @@
 """Workers never outlive their launcher: a SIGKILLed `accelerate launch` leaves nothing running
-and nothing more written."""
+and nothing more written. A refusal every rank raises reaches the user even when rank 0 is the
+last to raise it."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import textwrap
 import time
 
 import psutil
@@ -45,3 +47,37 @@ def test_workers_stop_within_seconds_when_the_launcher_is_killed(tmp_path, templ
     assert list_checkpoints(out) == saved_at_kill  # nothing newer was written
     assert not (out / "model").exists()
     assert "the launcher (pid" in launcher.stderr.read()
+
+
+# every rank refuses; rank 0, the one that prints, does so after rank 1 has already exited
+LATE_RANK_ZERO = """
+import os, time
+from accel_common.errors import ConfigError, exit_on_error
+
+@exit_on_error
+def main() -> None:
+    if os.environ["RANK"] == "0":
+        time.sleep(3)
+    raise ConfigError("--flag: refused on every rank")
+
+main()
+"""
+
+
+@pytest.mark.dist
+def test_a_refusal_is_printed_even_when_rank_zero_raises_it_last(tmp_path):
+    """The launcher stops every worker once one exits: CI saw a GPU-config refusal print nothing
+    because rank 1 left before rank 0 had written its line."""
+    script = tmp_path / "refuse.py"
+    script.write_text(textwrap.dedent(LATE_RANK_ZERO))
+    result = subprocess.run(
+        launch_command(script, [], nproc=2),
+        cwd=tmp_path,
+        env=recipe_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: --flag: refused on every rank"], result.stderr

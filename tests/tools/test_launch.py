@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -163,8 +162,9 @@ def test_a_failed_two_process_launch_is_one_line_and_the_workers_exit_code(tmp_p
     )
     assert result.returncode == 2, result.stderr  # the worker's code, not the launcher's 1
     assert "error: --lr nan: give a positive number" in result.stderr
-    # both ranks refuse the flag; which one the launcher sees fail first is a race
-    assert re.search(r"launcher: rank [01] failed first, with exit code 2", result.stderr)
+    # both ranks refuse the flag; rank 1 waits for rank 0's line (PEER_GRACE_SECONDS)
+    assert "launcher: rank 0 failed first, with exit code 2" in result.stderr, result.stderr
+    assert "error (rank 1)" not in result.stderr
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
