@@ -169,6 +169,7 @@ def train_command(
                     precision=precision, build_model=build, processes=processes,
                     compile=args.compile, absent=absent_inputs(args, own), cpu=args.cpu,
                     build_optimizer=optimizer, speed=args.as_config(),
+                    ema=args.ema_decay > 0,
                 )  # fmt: skip
                 return None
             return fn(args, own)

@@ -70,15 +70,33 @@ def optimizer_state(
     return state, f"{type(optimizer).__name__} state ({times:g} x the weights)"
 
 
+def ema_copy(model: nn.Module) -> tuple[int, str]:
+    """(bytes, words) of the copy `--ema-decay` keeps: one tensor like each trainable parameter
+    (accel_common.training.ema averages those, not the buffers)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    copy = sum(p.numel() * p.element_size() for p in trainable)
+    parameters = sum(p.numel() for p in model.parameters())
+    times = round(copy / 4 / max(1, parameters), 2)  # the fp32 weights' bytes
+    return copy, f"the EMA ({times:g} x the weights)"
+
+
 def memory_line(
-    recipe: str, parameters: int, per_device_batch_size: int, state: tuple[int, str]
+    recipe: str,
+    parameters: int,
+    per_device_batch_size: int,
+    state: tuple[int, str],
+    ema: tuple[int, str] | None = None,
 ) -> str:
-    """Memory per device: the parameters' training state (weights, gradients and the
-    optimizer's `state`, from `optimizer_state`), plus the activations where `plan --measure`
-    has measured them (runs/memory/RECIPE.json)."""
+    """Memory per device: the parameters' training state (weights, gradients, the optimizer's
+    `state` from `optimizer_state` and, with --ema-decay, the `ema` copy from `ema_copy`), plus
+    the activations where `plan --measure` has measured them (runs/memory/RECIPE.json)."""
     state_bytes, optimizer = state
     total = parameters * WEIGHT_AND_GRADIENT_BYTES + state_bytes
-    line = f"{size(total)} for weights, gradients and {optimizer} (fp32, unsharded)"
+    kept = f"gradients and {optimizer}"
+    if ema is not None:
+        total += ema[0]
+        kept = f"gradients, {optimizer} and {ema[1]}"
+    line = f"{size(total)} for weights, {kept} (fp32, unsharded)"
     path = MEMORY_DIR / f"{recipe}.json"
     try:
         fit = json.loads(path.read_text())
@@ -113,6 +131,7 @@ def print_dry_run(
     absent: tuple[str, ...] = (),
     cpu: bool = False,
     speed: Mapping[str, Any] | None = None,
+    ema: bool = False,
 ) -> None:
     """Print the plan the run would start with (on the launch's first process only): the batch
     plan and the LR line come from the same objects and functions as the run's (`batch.plan`,
@@ -120,9 +139,9 @@ def print_dry_run(
     --mixed-precision, `compile` --compile, `speed` the settings holding
     accel_common.hardware.speed's switches (the banner shows them from the same values); `absent`
     the input flags (`--init-from PATH`) whose files this machine lacks: the run would stop there,
-    the plan says so. A launch the run refuses before it starts (FSDP or DeepSpeed on the CPU, `cpu`
-    --cpu,
-    --ddp-static-graph without DDP) is refused here too, in the run's words."""
+    the plan says so; `ema` whether --ema-decay keeps a copy of the weights; `cpu` --cpu. A
+    launch the run refuses before it starts (FSDP or DeepSpeed on the CPU, --ddp-static-graph
+    without DDP) is refused here too, in the run's words."""
     world = world_size(processes)
     speed = speed or {}
     if cpu or not torch.accelerator.is_available():
@@ -157,7 +176,9 @@ def print_dry_run(
     }
     lines = [f"  {k}: {v}" for k, v in rows.items()]
     if build_model is not None:
-        lines += parameter_lines(recipe, build_model, plan.per_device_batch_size, build_optimizer)
+        lines += parameter_lines(
+            recipe, build_model, plan.per_device_batch_size, build_optimizer, ema=ema
+        )
     print("\n".join(["dry run: nothing is trained or written to --output-dir", *lines]), flush=True)
 
 
@@ -166,11 +187,13 @@ def parameter_lines(
     build_model: Callable[[], nn.Module],
     per_device_batch_size: int,
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    *,
+    ema: bool = False,
 ) -> list[str]:
     """The network's counts (on the `meta` device) and memory, with the state of the optimizer
-    `build_optimizer` makes for it (the recipe's); where its sizes come from files
-    this machine lacks (data, an export to start from: the hook raises `DataError`, as the run
-    would stop), that instead of a guess."""
+    `build_optimizer` makes for it (the recipe's) and the EMA's copy if `ema`; where its sizes
+    come from files this machine lacks (data, an export to start from: the hook raises
+    `DataError`, as the run would stop), that instead of a guess."""
     try:
         with torch.device("meta"):
             model = build_model()
@@ -182,6 +205,7 @@ def parameter_lines(
     for label in getattr(model, "COUNTED_APART", {}):
         lines[list(counts).index(label)] += " (not counted above)"
     state = optimizer_state(model, build_optimizer)
-    memory = memory_line(recipe, total, per_device_batch_size, state)
+    copy = ema_copy(model) if ema else None
+    memory = memory_line(recipe, total, per_device_batch_size, state, copy)
     lines.append(f"  memory per device: {memory}")
     return lines

@@ -184,3 +184,28 @@ def test_the_templates_dry_run_counts_its_adamw(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = dry_run_plan(template.train, [])
     assert "weights, gradients and AdamW state (2 x the weights)" in plan["memory per device"]
+
+
+def test_the_memory_line_counts_the_emas_copy_of_the_trainable_weights(tmp_path, monkeypatch):
+    """--ema-decay keeps one more tensor per trainable parameter (frozen ones are not averaged):
+    a dry run that left it out promised memory the run does not have."""
+    import recipes.train_template as template
+
+    monkeypatch.chdir(tmp_path)
+
+    def half_frozen() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 999), torch.nn.Linear(999, 1000))
+        model[0].requires_grad_(False)
+        return model
+
+    def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+
+    memory = parameter_lines("toy", half_frozen, 4, sgd, ema=True)[-1]
+    trainable, total = 999 * 1000 + 1000, 999_999 + 999 * 1000 + 1000
+    assert memory.startswith(f"  memory per device: {size(total * 8 + trainable * 4)} for ")
+    assert "gradients, SGD state (0 x the weights) and the EMA (0.5 x the weights)" in memory
+    plain = dry_run_plan(template.train, [])["memory per device"]
+    averaged = dry_run_plan(template.train, ["--ema-decay", "0.999"])["memory per device"]
+    assert "EMA" not in plain
+    assert "AdamW state (2 x the weights) and the EMA (1 x the weights)" in averaged
