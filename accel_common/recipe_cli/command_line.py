@@ -6,6 +6,7 @@ conversion (accel_common.train_command puts them together)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def settings_parameters(
         numeric = base_type(hints[f.name]) in (int, float)
         switch = base_type(hints[f.name]) is bool  # on/off: --x and --no-x
         items = list_option(cls, f.name, hints[f.name])
+        nullable = numeric and base_type(hints[f.name]) is not hints[f.name] and not items
         default = defaults.get(f.name, f.default)
         option = typer.Option(
             shown(default) if items and default else default,  # [default: 32,64]
@@ -59,8 +61,12 @@ def settings_parameters(
             min=meta.get("min") if numeric else None,
             max=meta.get("max") if numeric else None,
             rich_help_panel=meta.get("panel") or panel,
-            # the text as given, or a --config file's list as it is
-            parser=(lambda value: value) if items else None,
+            # the text as given, or a --config file's list as it is; a number that may be none
+            parser=(lambda value: value)
+            if items
+            else number_or_none(hints[f.name])
+            if nullable
+            else None,
             metavar=f"<{items.__name__},...>" if items else None,
             show_default="none: ''" if items and default == () else True,
         )
@@ -70,6 +76,26 @@ def settings_parameters(
         kind = inspect.Parameter.KEYWORD_ONLY
         parameters.append(inspect.Parameter(f.name, kind, default=option, annotation=annotation))
     return parameters
+
+
+def number_or_none(annotation: Any) -> Callable[[Any], Any]:
+    """The flag's reading of an `int | None` setting: `none` (or `null`, as a --config file
+    writes it) is None, anything else its number (Click has no optional-number type; the range
+    is checked with the other settings, Settings.validate)."""
+    kind = base_type(annotation)
+    words = "an integer" if kind is int else "a number"
+
+    def parse(value: Any) -> Any:
+        if value is None or isinstance(value, kind):
+            return value
+        if str(value).strip().lower() in ("none", "null"):
+            return None
+        try:
+            return kind(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r}: give {words} or none") from None
+
+    return parse
 
 
 def list_option(cls: type[Settings], name: str, annotation: Any) -> type | None:

@@ -34,7 +34,7 @@ class CricketSettings(Settings):
     split_seed: int | None = setting(
         42,
         "Seed of the split by match, cricketmodel's procedure (Python's random.shuffle of the "
-        "folder's .json files in name order); none (the presets: `split-seed: null`): --seed's, "
+        "folder's .json files in name order); none (the presets' `split-seed: null`): --seed's, "
         "as cricketmodel splits with its --seed.",
     )
     min_matches: int = setting(

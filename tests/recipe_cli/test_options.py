@@ -132,6 +132,32 @@ def test_a_recipe_setting_named_like_a_shared_one_must_say_it_replaces_it():
     assert [p for p in inspect.signature(pointcloud.train).parameters].count("eval_every") == 1
 
 
+def test_an_optional_number_takes_none_on_the_command_line_and_in_a_config_file(tmp_path):
+    """cricket's --split-seed is `int | None`: its help offers none (--seed's), which the command
+    line refused as not an integer; a config file's null already worked."""
+
+    @dataclass
+    class Own(Settings):
+        split_seed: int | None = setting(42, "Seed; none: --seed's.", min=0)
+
+    seen = []
+    app = typer.Typer(add_completion=False)
+    app.command()(train_command(Own, default_bs=8)(lambda args, own: seen.append(own.split_seed)))
+    config = tmp_path / "run.yaml"
+    config.write_text("split-seed: null\n")
+    cases = [([], 42), (["--split-seed", "7"], 7), (["--config", str(config)], None)]
+    cases += [(["--split-seed", "none"], None), (["--split-seed", "None"], None)]
+    for flags, want in cases:
+        result = CliRunner().invoke(app, [*flags, "--output-dir", str(tmp_path / "run")])
+        assert result.exit_code == 0, result.output
+        assert seen.pop() == want, flags
+    result = CliRunner().invoke(app, ["--split-seed", "x", "--output-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "'x': give an integer or none" in result.output
+    result = CliRunner().invoke(app, ["--split-seed", "-1", "--output-dir", str(tmp_path)])
+    assert str(result.exception) == "--split-seed -1: give 0 or more"  # the range still holds
+    assert not seen
+
+
 def test_epochs_0_needs_max_steps():
     with pytest.raises(ConfigError, match=r"^--epochs 0 trains by iterations, until --max-steps"):
         SharedSettings(epochs=0).validate()
