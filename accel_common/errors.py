@@ -117,39 +117,44 @@ def exit_on_error(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except RecipeError as err:
             if is_main_launch_process():
-                print(f"error: {error_message(err)}", file=sys.stderr, flush=True)
+                say(f"error: {error_message(err)}")
             else:
                 time.sleep(PEER_GRACE_SECONDS)
                 rank = os.environ.get("RANK", "?")
-                print(f"error (rank {rank}): {error_message(err)}", file=sys.stderr, flush=True)
+                say(f"error (rank {rank}): {error_message(err)}")
             sys.exit(EXIT_USER_ERROR)
         except Preempted as stop:
             if is_main_launch_process():
-                print(f"preempted: {stop}", file=sys.stderr, flush=True)
+                say(f"preempted: {stop}")
             elif os.environ.get("LOCAL_RANK") == "0":  # every node's launcher must see it
                 rank = os.environ.get("RANK", "?")
-                print(f"preempted (rank {rank}): saved too", file=sys.stderr, flush=True)
+                say(f"preempted (rank {rank}): saved too")
             sys.exit(EXIT_PREEMPTED)
         except RuntimeError as err:
             if (op := refused_op(err)) is not None:
                 if is_main_launch_process():
                     recipe = Path(sys.argv[0]).stem.removeprefix("train_")
-                    print(
+                    say(
                         f"error: --deterministic: {op} has no deterministic implementation on "
                         f"this device, so the {recipe} recipe cannot run deterministically here; "
-                        "run without --deterministic (two runs may then differ in the last bits)",
-                        file=sys.stderr,
-                        flush=True,
+                        "run without --deterministic (two runs may then differ in the last bits)"
                     )
                 sys.exit(EXIT_USER_ERROR)
             message = describe_distributed_failure(err, kwargs.get("dist_timeout"))
             if message is None:
                 raise
             rank = os.environ.get("RANK", "0")
-            print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+            say(f"error (rank {rank}): {message}")
             sys.exit(EXIT_DIST_FAILURE)
 
     return wrapper
+
+
+def say(line: str) -> None:
+    """`line` on stderr in one write: print writes the text and its newline apart when Python is
+    unbuffered (PYTHONUNBUFFERED, as in many containers), and two ranks' lines then run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def refused_op(err: BaseException) -> str | None:

@@ -92,10 +92,11 @@ def run_recipe(
     nproc: int = 1,
     script: Path = TEMPLATE,
     check: bool = True,
+    timeout: float = 600,
 ) -> subprocess.CompletedProcess:
     """Run a recipe as real processes: one, or `nproc` ranks over gloo (see `run_processes`)."""
     env = recipe_env(cwd)
-    result = run_processes(script, args, nproc, cwd=cwd, env=env, timeout=600)
+    result = run_processes(script, args, nproc, cwd=cwd, env=env, timeout=timeout)
     if check and result.returncode != 0:
         output = f"{result.stdout}\n{result.stderr}"
         raise AssertionError(f"recipe failed ({result.returncode}):\n{output}")

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from accel_common.checkpoints.checkpoint import list_checkpoints
+from accel_common.errors import ConfigError, exit_on_error
 from tests.processes import TEMPLATE, launch_command, recipe_env
 
 
@@ -81,3 +82,36 @@ def test_a_refusal_is_printed_even_when_rank_zero_raises_it_last(tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors == ["error: --flag: refused on every rank"], result.stderr
+
+
+class Writes:
+    """A stderr that keeps each write call apart, as an unbuffered pipe does."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_refusal_is_one_write_so_ranks_lines_do_not_run_together(monkeypatch, rank):
+    """Under PYTHONUNBUFFERED print writes a line's text and its newline apart: two ranks'
+    lines came out as `error (rank 1): ...error (rank 0): ...` and two blank lines."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr("accel_common.errors.PEER_GRACE_SECONDS", 0)
+    stderr = Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+
+    @exit_on_error
+    def refuse() -> None:
+        raise ConfigError("--flag: refused")
+
+    with pytest.raises(SystemExit):
+        refuse()
+    line = "error: --flag: refused\n" if rank == "0" else "error (rank 1): --flag: refused\n"
+    assert stderr.calls == [line]

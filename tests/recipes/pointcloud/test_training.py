@@ -57,8 +57,8 @@ def chamfer_with_own_and_other_skull(model_dir, data) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.dist
-# 367 s alone on a 2-core AMD EPYC; past the suite's 600 s when CI's other worker runs a
-# multi-process check (the ResNet and attention check tests) beside it
+# 367 s alone on a 2-core AMD EPYC, 525-600 s in CI beside the other worker's tests; past the
+# suite's 600 s when that worker runs a multi-process check (the ResNet and attention checks)
 @pytest.mark.timeout(1200)
 def test_learns_to_place_the_implant_in_the_defect(pointcloud_data, tmp_path):
     """`make train`'s run (PVCNN2 at width 0.25, voxel grids 16^3 / 8^3 / 4^3, 675 steps) on the
@@ -74,7 +74,7 @@ def test_learns_to_place_the_implant_in_the_defect(pointcloud_data, tmp_path):
       the same head (equal for a model that ignores the skull)."""
     out = tmp_path / "run"
     args = ["--data", str(pointcloud_data), "--output-dir", str(out), *LEARNING_RUN]
-    run_recipe(args, cwd=tmp_path, nproc=2, script=POINTCLOUD)
+    run_recipe(args, cwd=tmp_path, nproc=2, script=POINTCLOUD, timeout=1100)
     metrics = json.loads((out / "model" / "model.json").read_text())["metrics"]
     assert metrics["n"] == 30
     assert metrics["chamfer_mm"] < CHAMFER_BOUND * metrics["baseline_skull_agnostic_mm"], metrics
