@@ -21,7 +21,6 @@ import contextlib
 import io
 import logging
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -32,7 +31,7 @@ import psutil
 import torch
 import yaml
 
-from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError
+from accel_common.errors import EXIT_LAUNCHER_GONE, ConfigError, DataError, say
 
 
 def exit_when_launcher_dies(poll_seconds: float = 0.2) -> None:
@@ -50,11 +49,9 @@ def exit_when_launcher_dies(poll_seconds: float = 0.2) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_seconds)
-        print(
+        say(
             f"error (rank {os.environ.get('RANK', '?')}): the launcher (pid {launcher}) is gone; "
-            "this worker stops without writing anything more",
-            file=sys.stderr,
-            flush=True,
+            "this worker stops without writing anything more"
         )
         os._exit(EXIT_LAUNCHER_GONE)
 
