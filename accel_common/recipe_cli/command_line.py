@@ -50,7 +50,9 @@ def settings_parameters(
         numeric = base_type(hints[f.name]) in (int, float)
         switch = base_type(hints[f.name]) is bool  # on/off: --x and --no-x
         items = list_option(cls, f.name, hints[f.name])
-        nullable = numeric and base_type(hints[f.name]) is not hints[f.name] and not items
+        # a number that may be none (`int | None`): Click has no type that reads `none`
+        nullable = numeric and base_type(hints[f.name]) is not hints[f.name]
+        reader = number_or_none(hints[f.name]) if nullable else None
         default = defaults.get(f.name, f.default)
         option = typer.Option(
             shown(default) if items and default else default,  # [default: 32,64]
@@ -61,12 +63,8 @@ def settings_parameters(
             min=meta.get("min") if numeric else None,
             max=meta.get("max") if numeric else None,
             rich_help_panel=meta.get("panel") or panel,
-            # the text as given, or a --config file's list as it is; a number that may be none
-            parser=(lambda value: value)
-            if items
-            else number_or_none(hints[f.name])
-            if nullable
-            else None,
+            # the text as given, or a --config file's list as it is
+            parser=(lambda value: value) if items else reader,
             metavar=f"<{items.__name__},...>" if items else None,
             show_default="none: ''" if items and default == () else True,
         )

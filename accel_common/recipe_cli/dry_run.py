@@ -66,8 +66,7 @@ def optimizer_state(
     optimizer.step()  # creates the state (on `meta`: no memory, no arithmetic)
     tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     state = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
-    times = round(state / 4 / max(1, parameters), 2)  # the fp32 weights' bytes
-    return state, f"{type(optimizer).__name__} state ({times:g} x the weights)"
+    return state, f"{type(optimizer).__name__} state ({times_the_weights(state, parameters)})"
 
 
 def ema_copy(model: nn.Module) -> tuple[int, str]:
@@ -76,8 +75,12 @@ def ema_copy(model: nn.Module) -> tuple[int, str]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     copy = sum(p.numel() * p.element_size() for p in trainable)
     parameters = sum(p.numel() for p in model.parameters())
-    times = round(copy / 4 / max(1, parameters), 2)  # the fp32 weights' bytes
-    return copy, f"the EMA ({times:g} x the weights)"
+    return copy, f"the EMA ({times_the_weights(copy, parameters)})"
+
+
+def times_the_weights(count: int, parameters: int) -> str:
+    """`count` bytes as a multiple of the fp32 weights' bytes: '2 x the weights'."""
+    return f"{round(count / 4 / max(1, parameters), 2):g} x the weights"
 
 
 def memory_line(
